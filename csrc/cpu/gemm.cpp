@@ -1,0 +1,240 @@
+#include "gemm.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FLASH_CCE_X86 1
+#endif
+
+namespace flash_cce::cpu {
+
+namespace {
+
+// Register tile MR x NR; cache blocks MC x KC of A (L2) and KC x NC of B (L3).
+constexpr int64_t MR = 6;
+constexpr int64_t NR = 16;
+constexpr int64_t MC = 96;
+constexpr int64_t KC = 256;
+constexpr int64_t NC = 1024;
+
+using Kernel = void (*)(int64_t kc, const float* a, const float* b, float* c,
+                        int64_t ldc, bool accumulate);
+
+// Portable kernel: the compiler vectorises the NR loop.
+void kernel_generic(int64_t kc, const float* a, const float* b, float* c,
+                    int64_t ldc, bool accumulate) {
+  float acc[MR][NR] = {};
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t r = 0; r < MR; ++r) {
+      const float ar = a[k * MR + r];
+      for (int64_t j = 0; j < NR; ++j) {
+        acc[r][j] += ar * b[k * NR + j];
+      }
+    }
+  }
+  for (int64_t r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j < NR; ++j) {
+      c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+    }
+  }
+}
+
+#ifdef FLASH_CCE_X86
+// 6x16 AVX2/FMA kernel: 12 accumulators, 2 B vectors, 1 broadcast register.
+__attribute__((target("avx2,fma"))) void kernel_avx2(
+    int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+    bool accumulate) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
+  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(b);
+    const __m256 b1 = _mm256_load_ps(b + 8);
+    __m256 ar;
+    ar = _mm256_broadcast_ss(a + 0);
+    c00 = _mm256_fmadd_ps(ar, b0, c00);
+    c01 = _mm256_fmadd_ps(ar, b1, c01);
+    ar = _mm256_broadcast_ss(a + 1);
+    c10 = _mm256_fmadd_ps(ar, b0, c10);
+    c11 = _mm256_fmadd_ps(ar, b1, c11);
+    ar = _mm256_broadcast_ss(a + 2);
+    c20 = _mm256_fmadd_ps(ar, b0, c20);
+    c21 = _mm256_fmadd_ps(ar, b1, c21);
+    ar = _mm256_broadcast_ss(a + 3);
+    c30 = _mm256_fmadd_ps(ar, b0, c30);
+    c31 = _mm256_fmadd_ps(ar, b1, c31);
+    ar = _mm256_broadcast_ss(a + 4);
+    c40 = _mm256_fmadd_ps(ar, b0, c40);
+    c41 = _mm256_fmadd_ps(ar, b1, c41);
+    ar = _mm256_broadcast_ss(a + 5);
+    c50 = _mm256_fmadd_ps(ar, b0, c50);
+    c51 = _mm256_fmadd_ps(ar, b1, c51);
+    a += MR;
+    b += NR;
+  }
+  __m256 rows[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                        {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int64_t r = 0; r < MR; ++r) {
+    float* cr = c + r * ldc;
+    if (accumulate) {
+      rows[r][0] = _mm256_add_ps(rows[r][0], _mm256_loadu_ps(cr));
+      rows[r][1] = _mm256_add_ps(rows[r][1], _mm256_loadu_ps(cr + 8));
+    }
+    _mm256_storeu_ps(cr, rows[r][0]);
+    _mm256_storeu_ps(cr + 8, rows[r][1]);
+  }
+}
+#endif
+
+Kernel pick_kernel() {
+#ifdef FLASH_CCE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return kernel_avx2;
+  }
+#endif
+  return kernel_generic;
+}
+
+const Kernel kernel = pick_kernel();
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <Elem E>
+inline float load(const void* p, int64_t i) {
+  if constexpr (E == Elem::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (E == Elem::bf16) {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+  }
+}
+
+// Copies panels of `width` lines (rows of A, columns of B) out of a block
+// [lines x kc], k-major inside a panel, zero padded. `along_k` says whether k
+// is the contiguous index of the source.
+template <Elem E, int64_t width>
+void pack(const MatView& X, int64_t l0, int64_t n_lines, int64_t k0, int64_t kc,
+          bool along_k, float* out) {
+  for (int64_t p = 0; p < n_lines; p += width) {
+    const int64_t lines = std::min(width, n_lines - p);
+    for (int64_t k = 0; k < kc; ++k) {
+      float* o = out + k * width;
+      for (int64_t l = 0; l < lines; ++l) {
+        const int64_t line = l0 + p + l, kk = k0 + k;
+        o[l] = load<E>(X.p, along_k ? line * X.ld + kk : kk * X.ld + line);
+      }
+      for (int64_t l = lines; l < width; ++l) {
+        o[l] = 0.0f;
+      }
+    }
+    out += width * kc;
+  }
+}
+
+template <int64_t width>
+void pack_any(const MatView& X, int64_t l0, int64_t n, int64_t k0, int64_t kc,
+              bool along_k, float* out) {
+  switch (X.elem) {
+    case Elem::f32:
+      return pack<Elem::f32, width>(X, l0, n, k0, kc, along_k, out);
+    case Elem::bf16:
+      return pack<Elem::bf16, width>(X, l0, n, k0, kc, along_k, out);
+    case Elem::f16:
+      return pack<Elem::f16, width>(X, l0, n, k0, kc, along_k, out);
+  }
+}
+
+// A is [M, K]: its lines are rows, k runs along a row unless transposed.
+void pack_a(const MatView& A, int64_t i0, int64_t mc, int64_t k0, int64_t kc,
+            float* out) {
+  pack_any<MR>(A, i0, mc, k0, kc, !A.trans, out);
+}
+
+// B is [K, N]: its lines are columns, k runs along a column only when transposed.
+void pack_b(const MatView& B, int64_t k0, int64_t kc, int64_t j0, int64_t nc,
+            float* out) {
+  pack_any<NR>(B, j0, nc, k0, kc, B.trans, out);
+}
+
+} // namespace
+
+int64_t sgemm_scratch_floats(int64_t max_n) {
+  const int64_t nc = std::min(NC, (max_n + NR - 1) / NR * NR);
+  return MC * KC + KC * nc + 64;
+}
+
+GemmScratch sgemm_scratch(float* base) {
+  // 32-byte alignment for the aligned B loads.
+  auto align = [](float* p) {
+    auto v = reinterpret_cast<uintptr_t>(p);
+    return reinterpret_cast<float*>((v + 31) & ~uintptr_t(31));
+  };
+  float* a = align(base);
+  return {a, align(a + MC * KC)};
+}
+
+const char* sgemm_kernel_name() {
+  return kernel == kernel_generic ? "generic" : "avx2";
+}
+
+void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
+           int64_t ldc, bool accumulate, GemmScratch& s) {
+  if (M == 0 || N == 0) {
+    return;
+  }
+  if (K == 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < M; ++i) {
+        std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+      }
+    }
+    return;
+  }
+  float edge[MR * NR];
+  for (int64_t jc = 0; jc < N; jc += NC) {
+    const int64_t nc = std::min(NC, N - jc);
+    for (int64_t pc = 0; pc < K; pc += KC) {
+      const int64_t kc = std::min(KC, K - pc);
+      const bool acc = accumulate || pc > 0;
+      pack_b(B, pc, kc, jc, nc, s.b);
+      for (int64_t ic = 0; ic < M; ic += MC) {
+        const int64_t mc = std::min(MC, M - ic);
+        pack_a(A, ic, mc, pc, kc, s.a);
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+          const int64_t nr = std::min(NR, nc - jr);
+          const float* bp = s.b + jr * kc;
+          for (int64_t ir = 0; ir < mc; ir += MR) {
+            const int64_t mr = std::min(MR, mc - ir);
+            const float* ap = s.a + ir * kc;
+            float* c = C + (ic + ir) * ldc + jc + jr;
+            if (mr == MR && nr == NR) {
+              kernel(kc, ap, bp, c, ldc, acc);
+              continue;
+            }
+            // Edge tile: compute the full tile aside, copy the valid part.
+            kernel(kc, ap, bp, edge, NR, false);
+            for (int64_t r = 0; r < mr; ++r) {
+              for (int64_t j = 0; j < nr; ++j) {
+                c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + edge[r * NR + j];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace flash_cce::cpu

@@ -1,0 +1,36 @@
+// A small packed GEMM (fp32 math; fp32/bf16/fp16 operands) for the CPU head: C (+)= A * B, single-threaded;
+// the head parallelises over vocabulary blocks above it.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_cce::cpu {
+
+enum class Elem { f32, bf16, f16 };
+
+// A read-only matrix view, converted to fp32 while packing. Element (r, c) of
+// the logical matrix sits at p[r * ld + c], or at p[c * ld + r] when trans is set.
+struct MatView {
+  const void* p;
+  int64_t ld;
+  bool trans = false;
+  Elem elem = Elem::f32;
+};
+
+// Per-thread packing space of sgemm_scratch_floats() floats, owned by the caller
+// (the head allocates it through MLX so that it shows in MLX's memory counters).
+struct GemmScratch {
+  float* a;
+  float* b;
+};
+int64_t sgemm_scratch_floats(int64_t max_n);
+GemmScratch sgemm_scratch(float* base);
+
+// C[M, N] = (accumulate ? C : 0) + A[M, K] * B[K, N]; C row-major with ldc.
+void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
+           int64_t ldc, bool accumulate, GemmScratch& scratch);
+
+// Name of the micro-kernel in use ("avx2", "generic"), for benchmarks.
+const char* sgemm_kernel_name();
+
+} // namespace flash_cce::cpu

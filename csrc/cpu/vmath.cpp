@@ -1,0 +1,84 @@
+#include "vmath.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+// Compiled twice on x86-64 Linux (AVX2+FMA and baseline), picked at load time.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#define FLASH_CCE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FLASH_CCE_CLONES
+#endif
+
+namespace flash_cce::cpu {
+
+namespace {
+
+// expm1(x) for x in [-87, 88]: x = n ln2 + r with |r| <= ln2/2, then
+// expm1(x) = 2^n * q(r) + (2^n - 1) where q(r) = expm1(r) by a degree-7 series
+// (truncation below 1e-8 relative). Exact for n = 0, so small |x| keeps its
+// relative precision. Branch-free so that loops over it vectorise.
+inline float expm1_poly(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float q = 1.0f / 5040.0f;
+  q = q * r + 1.0f / 720.0f;
+  q = q * r + 1.0f / 120.0f;
+  q = q * r + 1.0f / 24.0f;
+  q = q * r + 1.0f / 6.0f;
+  q = q * r + 0.5f;
+  q = q * r + 1.0f;
+  q = q * r;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return scale * q + (scale - 1.0f);
+}
+
+inline float exp_poly(float x) {
+  return expm1_poly(x) + 1.0f;
+}
+
+} // namespace
+
+FLASH_CCE_CLONES void softcap_inplace(float* s, float* dcap, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = s[j] * inv;
+    // tanh|x| = -expm1(-2|x|) / (2 + expm1(-2|x|))
+    const float e = expm1_poly(-2.0f * std::fabs(x));
+    const float t = std::copysign(-e / (2.0f + e), x);
+    s[j] = cap * t;
+    if (dcap) {
+      dcap[j] = 1.0f - t * t;
+    }
+  }
+}
+
+FLASH_CCE_CLONES float sum_exp_shifted(const float* s, int64_t n, float shift) {
+  float acc[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int k = 0; k < 8; ++k) {
+      acc[k] += exp_poly(s[j + k] - shift);
+    }
+  }
+  for (; j < n; ++j) {
+    acc[0] += exp_poly(s[j] - shift);
+  }
+  float total = 0.0f;
+  for (float a : acc) {
+    total += a;
+  }
+  return total;
+}
+
+FLASH_CCE_CLONES void scaled_exp_shifted(float* s, int64_t n, float shift, float scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = scale * exp_poly(s[j] - shift);
+  }
+}
+
+} // namespace flash_cce::cpu

@@ -1,0 +1,525 @@
+#include "flash_cce.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "head_kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+#ifdef FLASH_CCE_CUDA
+#include "cuda/cuda_head.h"
+#endif
+
+namespace flash_cce {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("[flash_cce] " + msg);
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) {
+    os << s[i] << (i + 1 < s.size() ? ", " : "");
+  }
+  os << (s.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+std::string dtype_str(mx::Dtype t) {
+  std::ostringstream os;
+  os << t;
+  return os.str();
+}
+
+bool is_float(mx::Dtype t) {
+  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
+}
+
+bool is_integer(mx::Dtype t) {
+  return mx::issubdtype(t, mx::integer);
+}
+
+mx::Shape lead_shape(const mx::array& h) {
+  return mx::Shape(h.shape().begin(), h.shape().end() - 1);
+}
+
+int64_t rows(const mx::array& h) {
+  return h.ndim() == 0 ? 0 : h.size() / h.shape().back();
+}
+
+void check_rowwise(const mx::array& a, const mx::Shape& lead, const char* name) {
+  if (a.shape() != lead) {
+    fail(std::string(name) + " must have shape " + shape_str(lead) +
+         " (h.shape[:-1]), got " + shape_str(a.shape()));
+  }
+  if (!is_float(a.dtype())) {
+    fail(std::string(name) + " must be a floating dtype, got " +
+         dtype_str(a.dtype()));
+  }
+}
+
+} // namespace
+
+HeadConfig check_head_args(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index) {
+  HeadConfig cfg;
+  cfg.ignore_index = ignore_index;
+  if (h.ndim() < 1) {
+    fail("h must have shape (..., H), got a scalar");
+  }
+  if (!is_float(h.dtype())) {
+    fail("h must be float32, bfloat16 or float16, got " + dtype_str(h.dtype()));
+  }
+  const int64_t H = h.shape().back();
+  if (H < 1) {
+    fail("h must have a non-empty last (hidden) dimension, got shape " +
+         shape_str(h.shape()));
+  }
+  if (w.ndim() != 2) {
+    fail("w must be a 2-D [V, H] head weight, got shape " + shape_str(w.shape()));
+  }
+  const int64_t V = w.shape(0);
+  if (V < 1) {
+    fail("w must have at least one vocabulary row, got shape " +
+         shape_str(w.shape()));
+  }
+  if (V > INT32_MAX) {
+    fail("w has more than 2^31 - 1 vocabulary rows");
+  }
+  if (targets.shape() != lead_shape(h)) {
+    fail("targets must have shape " + shape_str(lead_shape(h)) +
+         " (h.shape[:-1]), got " + shape_str(targets.shape()));
+  }
+  if (!is_integer(targets.dtype())) {
+    fail("targets must be an integer array, got " + dtype_str(targets.dtype()));
+  }
+  if (softcap) {
+    if (!(*softcap > 0.0f) || !std::isfinite(*softcap)) {
+      fail("softcap must be a finite positive number or None, got " +
+           std::to_string(*softcap));
+    }
+    cfg.softcap = *softcap;
+  }
+
+  if (scales.has_value() != biases.has_value()) {
+    fail("scales and biases must be given together (MLX affine quantization)");
+  }
+  if (!scales) {
+    if (!is_float(w.dtype())) {
+      fail("a dense w must be float32, bfloat16 or float16, got " +
+           dtype_str(w.dtype()) + " (pass scales and biases for a quantized w)");
+    }
+    if (w.shape(1) != H) {
+      fail("w must have shape (V, " + std::to_string(H) + ") to match h, got " +
+           shape_str(w.shape()));
+    }
+    if (bits) {
+      fail("bits was given but w is dense (scales is None)");
+    }
+    return cfg;
+  }
+
+  cfg.quantized = true;
+  if (w.dtype() != mx::uint32) {
+    fail("a quantized w must be packed uint32 (mx.quantize), got " +
+         dtype_str(w.dtype()));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (H % group_size != 0) {
+    fail("hidden size " + std::to_string(H) + " is not a multiple of group_size " +
+         std::to_string(group_size));
+  }
+  const mx::Shape sb_shape{static_cast<int>(V), static_cast<int>(H / group_size)};
+  for (auto [a, name] : {std::pair{&*scales, "scales"}, std::pair{&*biases, "biases"}}) {
+    if (a->shape() != sb_shape) {
+      fail(std::string(name) + " must have shape " + shape_str(sb_shape) +
+           " for w " + shape_str(w.shape()) + ", H=" + std::to_string(H) +
+           " and group_size=" + std::to_string(group_size) + ", got " +
+           shape_str(a->shape()));
+    }
+    if (!is_float(a->dtype())) {
+      fail(std::string(name) + " must be a floating dtype, got " +
+           dtype_str(a->dtype()));
+    }
+  }
+  if (scales->dtype() != biases->dtype()) {
+    fail("scales and biases must share a dtype, got " +
+         dtype_str(scales->dtype()) + " and " + dtype_str(biases->dtype()));
+  }
+  // The packed width fixes the bit width: w.shape[1] * 32 == H * bits.
+  const int64_t packed_bits = int64_t(w.shape(1)) * 32;
+  if (packed_bits % H != 0) {
+    fail("packed w of shape " + shape_str(w.shape()) +
+         " does not hold a whole number of bits per element for H=" +
+         std::to_string(H));
+  }
+  const int inferred = static_cast<int>(packed_bits / H);
+  if (bits && *bits != inferred) {
+    fail("bits=" + std::to_string(*bits) + " does not match the packed w " +
+         shape_str(w.shape()) + " for H=" + std::to_string(H) + " (that is " +
+         std::to_string(inferred) + "-bit)");
+  }
+  if (inferred < 2 || inferred > 8 || inferred == 7) {
+    fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(inferred));
+  }
+  cfg.bits = inferred;
+  cfg.group_size = group_size;
+  return cfg;
+}
+
+namespace {
+
+// The arrays the primitives consume: 2-D h, int32 targets, contiguous.
+std::vector<mx::array> head_inputs(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    mx::StreamOrDevice s) {
+  const int H = h.shape().back();
+  std::vector<mx::array> in{
+      mx::contiguous(mx::reshape(h, {-1, H}, s), false, s),
+      mx::contiguous(w, false, s),
+      mx::contiguous(mx::astype(mx::flatten(targets, s), mx::int32, s), false, s)};
+  if (scales) {
+    in.push_back(mx::contiguous(*scales, false, s));
+    in.push_back(mx::contiguous(*biases, false, s));
+  }
+  return in;
+}
+
+mx::array rowwise(const mx::array& a, mx::StreamOrDevice s) {
+  return mx::contiguous(mx::astype(mx::flatten(a, s), mx::float32, s), false, s);
+}
+
+} // namespace
+
+std::vector<mx::array> flash_cce_forward(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index,
+    mx::StreamOrDevice s) {
+  auto cfg = check_head_args(
+      h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
+  const auto lead = lead_shape(h);
+  if (rows(h) == 0) {
+    return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
+  }
+  auto stream = mx::to_stream(s);
+  auto in = head_inputs(h, w, targets, scales, biases, stream);
+  const int M = in[0].shape(0);
+  auto out = mx::array::make_arrays(
+      {{M}, {M}}, {mx::float32, mx::float32},
+      std::make_shared<FlashCCEForward>(stream, cfg), std::move(in));
+  return {mx::reshape(out[0], lead, s), mx::reshape(out[1], lead, s)};
+}
+
+std::vector<mx::array> flash_cce_backward(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const mx::array& lse,
+    const mx::array& g,
+    const std::optional<mx::array>& g_lse,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index,
+    bool compute_dw,
+    mx::StreamOrDevice s) {
+  auto cfg = check_head_args(
+      h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
+  if (compute_dw && cfg.quantized) {
+    fail("compute_dw needs a dense w: a quantized head is frozen");
+  }
+  const auto lead = lead_shape(h);
+  check_rowwise(lse, lead, "lse");
+  check_rowwise(g, lead, "g");
+  if (g_lse) {
+    check_rowwise(*g_lse, lead, "g_lse");
+  }
+  if (rows(h) == 0) {
+    std::vector<mx::array> out{mx::zeros_like(h, s)};
+    if (compute_dw) {
+      out.push_back(mx::zeros_like(w, s));
+    }
+    return out;
+  }
+  auto stream = mx::to_stream(s);
+  auto in = head_inputs(h, w, targets, scales, biases, stream);
+  const int M = in[0].shape(0);
+  const int H = in[0].shape(1);
+  auto g_lse_flat =
+      g_lse ? rowwise(*g_lse, stream) : mx::zeros({M}, mx::float32, stream);
+  // Order: h, w, targets, lse, g, g_lse (+ scales, biases).
+  in.insert(in.begin() + 3, {rowwise(lse, stream), rowwise(g, stream), g_lse_flat});
+  std::vector<mx::Shape> shapes{{M, H}};
+  std::vector<mx::Dtype> dtypes{h.dtype()};
+  if (compute_dw) {
+    shapes.push_back(w.shape());
+    dtypes.push_back(w.dtype());
+  }
+  auto out = mx::array::make_arrays(
+      std::move(shapes), std::move(dtypes),
+      std::make_shared<FlashCCEBackward>(stream, cfg, compute_dw), std::move(in));
+  out[0] = mx::reshape(out[0], h.shape(), s);
+  return out;
+}
+
+// Transforms ------------------------------------------------------------------
+
+namespace {
+
+std::optional<mx::array> opt_input(const std::vector<mx::array>& in, size_t i) {
+  return in.size() > i ? std::optional<mx::array>(in[i]) : std::nullopt;
+}
+
+std::optional<float> opt_cap(const HeadConfig& cfg) {
+  return cfg.softcap > 0 ? std::optional<float>(cfg.softcap) : std::nullopt;
+}
+
+std::optional<int> opt_bits(const HeadConfig& cfg) {
+  return cfg.quantized ? std::optional<int>(cfg.bits) : std::nullopt;
+}
+
+// Moves the vmapped axis of each row-wise input to the front and broadcasts the
+// unbatched ones. The head weight may not be batched.
+void batch_front(std::vector<mx::array>& in, const std::vector<int>& axes,
+                 const std::vector<size_t>& rowwise, const char* who) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    bool is_row = std::find(rowwise.begin(), rowwise.end(), i) != rowwise.end();
+    if (!is_row && axes[i] >= 0) {
+      throw std::invalid_argument(
+          std::string("[flash_cce] vmap of ") + who +
+          " over the head weight (w, scales, biases) is not supported");
+    }
+  }
+  int batch = -1;
+  for (size_t i : rowwise) {
+    if (axes[i] >= 0) {
+      in[i] = mx::moveaxis(in[i], axes[i], 0);
+      batch = in[i].shape(0);
+    }
+  }
+  for (size_t i : rowwise) {
+    if (axes[i] < 0) {
+      auto shape = in[i].shape();
+      shape.insert(shape.begin(), batch);
+      in[i] = mx::broadcast_to(mx::expand_dims(in[i], 0), shape);
+    }
+  }
+}
+
+} // namespace
+
+std::vector<mx::array> FlashCCEForward::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  const auto& h = primals[0];
+  const auto& w = primals[1];
+  const auto& targets = primals[2];
+  auto s = stream();
+  const mx::array g = cotangents.size() > 0 ? cotangents[0] : mx::zeros_like(outputs[0], s);
+  const mx::array g_lse = cotangents.size() > 1 ? cotangents[1] : mx::zeros_like(outputs[1], s);
+
+  bool want_dw = false;
+  for (int a : argnums) {
+    want_dw |= (a == 1 && !cfg_.quantized);
+  }
+  auto grads = flash_cce_backward(
+      h, w, targets, outputs[1], g, g_lse, opt_input(primals, 3),
+      opt_input(primals, 4), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
+      cfg_.ignore_index, want_dw, s);
+
+  // Integer targets and a frozen quantized head get zero cotangents.
+  std::vector<mx::array> result;
+  for (int a : argnums) {
+    if (a == 0) {
+      result.push_back(grads[0]);
+    } else if (a == 1 && want_dw) {
+      result.push_back(grads[1]);
+    } else {
+      result.push_back(mx::zeros_like(primals[a], s));
+    }
+  }
+  return result;
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEForward::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto in = inputs;
+  batch_front(in, axes, {0, 2}, "flash_cce_forward");
+  auto out = flash_cce_forward(
+      in[0], in[1], in[2], opt_input(in, 3), opt_input(in, 4), cfg_.group_size,
+      opt_bits(cfg_), opt_cap(cfg_), cfg_.ignore_index, stream());
+  return {out, {0, 0}};
+}
+
+std::vector<mx::Shape> FlashCCEForward::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0)}, {inputs[0].shape(0)}};
+}
+
+bool FlashCCEForward::is_equivalent(const mx::Primitive& other) const {
+  return cfg_ == static_cast<const FlashCCEForward&>(other).cfg_;
+}
+
+std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEBackward::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  if (compute_dw_) {
+    throw std::invalid_argument(
+        "[flash_cce] vmap of the backward with dw (per-example weight gradients) "
+        "is not supported");
+  }
+  auto in = inputs;
+  batch_front(in, axes, {0, 2, 3, 4, 5}, "flash_cce_backward");
+  auto out = flash_cce_backward(
+      in[0], in[1], in[2], in[3], in[4], in[5], opt_input(in, 6),
+      opt_input(in, 7), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
+      cfg_.ignore_index, false, stream());
+  return {out, {0}};
+}
+
+std::vector<mx::Shape> FlashCCEBackward::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> out{inputs[0].shape()};
+  if (compute_dw_) {
+    out.push_back(inputs[1].shape());
+  }
+  return out;
+}
+
+bool FlashCCEBackward::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const FlashCCEBackward&>(other);
+  return cfg_ == o.cfg_ && compute_dw_ == o.compute_dw_;
+}
+
+// Evaluation ------------------------------------------------------------------
+
+HeadProblem make_problem(const std::vector<mx::array>& in, const HeadConfig& cfg) {
+  HeadProblem p;
+  p.cfg = cfg;
+  p.M = in[0].shape(0);
+  p.H = in[0].shape(1);
+  p.V = in[1].shape(0);
+  p.h_dtype = in[0].dtype();
+  p.w_dtype = in[1].dtype();
+  return p;
+}
+
+namespace {
+
+void set_cpu_pointers(HeadProblem& p, const std::vector<mx::array>& in,
+                      size_t scales_at) {
+  p.h = in[0].data<void>();
+  p.w = in[1].data<void>();
+  p.targets = in[2].data<int32_t>();
+  if (p.cfg.quantized) {
+    p.scales = in[scales_at].data<void>();
+    p.biases = in[scales_at + 1].data<void>();
+    p.sb_dtype = in[scales_at].dtype();
+  }
+}
+
+void alloc(std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+}
+
+} // namespace
+
+void FlashCCEForward::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  alloc(outputs);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    enc.set_output_array(a);
+  }
+  enc.dispatch([in = inputs, logp = outputs[0], lse = outputs[1],
+                cfg = cfg_]() mutable {
+    auto p = make_problem(in, cfg);
+    set_cpu_pointers(p, in, 3);
+    cpu::forward(p, logp.data<float>(), lse.data<float>());
+  });
+}
+
+void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  alloc(outputs);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    enc.set_output_array(a);
+  }
+  enc.dispatch([in = inputs, out = outputs, cfg = cfg_]() mutable {
+    auto p = make_problem(in, cfg);
+    set_cpu_pointers(p, in, 6);
+    cpu::backward(p, in[3].data<float>(), in[4].data<float>(),
+                  in[5].data<float>(), out[0].data<void>(),
+                  out.size() > 1 ? out[1].data<void>() : nullptr);
+  });
+}
+
+#ifdef FLASH_CCE_CUDA
+bool has_gpu_kernels() {
+  return true;
+}
+void FlashCCEForward::eval_gpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  cuda::forward(stream(), make_problem(inputs, cfg_), inputs, outputs);
+}
+void FlashCCEBackward::eval_gpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  cuda::backward(stream(), make_problem(inputs, cfg_), inputs, outputs);
+}
+#else
+bool has_gpu_kernels() {
+  return false;
+}
+void FlashCCEForward::eval_gpu(const std::vector<mx::array>&,
+                               std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[flash_cce] this build has no GPU kernel; use backend='fallback'");
+}
+void FlashCCEBackward::eval_gpu(const std::vector<mx::array>&,
+                                std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[flash_cce] this build has no GPU kernel; use backend='fallback'");
+}
+#endif
+
+} // namespace flash_cce

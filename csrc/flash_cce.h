@@ -1,0 +1,143 @@
+// flash-CCE head: fused linear log-probabilities for MLX.
+//
+//   s = h @ W^T (fp32 accumulation), optionally s = cap * tanh(s / cap)
+//   lse = logsumexp(s), logp = s[y] - lse
+//
+// The [M, V] logits and a dequantized [V, H] weight never reach device memory.
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace flash_cce {
+
+namespace mx = mlx::core;
+
+// What the kernels need to know besides the arrays.
+struct HeadConfig {
+  bool quantized = false;
+  int group_size = 64;
+  int bits = 4;
+  float softcap = 0.0f; // 0 means off
+  int ignore_index = -100;
+
+  bool operator==(const HeadConfig& o) const {
+    return quantized == o.quantized && group_size == o.group_size &&
+        bits == o.bits && softcap == o.softcap && ignore_index == o.ignore_index;
+  }
+};
+
+// Operations ------------------------------------------------------------------
+
+// Validates the arguments and raises std::invalid_argument naming the bad one.
+// Returns the config the primitives run with.
+HeadConfig check_head_args(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index);
+
+// h[..., H], targets[...] -> (logp[...], lse[...]), both float32.
+std::vector<mx::array> flash_cce_forward(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index,
+    mx::StreamOrDevice s = {});
+
+// Gradient of sum(g * logp + g_lse * lse) -> {dh} or {dh, dw}.
+std::vector<mx::array> flash_cce_backward(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const mx::array& lse,
+    const mx::array& g,
+    const std::optional<mx::array>& g_lse,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    std::optional<int> bits,
+    std::optional<float> softcap,
+    int ignore_index,
+    bool compute_dw,
+    mx::StreamOrDevice s = {});
+
+// True when eval_gpu has a native kernel in this build (CUDA today).
+bool has_gpu_kernels();
+
+// Primitives ------------------------------------------------------------------
+
+// Inputs: h[M,H], w, targets[M] int32 (+ scales, biases). Outputs: logp[M], lse[M].
+class FlashCCEForward : public mx::Primitive {
+ public:
+  FlashCCEForward(mx::Stream stream, HeadConfig cfg)
+      : mx::Primitive(stream), cfg_(cfg) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>& outputs) override;
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  const char* name() const override {
+    return "FlashCCEForward";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const HeadConfig& config() const {
+    return cfg_;
+  }
+
+ private:
+  HeadConfig cfg_;
+};
+
+// Inputs: h, w, targets, lse, g, g_lse (+ scales, biases). Outputs: dh (+ dw).
+class FlashCCEBackward : public mx::Primitive {
+ public:
+  FlashCCEBackward(mx::Stream stream, HeadConfig cfg, bool compute_dw)
+      : mx::Primitive(stream), cfg_(cfg), compute_dw_(compute_dw) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  const char* name() const override {
+    return "FlashCCEBackward";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  HeadConfig cfg_;
+  bool compute_dw_;
+};
+
+} // namespace flash_cce

@@ -1,0 +1,31 @@
+// The interface every backend implements: raw pointers plus the problem shape.
+#pragma once
+
+#include <cstdint>
+
+#include "flash_cce.h"
+
+namespace flash_cce {
+
+struct HeadProblem {
+  int64_t M = 0, H = 0, V = 0;
+  HeadConfig cfg;
+  const void* h = nullptr; // [M, H] row-major
+  mx::Dtype h_dtype = mx::float32;
+  const void* w = nullptr; // [V, H], or packed uint32 [V, H * bits / 32]
+  mx::Dtype w_dtype = mx::float32;
+  const void* scales = nullptr; // [V, H / group_size] when quantized
+  const void* biases = nullptr;
+  mx::Dtype sb_dtype = mx::float32;
+  const int32_t* targets = nullptr; // [M]
+};
+
+namespace cpu {
+// logp[M], lse[M] (float32). Out-of-range targets give NaN.
+void forward(const HeadProblem& p, float* logp, float* lse);
+// dh[M, H] in h_dtype; dw[V, H] in w_dtype when not null (dense weights only).
+void backward(const HeadProblem& p, const float* lse, const float* g,
+              const float* g_lse, void* dh, void* dw);
+} // namespace cpu
+
+} // namespace flash_cce

@@ -1,0 +1,138 @@
+"""The flash-CCE head ops: validation, backend choice, and the two primitives."""
+
+import mlx.core as mx
+
+from . import _ext, fallback
+
+_BACKENDS = (None, "auto", "native", "fallback")
+
+
+def has_native_kernel(device=None):
+    """Whether `device` (default: MLX's default device) runs the C++/CUDA kernels."""
+    device = device or mx.default_device()
+    return device.type == mx.cpu or _ext.has_gpu_kernels()
+
+
+def _device(stream):
+    if stream is None:
+        return mx.default_device()
+    return stream.device if isinstance(stream, mx.Stream) else stream
+
+
+def _use_native(backend, stream):
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS[1:]}, got {backend!r}")
+    if backend == "fallback":
+        return False
+    native = has_native_kernel(_device(stream))
+    if backend == "native" and not native:
+        raise ValueError(f"backend='native' but {_device(stream)} has no flash-CCE kernel")
+    return native
+
+
+def _is_tracing_error(err):
+    return "transformation" in str(err) or "compile" in str(err)
+
+
+def check_targets(targets, vocab_size, ignore_index=-100):
+    """Raises ValueError for a target outside [0, V) that is not `ignore_index`.
+
+    Needs the values, so it evaluates `targets`; inside `mx.compile` or `mx.vmap`
+    that is impossible and the check is skipped: the kernels then return NaN for
+    such rows (never a crash or a plausible-looking wrong value).
+    """
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+    try:
+        any_bad = bad.any().item()
+    except (RuntimeError, ValueError) as err:
+        if _is_tracing_error(err):
+            return
+        raise
+    if any_bad:
+        flat = bad.reshape(-1)
+        idx = int(mx.argmax(flat).item())
+        val = int(targets.reshape(-1)[idx].item())
+        raise ValueError(
+            f"[flash_cce] targets must lie in [0, {vocab_size}) or equal "
+            f"ignore_index={ignore_index}; got {val} at flat index {idx}"
+        )
+
+
+def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
+                      bits=None, softcap=None, ignore_index=-100, stream=None,
+                      backend=None, validate_targets=True):
+    """Per-token log-probabilities of a linear head without materialising logits.
+
+    Args:
+        h: hidden states `[..., H]` (float32, bfloat16 or float16).
+        w: head weight `[V, H]` (dense float), or `mx.quantize`'s packed uint32
+            `[V, H * bits / 32]` with `scales` and `biases` `[V, H / group_size]`.
+        targets: integer `[...]` (= `h.shape[:-1]`); `ignore_index` rows give 0.
+        softcap: Gemma's final logit softcap `cap * tanh(s / cap)`, or None.
+        backend: None/"auto" (native kernel where there is one, else the pure-MLX
+            fallback), "native" or "fallback".
+
+    Returns:
+        `(logp, lse)`, float32 arrays of shape `targets.shape`:
+        `logp = s[y] - logsumexp(s)` and `lse = logsumexp(s)`. Differentiable
+        in `h` and in a dense `w` (`mx.grad`, `mx.compile`, `mx.vmap`).
+    """
+    bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
+    if validate_targets:
+        check_targets(targets, w.shape[0], ignore_index)
+    if _use_native(backend, stream):
+        logp, lse = _ext.forward(
+            h, w, targets, scales, biases, group_size=group_size, bits=bits,
+            softcap=softcap, ignore_index=ignore_index, stream=stream,
+        )
+        return logp, lse
+    lead = targets.shape
+    if targets.size == 0:
+        return mx.zeros(lead, mx.float32), mx.zeros(lead, mx.float32)
+    with mx.stream(_device(stream)):
+        logp, lse = fallback.forward(
+            h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), scales, biases,
+            group_size=group_size, bits=bits, softcap=softcap,
+            ignore_index=ignore_index,
+        )
+    return logp.reshape(lead), lse.reshape(lead)
+
+
+def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
+                       g_lse=None, group_size=64, bits=None, softcap=None,
+                       ignore_index=-100, compute_dw=False, stream=None,
+                       backend=None):
+    """Gradient of `sum(g * logp + g_lse * lse)` from `flash_cce_forward`.
+
+    `lse` is the forward's second output; `g` (and optional `g_lse`) have the
+    shape of `targets`. Returns `dh` (shape and dtype of `h`), or `(dh, dw)` when
+    `compute_dw` is set for a dense `w` (dtype of `w`).
+    """
+    bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
+    if compute_dw and scales is not None:
+        raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
+    if _use_native(backend, stream):
+        out = _ext.backward(
+            h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
+            bits=bits, softcap=softcap, ignore_index=ignore_index,
+            compute_dw=compute_dw, stream=stream,
+        )
+        return tuple(out) if compute_dw else out[0]
+    for name, a in (("lse", lse), ("g", g), ("g_lse", g_lse)):
+        if a is not None and a.shape != targets.shape:
+            raise ValueError(
+                f"[flash_cce] {name} must have shape {targets.shape}, got {a.shape}"
+            )
+    H = h.shape[-1]
+    with mx.stream(_device(stream)):
+        dh, dw = fallback.backward(
+            h.reshape(-1, H), w, targets.reshape(-1), lse.reshape(-1),
+            g.reshape(-1), scales, biases,
+            g_lse=None if g_lse is None else g_lse.reshape(-1),
+            group_size=group_size, bits=bits, softcap=softcap,
+            ignore_index=ignore_index, compute_dw=compute_dw,
+        )
+    dh = dh.reshape(h.shape)
+    if compute_dw:
+        return dh, (dw if dw is not None else mx.zeros_like(w))
+    return dh
