@@ -144,6 +144,22 @@ HeadConfig check_head_args(
     fail("hidden size " + std::to_string(H) + " is not a multiple of group_size " +
          std::to_string(group_size));
   }
+  // The packed width fixes the bit width: w.shape[1] * 32 == H * bits.
+  const int64_t packed_bits = int64_t(w.shape(1)) * 32;
+  if (packed_bits % H != 0) {
+    fail("packed w of shape " + shape_str(w.shape()) +
+         " does not hold a whole number of bits per element for H=" +
+         std::to_string(H));
+  }
+  const int inferred = static_cast<int>(packed_bits / H);
+  if (bits && *bits != inferred) {
+    fail("bits=" + std::to_string(*bits) + " does not match the packed w " +
+         shape_str(w.shape()) + " for H=" + std::to_string(H) + " (that is " +
+         std::to_string(inferred) + "-bit)");
+  }
+  if (inferred < 2 || inferred > 8 || inferred == 7) {
+    fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(inferred));
+  }
   const mx::Shape sb_shape{static_cast<int>(V), static_cast<int>(H / group_size)};
   for (auto [a, name] : {std::pair{&*scales, "scales"}, std::pair{&*biases, "biases"}}) {
     if (a->shape() != sb_shape) {
@@ -160,22 +176,6 @@ HeadConfig check_head_args(
   if (scales->dtype() != biases->dtype()) {
     fail("scales and biases must share a dtype, got " +
          dtype_str(scales->dtype()) + " and " + dtype_str(biases->dtype()));
-  }
-  // The packed width fixes the bit width: w.shape[1] * 32 == H * bits.
-  const int64_t packed_bits = int64_t(w.shape(1)) * 32;
-  if (packed_bits % H != 0) {
-    fail("packed w of shape " + shape_str(w.shape()) +
-         " does not hold a whole number of bits per element for H=" +
-         std::to_string(H));
-  }
-  const int inferred = static_cast<int>(packed_bits / H);
-  if (bits && *bits != inferred) {
-    fail("bits=" + std::to_string(*bits) + " does not match the packed w " +
-         shape_str(w.shape()) + " for H=" + std::to_string(H) + " (that is " +
-         std::to_string(inferred) + "-bit)");
-  }
-  if (inferred < 2 || inferred > 8 || inferred == 7) {
-    fail("bits must be one of 2, 3, 4, 5, 6, 8, got " + std::to_string(inferred));
   }
   cfg.bits = inferred;
   cfg.group_size = group_size;
