@@ -15,11 +15,14 @@ namespace flash_cce::cpu {
 
 namespace {
 
-// expm1(x) for x in [-87, 88]: x = n ln2 + r with |r| <= ln2/2, then
-// expm1(x) = 2^n * q(r) + (2^n - 1) where q(r) = expm1(r) by a degree-7 series
-// (truncation below 1e-8 relative). Exact for n = 0, so small |x| keeps its
-// relative precision. Branch-free so that loops over it vectorise.
-inline float expm1_poly(float x) {
+// x = n ln2 + r with |r| <= ln2/2; q(r) = expm1(r) by a degree-7 series
+// (truncation below 1e-8 relative). Branch-free so that loops vectorise.
+struct Reduced {
+  float scale; // 2^n
+  float q;
+};
+
+inline Reduced reduce(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504f + 0.5f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -32,13 +35,23 @@ inline float expm1_poly(float x) {
   q = q * r + 1.0f;
   q = q * r;
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return scale * q + (scale - 1.0f);
+  Reduced out;
+  std::memcpy(&out.scale, &bits, 4);
+  out.q = q;
+  return out;
 }
 
+// exp(x) = 2^n (1 + q), relative error a few ulp down to the normal range.
 inline float exp_poly(float x) {
-  return expm1_poly(x) + 1.0f;
+  const Reduced e = reduce(x);
+  return e.scale + e.scale * e.q;
+}
+
+// expm1(x) = 2^n q + (2^n - 1): exact in the n = 0 case, so small |x| keeps
+// its relative precision.
+inline float expm1_poly(float x) {
+  const Reduced e = reduce(x);
+  return e.scale * e.q + (e.scale - 1.0f);
 }
 
 } // namespace
