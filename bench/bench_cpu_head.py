@@ -1,0 +1,165 @@
+"""CPU benchmark of the flash-CCE head against MLX's composition and numpy's sgemm.
+
+Providers, measured in one process:
+  flash_cce       our CPU kernel (forward, and forward + backward for dh)
+  mlx_compose     matmul / quantized_matmul + softcap + logsumexp + gather (fp32 logits)
+  mlx_fast_ce     mx.fast.cross_entropy on materialised logits
+  numpy_sgemm     one fp32 GEMM of the same size through numpy's BLAS: the
+                  practical GEMM ceiling of the machine
+
+GFLOP/s counts 2*M*V*H per GEMM the algorithm performs: 1 for a forward, 3 for
+forward + backward (the backward recomputes the logits, then dS @ W). Extra
+memory is MLX's peak minus what was active before the call (inputs excluded);
+the kernel's scratch comes from MLX's allocator, so it is included.
+
+  python bench/bench_cpu_head.py                 # both shapes, JSON to bench/results/
+  python bench/bench_cpu_head.py --shapes 512,1024,32768 --repeats 1
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import flash_cce as fc
+
+SOFTCAP = 30.0
+GROUP_SIZE, BITS = 64, 4
+
+
+def make(M, H, V, kind):
+    dt = mx.float32 if kind == "fp32" else mx.bfloat16
+    h = mx.random.normal((M, H)).astype(dt)
+    w = (mx.random.normal((V, H)) / H**0.5).astype(dt)
+    y = mx.random.randint(0, V, (M,))
+    q = dict(scales=None, biases=None)
+    if kind == "4bit":
+        w, s, b = mx.quantize(w, group_size=GROUP_SIZE, bits=BITS)
+        q = dict(scales=s, biases=b)
+    mx.eval(h, w, y, *[a for a in q.values() if a is not None])
+    return h, w, y, q
+
+
+def measure(fn, repeats):
+    """Median seconds and extra peak bytes of fn() (which returns arrays to eval)."""
+    mx.eval(fn())  # warm up
+    times, peak = [], 0
+    for _ in range(repeats):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+        peak = max(peak, mx.get_peak_memory() - base)
+    return statistics.median(times), peak
+
+
+def ours(h, w, y, q, mode):
+    kw = dict(group_size=GROUP_SIZE, softcap=SOFTCAP, **q)
+
+    def fwd():
+        return fc.flash_cce_forward(h, w, y, **kw)
+
+    def fwd_bwd():
+        logp, lse = fc.flash_cce_forward(h, w, y, **kw)
+        return fc.flash_cce_backward(h, w, y, lse, mx.ones_like(lse), **kw)
+
+    return fwd if mode == "fwd" else fwd_bwd
+
+
+def logits_of(h, w, q):
+    if q["scales"] is None:
+        z = h.astype(mx.float32) @ w.astype(mx.float32).T
+    else:
+        z = mx.quantized_matmul(h, w, q["scales"], q["biases"], transpose=True,
+                                group_size=GROUP_SIZE, bits=BITS).astype(mx.float32)
+    return SOFTCAP * mx.tanh(z / SOFTCAP)
+
+
+def compose(h, w, y, q, mode, fast_ce):
+    def loss(h):
+        z = logits_of(h, w, q)
+        if fast_ce:
+            return mx.fast.cross_entropy(z, y).sum()
+        lse = mx.logsumexp(z, axis=-1)
+        return (lse - mx.take_along_axis(z, y[:, None], axis=-1)[:, 0]).sum()
+
+    if mode == "fwd":
+        return lambda: loss(h)
+    return lambda: mx.grad(loss)(h)
+
+
+def numpy_sgemm(M, H, V, repeats):
+    a = np.random.randn(M, H).astype(np.float32)
+    b = np.random.randn(V, H).astype(np.float32)
+    a @ b.T
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b.T
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["512,1024,32768", "2048,2048,65536"])
+    ap.add_argument("--kinds", nargs="+", default=["fp32", "bf16", "4bit"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compose-max-mvh", type=float, default=2e10,
+                    help="run MLX's composition only up to this M*V*H (it is slow on CPU)")
+    ap.add_argument("--out", default="bench/results/cpu_head.json")
+    args = ap.parse_args()
+    mx.set_default_device(mx.cpu)
+
+    rows = []
+    for shape in args.shapes:
+        M, H, V = map(int, shape.split(","))
+        flops = 2 * M * V * H
+        t_np = numpy_sgemm(M, H, V, args.repeats)
+        rows.append(dict(shape=shape, kind="fp32", provider="numpy_sgemm", mode="gemm",
+                         ms=t_np * 1e3, gflops=flops / t_np / 1e9, extra_mb=None))
+        for kind in args.kinds:
+            h, w, y, q = make(M, H, V, kind)
+            for mode, gemms in (("fwd", 1), ("fwd+bwd", 3)):
+                providers = [("flash_cce", ours(h, w, y, q, mode), args.repeats)]
+                if M * V * H <= args.compose_max_mvh:
+                    providers += [
+                        ("mlx_compose", compose(h, w, y, q, mode, False), 1),
+                        ("mlx_fast_ce", compose(h, w, y, q, mode, True), 1),
+                    ]
+                for name, fn, reps in providers:
+                    t, extra = measure(fn, reps)
+                    rows.append(dict(shape=shape, kind=kind, provider=name, mode=mode,
+                                     ms=t * 1e3, gflops=gemms * flops / t / 1e9,
+                                     extra_mb=extra / 2**20))
+                    r = rows[-1]
+                    print(f"{shape:>16} {kind:>5} {mode:>8} {name:>12} {r['ms']:10.1f} ms "
+                          f"{r['gflops']:7.1f} GFLOP/s {r['extra_mb']:9.1f} MB extra", flush=True)
+            del h, w, y, q
+
+    print("\n| shape M,H,V | weights | mode | provider | ms | GFLOP/s | extra peak MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        extra = "" if r["extra_mb"] is None else f"{r['extra_mb']:.1f}"
+        print(f"| {r['shape']} | {r['kind']} | {r['mode']} | {r['provider']} | "
+              f"{r['ms']:.1f} | {r['gflops']:.1f} | {extra} |")
+    meta = dict(
+        date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(), mlx=mx.__version__, numpy=np.__version__,
+        gemm_kernel=fc._ext.cpu_gemm_kernel(), softcap=SOFTCAP,
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
