@@ -1,0 +1,215 @@
+"""Loss, gradients and metrics of a preference objective on an mlx-lm model.
+
+`value_and_grad(model, pairs, cfg)` is what a trainer calls each step. Per pair it
+runs the decoder (the prompt once when both responses share it, see `prefix`;
+checkpointed over layer segments, see `segmented`), takes the final hidden states
+of the tokens it scores, and gets their log-probs from the flash head
+(`linear_logprobs`: the `[tokens, V]` logits are never built). The objectives
+themselves are the pure functions of `losses`.
+
+Pairs are differentiated one at a time and their gradients summed: each pair's
+share of the loss only needs the batch totals (pair count, NLL token count), so
+the loss and gradients equal those of the whole batch while activation memory
+stays that of one pair.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map
+
+from . import losses
+from .batch import Pair
+from .head import linear_logprobs
+from .lm import LM, adapters_off
+from .prefix import sequence_hidden
+
+# Tokens per pair from which the default checkpoints the stack (one layer per
+# segment); below it the plain backward is used. See the README's measurements.
+SEGMENT_FROM_TOKENS = 2048
+DEFAULT_SEGMENT_SIZE = 1
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "orpo"  # "orpo" | "simpo" | "orpo_margin" | "dpo" | "sft"
+    beta: float = 0.1
+    gamma: float = 0.5  # SimPO / ORPO+margin target margin
+    nll_on_prompt: bool = True  # ORPO/SFT NLL over prompt+response (TRL) or response only
+    prefix_sharing: bool = True
+    flash_head: bool = True
+    segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
+    max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
+
+    def validate(self):
+        losses.get(self.name)
+        if self.segment_size is not None and self.segment_size < 0:
+            raise ValueError(f"segment_size must be None or >= 0, got {self.segment_size}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be None or >= 2, got {self.max_length}")
+
+
+def _check(pairs, cfg, vocab):
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError("pairs must be a non-empty list of flash_cce.batch.Pair")
+    for i, p in enumerate(pairs):
+        where = f"pairs[{i}]"
+        if not isinstance(p, Pair):
+            raise ValueError(f"{where} must be a flash_cce.batch.Pair, got {type(p).__name__}")
+        p.validate(where)
+        for name, seq, n in (("chosen", p.chosen, p.chosen_prompt_len),
+                             ("rejected", p.rejected, p.rejected_prompt_len)):
+            if cfg.max_length is not None and len(seq) > cfg.max_length:
+                raise ValueError(
+                    f"{where}: {name} has {len(seq)} tokens, more than "
+                    f"max_length={cfg.max_length}"
+                )
+            if n == 0 and len(seq) < 2:
+                raise ValueError(
+                    f"{where}: the {name} response has no predicted token (a sequence's "
+                    "first token is never predicted; give a prompt or a longer response)"
+                )
+            bad = [t for t in seq if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(
+                    f"{where}: {name} tokens must be ints in [0, {vocab}), got {bad[0]!r}"
+                )
+
+
+def _segment_size(cfg, pair):
+    if cfg.segment_size is not None:
+        return cfg.segment_size
+    tokens = len(pair.chosen) + len(pair.rejected)
+    return DEFAULT_SEGMENT_SIZE if tokens >= SEGMENT_FROM_TOKENS else 0
+
+
+def _logprobs(lm, h, targets, flash):
+    h = lm.norm(h)
+    if flash:
+        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap)
+    logits = lm.logits(h).astype(mx.float32)
+    picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return picked - mx.logsumexp(logits, axis=-1)
+
+
+def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0):
+    """Log-prob statistics (see `losses`) of one pair, as float32 scalars.
+
+    `share` (default: whether the config asks for prefix sharing and the prompts
+    tokenise alike) encodes the prompt once for both responses.
+    """
+    obj = obj or losses.get(cfg.name)
+    seqs = [pair.chosen, pair.rejected] if obj.rejected else [pair.chosen]
+    plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
+    if share is None:
+        share = can_share(pair, cfg, obj)
+    h, rows = sequence_hidden(
+        lm, seqs, pair.chosen_prompt_len if share else None, segment_size=segment_size
+    )
+    idx, tgt, groups = [], [], []
+    for b, seq in enumerate(seqs):
+        for j in range(len(seq) - 1):
+            resp = j + 1 >= plens[b]
+            nll = b == 0 and obj.nll and (resp or cfg.nll_on_prompt)
+            if resp or nll:
+                idx.append(rows[b][j])
+                tgt.append(seq[j + 1])
+                groups.append((b == 0 and resp, b == 1 and resp, nll))
+    g = np.array(groups, np.float32)
+    lp = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), cfg.flash_head)
+    stats = {}
+    for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
+        stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
+        stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+    return stats
+
+
+def can_share(pair, cfg, obj):
+    return cfg.prefix_sharing and obj.rejected and pair.chosen_prompt_len > 0 and pair.shares_prompt()
+
+
+def _reference(lm, pairs, cfg, obj):
+    """DPO's reference log-probs: the same model with its adapters off, no gradient."""
+    out = []
+    with adapters_off(lm.model):
+        for p in pairs:
+            s = pair_stats(lm, p, cfg, obj)
+            mx.eval(s["c_sum"], s["r_sum"])
+            out.append((s["c_sum"], s["r_sum"]))
+    return out
+
+
+def _prepare(model, pairs, cfg):
+    cfg.validate()
+    lm = LM(model)
+    _check(pairs, cfg, model.args.vocab_size)
+    obj = losses.get(cfg.name)
+    ref = _reference(lm, pairs, cfg, obj) if obj.reference else None
+    return lm, obj, ref
+
+
+def _batch_totals(pairs, cfg, obj):
+    """Pair count and NLL token count of the batch (known from the lengths)."""
+    nll_tokens = 0
+    if obj.nll:
+        for p in pairs:
+            skip = 1 if cfg.nll_on_prompt else max(p.chosen_prompt_len, 1)
+            nll_tokens += len(p.chosen) - skip
+    return len(pairs), nll_tokens
+
+
+def _with_reference(stats, ref, i):
+    if ref is not None:
+        stats = dict(stats, ref_c=ref[i][0], ref_r=ref[i][1])
+    return stats
+
+
+def _stack(all_stats):
+    return {k: mx.stack([s[k] for s in all_stats]) for k in all_stats[0]}
+
+
+def _metrics(obj, cfg, pairs, all_stats, totals):
+    stats = _stack(all_stats)
+    terms, metrics = obj.fn(stats, cfg, *totals)
+    metrics["prefix_fallbacks"] = mx.array(
+        sum(cfg.prefix_sharing and obj.rejected and not p.shares_prompt() for p in pairs)
+    )
+    metrics["tokens"] = mx.array(sum(len(p.chosen) + len(p.rejected) for p in pairs))
+    return terms.sum(), metrics
+
+
+def value_and_grad(model, pairs, cfg):
+    """Loss (mean over the pairs), gradients (the tree of
+    `model.trainable_parameters()`) and metrics (str -> scalar) of `cfg`'s objective."""
+    lm, obj, ref = _prepare(model, pairs, cfg)
+    totals = _batch_totals(pairs, cfg, obj)
+    grads, all_stats = None, []
+    for i, pair in enumerate(pairs):
+        seg = _segment_size(cfg, pair)
+
+        def pair_loss():
+            stats = _with_reference(pair_stats(lm, pair, cfg, obj, segment_size=seg), ref, i)
+            one = {k: v[None] for k, v in stats.items()}
+            terms, _ = obj.fn(one, cfg, *totals)
+            return terms.sum(), stats
+
+        (_, stats), g = nn.value_and_grad(model, pair_loss)()
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        all_stats.append(tree_map(mx.stop_gradient, stats))
+        mx.eval(grads, all_stats[-1])
+    loss, metrics = _metrics(obj, cfg, pairs, all_stats, totals)
+    return loss, grads, metrics
+
+
+def evaluate(model, pairs, cfg):
+    """Loss and metrics of `cfg`'s objective without gradients."""
+    lm, obj, ref = _prepare(model, pairs, cfg)
+    all_stats = []
+    for i, pair in enumerate(pairs):
+        stats = _with_reference(pair_stats(lm, pair, cfg, obj), ref, i)
+        mx.eval(stats)
+        all_stats.append(stats)
+    return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))

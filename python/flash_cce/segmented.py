@@ -1,0 +1,99 @@
+"""The decoder stack, run plainly or checkpointed over segments of layers.
+
+With `segment_size = k > 0` the layers run in segments of k under
+`mx.checkpoint`: the forward keeps only each segment's input (hidden states, the
+prompt keys/values it reads, Gemma 4's shared keys/values and per-layer inputs)
+and the backward recomputes one segment at a time. The trainable parameters of a
+segment's layers are explicit inputs of its checkpointed function, as in
+mlx-lm's `grad_checkpoint`, so their gradients flow; everything else is frozen.
+"""
+
+import mlx.core as mx
+
+from .lm import attention_mask
+from .prefix import PrefixCache, RecordCache
+
+
+def _body(lm, lo, hi, offset, keep_kv):
+    """The plain function of layers [lo, hi): (h, aux, prompt_kv, shared) ->
+    (h, recorded kv per cached layer, shared kv produced here)."""
+
+    def run(h, aux, prompt_kv, shared_in):
+        n = h.shape[1]
+        masks = {}
+        shared = dict(shared_in)
+        produced, recorded = {}, []
+        cached = [i for i in range(lo, hi) if lm.has_cache(i)]
+        for i in range(lo, hi):
+            w = lm.windows[i]
+            if w not in masks:
+                masks[w] = attention_mask(n, offset, w)
+            cache = None
+            if lm.has_cache(i):
+                if prompt_kv:
+                    cache = PrefixCache(*prompt_kv[cached.index(i)])
+                elif keep_kv:
+                    cache = RecordCache()
+            src = lm.sources[i]
+            h, kv = lm.layer(
+                i, h, masks[w], cache,
+                aux[:, :, i - lo] if isinstance(aux, mx.array) else None,
+                shared.get(str(src)) if src is not None else None, offset,
+            )
+            if cache is not None and keep_kv:
+                recorded.append(cache.kv)
+            if kv is not None and i in lm.sources:
+                shared[str(i)] = tuple(kv)
+                # An array returned twice by a checkpointed function loses one of
+                # its cotangents: a recorded kv is not returned again as shared.
+                if not (cache is not None and keep_kv):
+                    produced[str(i)] = shared[str(i)]
+        return h, recorded, produced
+
+    return run
+
+
+def _checkpointed(lm, lo, hi, run):
+    layers = lm.layers[lo:hi]
+
+    def fn(params, h, aux, prompt_kv, shared_in):
+        for layer, p in zip(layers, params):
+            layer.update(p)
+        return run(h, aux, prompt_kv, shared_in)
+
+    ckpt = mx.checkpoint(fn)
+
+    def call(h, aux, prompt_kv, shared_in):
+        params = [layer.trainable_parameters() for layer in layers]
+        return ckpt(params, h, aux, prompt_kv, shared_in)
+
+    return call
+
+
+def run_stack(lm, h, aux=None, *, offset=0, prompt_kv=None, keep_kv=False, segment_size=0):
+    """Runs every layer of `lm` on `h` `[B, L, d]` at positions offset..offset+L.
+
+    `aux` is Gemma 4's per-layer input `[B, L, layers, d']`. With `prompt_kv`
+    (one (k, v) per cached layer, from a `keep_kv` run over the prompt) the tokens
+    continue that prompt. Returns `(h, kv)`: the last hidden states (before the
+    final norm) and, with `keep_kv`, the (k, v) of every cached layer.
+    """
+    n = len(lm.layers)
+    k = n if not segment_size else segment_size
+    shared, kv_out, kv_in = {}, [], list(prompt_kv or [])
+    for lo in range(0, n, k):
+        hi = min(n, lo + k)
+        n_cached = sum(lm.has_cache(i) for i in range(lo, hi))
+        seg_kv, kv_in = kv_in[:n_cached], kv_in[n_cached:]
+        seg_aux = [] if aux is None else aux[:, :, lo:hi]
+        run = _body(lm, lo, hi, offset, keep_kv)
+        if segment_size:
+            run = _checkpointed(lm, lo, hi, run)
+        h, recorded, produced = run(h, seg_aux, seg_kv, shared)
+        shared.update(produced)
+        cached = [i for i in range(lo, hi) if lm.has_cache(i)]
+        for i, kv in zip(cached, recorded):
+            if i in lm.sources:
+                shared[str(i)] = kv
+        kv_out.extend(recorded)
+    return h, kv_out
