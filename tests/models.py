@@ -111,3 +111,14 @@ def random_pair(rng, prompt_len, chosen_len, rejected_len, *, vocab=VOCAB, same_
     chosen = prompt + rng.integers(0, vocab, chosen_len).tolist()
     rejected = other + rng.integers(0, vocab, rejected_len).tolist()
     return Pair(chosen, rejected, prompt_len, prompt_len)
+
+
+def max_diff(a, b):
+    """Max |a - b| over two parameter trees, and max |b| (the scale of the reference)."""
+    from mlx.utils import tree_flatten
+
+    fa, fb = dict(tree_flatten(a)), dict(tree_flatten(b))
+    assert fa.keys() == fb.keys()
+    diff = max(float(mx.abs(fa[k] - fb[k]).max()) for k in fa)
+    scale = max(float(mx.abs(fb[k]).max()) for k in fb)
+    return diff, scale

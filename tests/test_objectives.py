@@ -1,0 +1,225 @@
+"""value_and_grad / evaluate against references built on mlx-lm's own forward.
+
+The references call `model(tokens)` (mlx-lm's full forward and logits, one
+sequence at a time) and write each objective in plain MLX ops (for gradients) or
+numpy after TRL's ORPOTrainer (for the loss and metrics). They share nothing with
+flash_cce but the model.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from flash_cce.batch import Pair
+from flash_cce.lm import lora_modules
+from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
+from models import ARCHS, max_diff, random_pair, tiny_model
+from test_losses import trl_orpo
+
+# Tolerance: the flash head, the prefix continuation and the per-pair summation
+# reorder float32 sums over <= 100 terms through <= 6 layers; measured differences
+# are <= 5e-7 on values and gradients of size ~1. 1e-5 relative to the reference's
+# largest entry (plus 1e-6) is ~100x float32 epsilon: loose for rounding, tight
+# for any real mistake (a dropped token or layer moves values by >= 1e-2).
+REL, ABS = 1e-5, 1e-6
+
+
+def _close(got, want):
+    got, want = float(got), float(want)
+    assert abs(got - want) <= REL * max(1.0, abs(want)) + ABS, (got, want)
+
+
+def _grads_close(got, want):
+    diff, scale = max_diff(got, want)
+    assert diff <= REL * max(1.0, scale) + ABS, (diff, scale)
+
+
+def _pairs(seed=1):
+    rng = np.random.default_rng(seed)
+    return [random_pair(rng, 9, 5, 3), random_pair(rng, 6, 2, 7)]
+
+
+def _logps(model, seq):
+    """Per-token log-probs of seq[1:] from mlx-lm's full logits, float32."""
+    logits = model(mx.array([seq[:-1]]))[0].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(lp, mx.array(seq[1:])[:, None], axis=-1)[:, 0]
+
+
+def _ref_stats(model, pairs, nll_on_prompt=True):
+    out = {k: [] for k in ("c_sum", "c_n", "r_sum", "r_n", "nll_sum", "nll_n")}
+    for p in pairs:
+        lc, lr = _logps(model, p.chosen), _logps(model, p.rejected)
+        # target j + 1 is a response token when j + 1 >= prompt_len
+        c_resp, r_resp = lc[p.chosen_prompt_len - 1:], lr[p.rejected_prompt_len - 1:]
+        nll = lc if nll_on_prompt else c_resp
+        for k, v in (("c_sum", c_resp.sum()), ("c_n", c_resp.size), ("r_sum", r_resp.sum()),
+                     ("r_n", r_resp.size), ("nll_sum", -nll.sum()), ("nll_n", nll.size)):
+            out[k].append(v if isinstance(v, mx.array) else mx.array(float(v)))
+    return {k: mx.stack(v) for k, v in out.items()}
+
+
+def _ref_loss(model, pairs, cfg, ref=None):
+    s = _ref_stats(model, pairs, cfg.nll_on_prompt)
+    lw, ll = s["c_sum"] / s["c_n"], s["r_sum"] / s["r_n"]
+    nll = s["nll_sum"].sum() / s["nll_n"].sum()
+    if cfg.name in ("orpo", "orpo_margin"):
+        gamma = cfg.gamma if cfg.name == "orpo_margin" else 0.0
+        log_odds = (lw - ll) - (mx.log1p(-mx.exp(lw)) - mx.log1p(-mx.exp(ll)))
+        return nll - cfg.beta * nn.log_sigmoid(log_odds - gamma).mean()
+    if cfg.name == "simpo":
+        return -nn.log_sigmoid(cfg.beta * (lw - ll) - cfg.gamma).mean()
+    if cfg.name == "dpo":
+        margin = (s["c_sum"] - ref["c_sum"]) - (s["r_sum"] - ref["r_sum"])
+        return -nn.log_sigmoid(cfg.beta * margin).mean()
+    return nll
+
+
+def _ref_value_and_grad(model, pairs, cfg, ref=None):
+    return nn.value_and_grad(model, lambda: _ref_loss(model, pairs, cfg, ref))()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_orpo_matches_trl_on_mlx_lm_logits(arch):
+    model = tiny_model(arch, lora=True)
+    pairs = _pairs()
+    cfg = ObjectiveConfig(name="orpo", beta=0.25)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    # Loss and metrics: TRL's formulas in float64 numpy on mlx-lm's log-probs.
+    s = {k: np.array(v, np.float64) for k, v in _ref_stats(model, pairs).items()}
+    want_loss, want_metrics = trl_orpo(
+        s["c_sum"] / s["c_n"], s["r_sum"] / s["r_n"], s["nll_sum"].sum() / s["nll_n"].sum(), 0.25
+    )
+    _close(loss, want_loss)
+    for k, v in want_metrics.items():
+        _close(metrics[k], v)
+    assert metrics["tokens"].item() == sum(len(p.chosen) + len(p.rejected) for p in pairs)
+    assert metrics["prefix_fallbacks"].item() == 0
+    # Gradients: the same formulas in MLX ops, differentiated through mlx-lm.
+    _, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    assert [k for k, _ in tree_flatten(grads)] == [
+        k for k, _ in tree_flatten(model.trainable_parameters())
+    ]
+    _grads_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("name", ["orpo_margin", "simpo", "sft"])
+def test_other_objectives_match_reference(name):
+    model = tiny_model("qwen3", lora=True)
+    pairs = _pairs(2)
+    cfg = ObjectiveConfig(name=name, beta=0.5, gamma=0.3, nll_on_prompt=False)
+    loss, grads, _ = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+
+
+def test_dpo_reference_is_the_model_without_adapters():
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(3)
+    cfg = ObjectiveConfig(name="dpo", beta=0.3)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    mods = lora_modules(model)
+    scales = [m.scale for m in mods]
+    for m in mods:
+        m.scale = 0.0
+    ref = {k: mx.stop_gradient(v) for k, v in _ref_stats(model, pairs).items()}
+    for m, sc in zip(mods, scales):
+        m.scale = sc
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg, ref)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+    assert [m.scale for m in mods] == scales  # adapters switched back on
+    # With adapters this far from zero the policy differs from its reference.
+    assert abs(metrics["rewards/margins"].item()) > 1e-4
+
+
+def test_dpo_without_adapters_raises():
+    with pytest.raises(ValueError, match="LoRA"):
+        value_and_grad(tiny_model("llama"), _pairs(), ObjectiveConfig(name="dpo"))
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "minicpm"])
+def test_flash_head_matches_full_logits(arch):
+    model = tiny_model(arch, lora=True)
+    pairs = _pairs(4)
+    flash = value_and_grad(model, pairs, ObjectiveConfig(flash_head=True))
+    full = value_and_grad(model, pairs, ObjectiveConfig(flash_head=False))
+    _close(flash[0], full[0])
+    _grads_close(flash[1], full[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma4_text"])
+def test_quantized_base_with_lora(arch):
+    model = tiny_model(arch, lora=True, quantize=True)
+    pairs = _pairs(5)
+    cfg = ObjectiveConfig(segment_size=1)
+    loss, grads, _ = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+
+
+def test_full_fine_tuning_tied_head():
+    """No adapters: every parameter, the tied embedding/head included, gets its gradient."""
+    model = tiny_model("llama", tied=True)
+    pairs = _pairs(6)
+    cfg = ObjectiveConfig()
+    loss, grads, _ = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+
+
+def test_evaluate_equals_value_and_grad():
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(7)
+    cfg = ObjectiveConfig()
+    loss, _, metrics = value_and_grad(model, pairs, cfg)
+    e_loss, e_metrics = evaluate(model, pairs, cfg)
+    _close(e_loss, loss)
+    assert e_metrics.keys() == metrics.keys()
+    for k in metrics:
+        _close(e_metrics[k], metrics[k])
+
+
+def test_prompts_that_tokenise_differently_fall_back():
+    rng = np.random.default_rng(8)
+    pairs = [random_pair(rng, 5, 3, 4, same_prompt=False), random_pair(rng, 5, 3, 4)]
+    model = tiny_model("llama", lora=True)
+    cfg = ObjectiveConfig()
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    assert metrics["prefix_fallbacks"].item() == 1
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("pair, match", [
+    (Pair([1, 2, 3], [1, 2, 4], 3, 2), "chosen response is empty"),
+    (Pair([1, 2, 3], [1, 2, 4], 2, 5), "rejected_prompt_len=5"),
+    (Pair([1, 2, 3], [1, 2, 4], -1, 2), "chosen_prompt_len=-1"),
+    (Pair([1], [1, 2, 4], 0, 2), "no predicted token"),
+    (Pair([1, 2, 500], [1, 2, 4], 2, 2), r"tokens must be ints in \[0, 97\)"),
+    (Pair([1, 2, 3.0], [1, 2, 4], 2, 2), "tokens must be ints"),
+])
+def test_malformed_pairs_raise(pair, match):
+    with pytest.raises(ValueError, match=match):
+        value_and_grad(tiny_model("llama"), [pair], ObjectiveConfig())
+
+
+def test_malformed_batch_and_config_raise():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="non-empty list"):
+        value_and_grad(model, [], ObjectiveConfig())
+    with pytest.raises(ValueError, match=r"pairs\[0\] must be a flash_cce.batch.Pair"):
+        value_and_grad(model, [([1, 2], [1, 3])], ObjectiveConfig())
+    with pytest.raises(ValueError, match="max_length=8"):
+        value_and_grad(model, [Pair(list(range(9)), [1, 2], 1, 1)],
+                       ObjectiveConfig(max_length=8))
+    with pytest.raises(ValueError, match="objective name"):
+        value_and_grad(model, _pairs(), ObjectiveConfig(name="ipo"))
+    with pytest.raises(ValueError, match="segment_size"):
+        value_and_grad(model, _pairs(), ObjectiveConfig(segment_size=-1))

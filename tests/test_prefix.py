@@ -1,0 +1,59 @@
+"""Prefix sharing: one prompt forward + a batched continuation equals two forwards."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from flash_cce.batch import Pair
+from flash_cce.lm import LM
+from flash_cce.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.prefix import sequence_hidden
+from models import ARCHS, max_diff, random_pair, tiny_model
+
+# float32 rounding: the continuation's attention sums the same terms as the
+# one-shot forward but in another order (prompt keys and new keys in separate
+# blocks); measured |diff| <= 5e-7 on O(1) values. 1e-5 relative (+1e-6) is
+# ~100 float32 epsilons, far below a wrong position or mask (>= 1e-2).
+REL, ABS = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_hidden_states_equal_mlx_lm_forward(arch):
+    """Prompt 9 tokens > sliding window 4, so windowed layers see a clipped prompt."""
+    model = tiny_model(arch)
+    lm = LM(model)
+    pair = random_pair(np.random.default_rng(0), 9, 6, 3)
+    seqs = [pair.chosen, pair.rejected]
+    for prompt_len in (9, None):
+        h, rows = sequence_hidden(lm, seqs, prompt_len)
+        for seq, r in zip(seqs, rows):
+            got = lm.norm(h[mx.array(r)])
+            want = model.model(mx.array([seq[:-1]]))[0]
+            diff = float(mx.abs(got - want).max())
+            assert diff <= REL * max(1.0, float(mx.abs(want).max())) + ABS, (prompt_len, diff)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_loss_and_grads_equal_two_forwards(arch):
+    model = tiny_model(arch, lora=True)
+    rng = np.random.default_rng(1)
+    pairs = [random_pair(rng, 9, 5, 3), random_pair(rng, 6, 1, 4), random_pair(rng, 5, 1, 1)]
+    shared = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=True))
+    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    assert abs(shared[0].item() - two[0].item()) <= REL * abs(two[0].item()) + ABS
+    diff, scale = max_diff(shared[1], two[1])
+    assert diff <= REL * max(1.0, scale) + ABS, diff
+    assert shared[2]["prefix_fallbacks"].item() == 0
+    assert two[2]["prefix_fallbacks"].item() == 0  # sharing was off: nothing fell back
+
+
+def test_fallback_is_per_pair_and_counted():
+    model = tiny_model("gemma3_text", lora=True)
+    p = random_pair(np.random.default_rng(2), 6, 3, 3)
+    longer = Pair(p.chosen, p.chosen[:6] + [1] + p.rejected[6:], 6, 7)  # prompts differ in length
+    pairs = [p, longer, random_pair(np.random.default_rng(3), 6, 2, 2, same_prompt=False)]
+    shared = value_and_grad(model, pairs, ObjectiveConfig())
+    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    assert shared[2]["prefix_fallbacks"].item() == 2
+    diff, scale = max_diff(shared[1], two[1])
+    assert diff <= REL * max(1.0, scale) + ABS
