@@ -19,7 +19,7 @@ NB_MODULE(_ext, m) {
   m.def("forward", &flash_cce::flash_cce_forward, "h"_a, "w"_a, "targets"_a,
         "scales"_a = nb::none(), "biases"_a = nb::none(), nb::kw_only(),
         "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
-        "ignore_index"_a = -100, "stream"_a = nb::none(),
+        "ignore_index"_a = -100, "fused_backward"_a = true, "stream"_a = nb::none(),
         "Returns [logp, lse] (float32, shape h.shape[:-1]).");
 
   m.def("backward", &flash_cce::flash_cce_backward, "h"_a, "w"_a, "targets"_a,

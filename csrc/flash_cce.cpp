@@ -210,6 +210,40 @@ mx::array rowwise(const mx::array& a, mx::StreamOrDevice s) {
 
 } // namespace
 
+namespace {
+
+// All outputs of the forward primitive, with h's leading shape restored.
+std::vector<mx::array> forward_outputs(
+    const mx::array& h,
+    const mx::array& w,
+    const mx::array& targets,
+    const std::optional<mx::array>& scales,
+    const std::optional<mx::array>& biases,
+    HeadConfig cfg,
+    mx::Stream stream) {
+  const auto lead = lead_shape(h);
+  auto in = head_inputs(h, w, targets, scales, biases, stream);
+  const int M = in[0].shape(0);
+  const int H = in[0].shape(1);
+  std::vector<mx::Shape> shapes{{M}, {M}};
+  if (cfg.fused) {
+    shapes.push_back({M, H});
+  }
+  auto out = mx::array::make_arrays(
+      std::move(shapes), std::vector<mx::Dtype>(cfg.fused ? 3 : 2, mx::float32),
+      std::make_shared<FlashCCEForward>(stream, cfg), std::move(in));
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto shape = lead;
+    if (i == 2) {
+      shape.push_back(H);
+    }
+    out[i] = mx::reshape(out[i], shape, stream);
+  }
+  return out;
+}
+
+} // namespace
+
 std::vector<mx::array> flash_cce_forward(
     const mx::array& h,
     const mx::array& w,
@@ -220,6 +254,7 @@ std::vector<mx::array> flash_cce_forward(
     std::optional<int> bits,
     std::optional<float> softcap,
     int ignore_index,
+    bool fused_backward,
     mx::StreamOrDevice s) {
   auto cfg = check_head_args(
       h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
@@ -228,12 +263,9 @@ std::vector<mx::array> flash_cce_forward(
     return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
   }
   auto stream = mx::to_stream(s);
-  auto in = head_inputs(h, w, targets, scales, biases, stream);
-  const int M = in[0].shape(0);
-  auto out = mx::array::make_arrays(
-      {{M}, {M}}, {mx::float32, mx::float32},
-      std::make_shared<FlashCCEForward>(stream, cfg), std::move(in));
-  return {mx::reshape(out[0], lead, s), mx::reshape(out[1], lead, s)};
+  cfg.fused = fused_backward && supports_fused(stream);
+  auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
+  return {out[0], out[1]};
 }
 
 std::vector<mx::array> flash_cce_backward(
@@ -334,6 +366,59 @@ void batch_front(std::vector<mx::array>& in, const std::vector<int>& axes,
   }
 }
 
+// Affine dequantization in float32. mx::dequantize rounds scale * q + bias to
+// the scales' dtype even when asked for float32, so take the integer codes from
+// it (exact with unit scales) and apply scales and biases here.
+mx::array dequantize_f32(const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, const HeadConfig& cfg,
+                         mx::Stream s) {
+  const int rows = w.shape(0);
+  const int groups = scales.shape(1);
+  auto unit = mx::ones({rows, groups}, mx::float32, s);
+  auto codes = mx::dequantize(w, unit, mx::zeros_like(unit, s), cfg.group_size,
+                              cfg.bits, "affine", std::nullopt, mx::float32, s);
+  codes = mx::reshape(codes, {rows, groups, cfg.group_size}, s);
+  auto scale = mx::expand_dims(mx::astype(scales, mx::float32, s), 2, s);
+  auto bias = mx::expand_dims(mx::astype(biases, mx::float32, s), 2, s);
+  return mx::reshape(mx::add(mx::multiply(codes, scale, s), bias, s),
+                     {rows, groups * cfg.group_size}, s);
+}
+
+// dh = g dcap_y W_y + (g_lse - g) gsum, with gsum = sum_v p_v dcap_v W_v from
+// the forward and dcap_y = 1 - (s_y / cap)^2 recovered from s_y = logp + lse.
+mx::array fused_dh(const std::vector<mx::array>& primals,
+                   const std::vector<mx::array>& outputs, const mx::array& g,
+                   const mx::array& g_lse, const HeadConfig& cfg, mx::Stream s) {
+  const auto& h = primals[0];
+  const auto& w = primals[1];
+  const auto& y = primals[2];
+  const int V = w.shape(0);
+  auto valid = mx::logical_and(
+      mx::not_equal(y, mx::array(cfg.ignore_index), s),
+      mx::logical_and(mx::greater_equal(y, mx::array(0), s),
+                      mx::less(y, mx::array(V), s), s),
+      s);
+  auto zero = mx::array(0.0f);
+  auto gm = mx::where(valid, mx::astype(g, mx::float32, s), zero, s);
+  auto coef_y = gm;
+  if (cfg.softcap > 0) {
+    auto t = mx::divide(mx::add(outputs[0], outputs[1], s), mx::array(cfg.softcap), s);
+    auto dcap = mx::subtract(mx::array(1.0f), mx::square(t, s), s);
+    coef_y = mx::where(valid, mx::multiply(gm, dcap, s), zero, s);
+  }
+  auto safe = mx::where(valid, y, mx::array(0), s);
+  auto w_y = mx::take(w, safe, 0, s);
+  if (cfg.quantized) {
+    w_y = dequantize_f32(w_y, mx::take(primals[3], safe, 0, s),
+                         mx::take(primals[4], safe, 0, s), cfg, s);
+  }
+  w_y = mx::astype(w_y, mx::float32, s);
+  auto coef_rest = mx::subtract(mx::astype(g_lse, mx::float32, s), gm, s);
+  auto dh = mx::add(mx::multiply(mx::expand_dims(coef_y, 1, s), w_y, s),
+                    mx::multiply(mx::expand_dims(coef_rest, 1, s), outputs[2], s), s);
+  return mx::astype(dh, h.dtype(), s);
+}
+
 } // namespace
 
 std::vector<mx::array> FlashCCEForward::vjp(
@@ -352,10 +437,15 @@ std::vector<mx::array> FlashCCEForward::vjp(
   for (int a : argnums) {
     want_dw |= (a == 1 && !cfg_.quantized);
   }
-  auto grads = flash_cce_backward(
+  std::vector<mx::array> grads;
+  if (cfg_.fused && !want_dw) {
+    grads = {fused_dh(primals, outputs, g, g_lse, cfg_, s)};
+  } else {
+    grads = flash_cce_backward(
       h, w, targets, outputs[1], g, g_lse, opt_input(primals, 3),
       opt_input(primals, 4), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
       cfg_.ignore_index, want_dw, s);
+  }
 
   // Integer targets and a frozen quantized head get zero cotangents.
   std::vector<mx::array> result;
@@ -376,15 +466,19 @@ std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEForward::vmap(
     const std::vector<int>& axes) {
   auto in = inputs;
   batch_front(in, axes, {0, 2}, "flash_cce_forward");
-  auto out = flash_cce_forward(
-      in[0], in[1], in[2], opt_input(in, 3), opt_input(in, 4), cfg_.group_size,
-      opt_bits(cfg_), opt_cap(cfg_), cfg_.ignore_index, stream());
-  return {out, {0, 0}};
+  auto out = forward_outputs(
+      in[0], in[1], in[2], opt_input(in, 3), opt_input(in, 4), cfg_, stream());
+  return {out, std::vector<int>(out.size(), 0)};
 }
 
 std::vector<mx::Shape> FlashCCEForward::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0)}, {inputs[0].shape(0)}};
+  const int M = inputs[0].shape(0);
+  std::vector<mx::Shape> out{{M}, {M}};
+  if (cfg_.fused) {
+    out.push_back(inputs[0].shape());
+  }
+  return out;
 }
 
 bool FlashCCEForward::is_equivalent(const mx::Primitive& other) const {
@@ -424,6 +518,8 @@ bool FlashCCEBackward::is_equivalent(const mx::Primitive& other) const {
 
 // Evaluation ------------------------------------------------------------------
 
+namespace {
+
 HeadProblem make_problem(const std::vector<mx::array>& in, const HeadConfig& cfg) {
   HeadProblem p;
   p.cfg = cfg;
@@ -434,8 +530,6 @@ HeadProblem make_problem(const std::vector<mx::array>& in, const HeadConfig& cfg
   p.w_dtype = in[1].dtype();
   return p;
 }
-
-namespace {
 
 void set_cpu_pointers(HeadProblem& p, const std::vector<mx::array>& in,
                       size_t scales_at) {
@@ -467,11 +561,11 @@ void FlashCCEForward::eval_cpu(const std::vector<mx::array>& inputs,
   for (auto& a : outputs) {
     enc.set_output_array(a);
   }
-  enc.dispatch([in = inputs, logp = outputs[0], lse = outputs[1],
-                cfg = cfg_]() mutable {
+  enc.dispatch([in = inputs, out = outputs, cfg = cfg_]() mutable {
     auto p = make_problem(in, cfg);
     set_cpu_pointers(p, in, 3);
-    cpu::forward(p, logp.data<float>(), lse.data<float>());
+    cpu::forward(p, out[0].data<float>(), out[1].data<float>(),
+                 cfg.fused ? out[2].data<float>() : nullptr);
   });
 }
 
@@ -492,6 +586,16 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                   in[5].data<float>(), out[0].data<void>(),
                   out.size() > 1 ? out[1].data<void>() : nullptr);
   });
+}
+
+// A GPU backend opts into the fused forward (third output) by defining
+// FLASH_CCE_GPU_FUSED; without it the GPU forward has two outputs only.
+bool supports_fused(const mx::Stream& s) {
+#ifdef FLASH_CCE_GPU_FUSED
+  return true;
+#else
+  return s.device == mx::Device::cpu;
+#endif
 }
 
 #ifdef FLASH_CCE_CUDA

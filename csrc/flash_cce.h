@@ -23,10 +23,14 @@ struct HeadConfig {
   int bits = 4;
   float softcap = 0.0f; // 0 means off
   int ignore_index = -100;
+  // The forward also emits sum_v softmax_v * dcap_v * W_v per row, so that the
+  // gradient for h needs no second pass over the vocabulary (2 GEMMs, not 3).
+  bool fused = false;
 
   bool operator==(const HeadConfig& o) const {
     return quantized == o.quantized && group_size == o.group_size &&
-        bits == o.bits && softcap == o.softcap && ignore_index == o.ignore_index;
+        bits == o.bits && softcap == o.softcap &&
+        ignore_index == o.ignore_index && fused == o.fused;
   }
 };
 
@@ -46,6 +50,8 @@ HeadConfig check_head_args(
     int ignore_index);
 
 // h[..., H], targets[...] -> (logp[...], lse[...]), both float32.
+// fused_backward: where the backend supports it, the forward also keeps one
+// [M, H] float32 array from which the VJP forms dh without revisiting W.
 std::vector<mx::array> flash_cce_forward(
     const mx::array& h,
     const mx::array& w,
@@ -56,6 +62,7 @@ std::vector<mx::array> flash_cce_forward(
     std::optional<int> bits,
     std::optional<float> softcap,
     int ignore_index,
+    bool fused_backward = true,
     mx::StreamOrDevice s = {});
 
 // Gradient of sum(g * logp + g_lse * lse) -> {dh} or {dh, dw}.
@@ -78,9 +85,13 @@ std::vector<mx::array> flash_cce_backward(
 // True when eval_gpu has a native kernel in this build (CUDA today).
 bool has_gpu_kernels();
 
+// True when the backend of `s` implements the fused forward outputs.
+bool supports_fused(const mx::Stream& s);
+
 // Primitives ------------------------------------------------------------------
 
-// Inputs: h[M,H], w, targets[M] int32 (+ scales, biases). Outputs: logp[M], lse[M].
+// Inputs: h[M,H], w, targets[M] int32 (+ scales, biases).
+// Outputs: logp[M], lse[M] (+ gsum[M,H] float32 when cfg.fused).
 class FlashCCEForward : public mx::Primitive {
  public:
   FlashCCEForward(mx::Stream stream, HeadConfig cfg)

@@ -21,8 +21,9 @@ struct HeadProblem {
 };
 
 namespace cpu {
-// logp[M], lse[M] (float32). Out-of-range targets give NaN.
-void forward(const HeadProblem& p, float* logp, float* lse);
+// logp[M], lse[M] (float32). Out-of-range targets give NaN. When gsum is not
+// null it receives sum_v softmax_v * dcap_v * W_v per row, [M, H] float32.
+void forward(const HeadProblem& p, float* logp, float* lse, float* gsum);
 // dh[M, H] in h_dtype; dw[V, H] in w_dtype when not null (dense weights only).
 void backward(const HeadProblem& p, const float* lse, const float* g,
               const float* g_lse, void* dh, void* dw);

@@ -453,3 +453,39 @@ def test_extra_memory_flat_in_vocab():
     # 8x the vocabulary would add 7 * M * 1024 * 4 bytes of logits; the kernel's
     # scratch depends on M, H and its block size only.
     assert abs(large - small) < logits_small // 4, (small, large)
+
+
+# Fused backward ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype,quant,softcap",
+    [(mx.float32, None, None), (mx.bfloat16, None, 30.0), (mx.float16, None, 2.0),
+     (mx.bfloat16, (32, 4), 30.0), (mx.float32, (64, 8), None)],
+)
+def test_fused_backward_matches_recompute(dtype, quant, softcap):
+    """The forward's softmax-weighted rows give the same dh as the recompute pass."""
+    h, w, y = make_inputs(21, 64, 700, dtype, ignore=(4,))
+    y[7] = 0  # target in the first vocabulary block
+    kw = dict(softcap=softcap)
+    if quant:
+        w, s, b = quantize(w, *quant)
+        kw.update(scales=s, biases=b, group_size=quant[0])
+    g = mx.random.normal((21,))
+    g_lse = mx.random.normal((21,))
+    g_lse[4] = 0.0  # the ignored row then has no gradient at all
+
+    def loss(h, fused):
+        logp, lse = fc.flash_cce_forward(h, w, y, fused_backward=fused, **kw)
+        return (g * logp + g_lse * lse).sum()
+
+    fused = mx.grad(lambda h: loss(h, True))(h)
+    plain = mx.grad(lambda h: loss(h, False))(h)
+    assert fused.dtype == h.dtype
+    # Both are fp32 sums over V of the same terms in another order (error up to
+    # (V + H) u of the largest term), each rounded once to the output dtype: they
+    # may differ by two output roundings.
+    ref = np.abs(to64(plain))
+    tol = 2 * UNIT[dtype] * ref + (700 + 64) * U32 * ref.max()
+    np.testing.assert_array_less(np.abs(to64(fused) - to64(plain)), tol + 1e-12)
+    assert not to64(fused)[4].any()

@@ -143,144 +143,230 @@ MatView h_view(const HeadProblem& p) {
   return {p.h, p.H, false, elem_of(p.h_dtype)};
 }
 
-// s <- cap * tanh(s / cap); dcap <- 1 - tanh^2 when asked.
-void apply_softcap(float* s, float* dcap, int64_t n, float cap) {
-  softcap_inplace(s, dcap, n, cap);
-}
-
 bool target_in(int32_t y, int64_t v0, int64_t n) {
   return y >= v0 && y < v0 + n;
 }
 
+// One thread's working set.
+struct Work {
+  float* wrows; // [VB, H] the block's weight rows in fp32
+  float* s;     // [M, VB] the block's logits, then its dS or probabilities
+  float* acc;   // [M, H] this thread's share of a [M, H] result, or null
+  float* r0;    // [M] per-row state (running max, or masked g)
+  float* r1;    // [M] (running sum, or g_lse - g)
+  float* dcap;  // [VB] softcap derivative of one row
+  GemmScratch gemm;
+};
+
+// Per-thread working sets carved from one MLX allocation.
+class Workspace {
+ public:
+  Workspace(int threads, const HeadProblem& p, bool with_acc, int64_t max_n)
+      : M_(p.M), H_(p.H), with_acc_(with_acc),
+        per_thread_(VB * p.H + p.M * VB + (with_acc ? p.M * p.H : 0) + 2 * p.M + VB +
+                    sgemm_scratch_floats(max_n)),
+        scratch_(threads * per_thread_) {}
+
+  Work at(int t) {
+    Work w;
+    w.wrows = scratch_.base() + t * per_thread_;
+    w.s = w.wrows + VB * H_;
+    w.acc = with_acc_ ? w.s + M_ * VB : nullptr;
+    w.r0 = w.s + M_ * VB + (with_acc_ ? M_ * H_ : 0);
+    w.r1 = w.r0 + M_;
+    w.dcap = w.r1 + M_;
+    w.gemm = sgemm_scratch(w.dcap + VB);
+    return w;
+  }
+
+ private:
+  int64_t M_, H_;
+  bool with_acc_;
+  int64_t per_thread_;
+  Scratch scratch_;
+};
+
+// Logits of block b into w.s; returns the block's first row and length.
+std::pair<int64_t, int64_t> block_logits(const HeadProblem& p, int64_t b, Work& w) {
+  const int64_t v0 = b * VB, n = std::min(VB, p.V - v0);
+  load_rows(p, v0, n, w.wrows);
+  sgemm(p.M, n, p.H, h_view(p), {w.wrows, p.H, true}, w.s, VB, false, w.gemm);
+  return {v0, n};
+}
+
+// Runs fn(work, block) over all vocabulary blocks on a pool of threads.
+template <class F>
+void over_blocks(const HeadProblem& p, Workspace& ws, int threads, F&& fn) {
+  const int64_t blocks = (p.V + VB - 1) / VB;
+  std::atomic<int64_t> next{0};
+  run_threads(threads, [&](int t) {
+    Work w = ws.at(t);
+    fn(w, -1); // per-thread setup
+    for (int64_t b; (b = next.fetch_add(1)) < blocks;) {
+      fn(w, b);
+    }
+  });
+}
+
+int threads_for(const HeadProblem& p) {
+  return thread_count((p.V + VB - 1) / VB);
+}
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 } // namespace
 
-void forward(const HeadProblem& p, float* logp, float* lse) {
-  const int64_t M = p.M, H = p.H, V = p.V;
-  const int64_t blocks = (V + VB - 1) / VB;
-  const int T = thread_count(blocks);
-  const int64_t gemm_floats = sgemm_scratch_floats(VB);
-  const int64_t per_thread = VB * H + M * VB + 2 * M + gemm_floats;
-  Scratch scratch(T * per_thread + M);
-  float* target_logit = scratch.base() + T * per_thread;
-  std::fill(target_logit, target_logit + M, std::numeric_limits<float>::quiet_NaN());
-  std::atomic<int64_t> next{0};
+void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
+  const int64_t M = p.M, H = p.H;
+  const int T = threads_for(p);
+  Workspace ws(T, p, gsum != nullptr, gsum ? std::max(VB, H) : VB);
+  std::vector<float> target_logit(M, std::numeric_limits<float>::quiet_NaN());
   const float cap = p.cfg.softcap;
 
-  run_threads(T, [&](int t) {
-    float* base = scratch.base() + t * per_thread;
-    float* wrows = base;
-    float* s = wrows + VB * H;
-    float* run_max = s + M * VB;
-    float* run_sum = run_max + M;
-    GemmScratch gs = sgemm_scratch(run_sum + M);
-    std::fill(run_max, run_max + M, -std::numeric_limits<float>::infinity());
-    std::fill(run_sum, run_sum + M, 0.0f);
-    for (int64_t b; (b = next.fetch_add(1)) < blocks;) {
-      const int64_t v0 = b * VB, n = std::min(VB, V - v0);
-      load_rows(p, v0, n, wrows);
-      sgemm(M, n, H, h_view(p), {wrows, H, true}, s, VB, false, gs);
-      for (int64_t m = 0; m < M; ++m) {
-        float* row = s + m * VB;
-        if (cap > 0) {
-          apply_softcap(row, nullptr, n, cap);
+  over_blocks(p, ws, T, [&](Work& w, int64_t b) {
+    float *run_max = w.r0, *run_sum = w.r1;
+    if (b < 0) {
+      std::fill(run_max, run_max + M, kNegInf);
+      std::fill(run_sum, run_sum + M, 0.0f);
+      if (w.acc) {
+        std::fill(w.acc, w.acc + M * H, 0.0f);
+      }
+      return;
+    }
+    auto [v0, n] = block_logits(p, b, w);
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = w.s + m * VB;
+      if (cap > 0) {
+        softcap_inplace(row, w.acc ? w.dcap : nullptr, n, cap);
+      }
+      const int32_t y = p.targets[m];
+      if (target_in(y, v0, n)) {
+        target_logit[m] = row[y - v0];
+      }
+      const float bmax = *std::max_element(row, row + n);
+      if (bmax > run_max[m]) {
+        const float shrink = std::exp(run_max[m] - bmax);
+        run_sum[m] *= shrink;
+        if (w.acc && shrink != 1.0f) {
+          for (float* a = w.acc + m * H; a != w.acc + (m + 1) * H; ++a) {
+            *a *= shrink;
+          }
         }
-        const float bmax = *std::max_element(row, row + n);
-        if (bmax > run_max[m]) {
-          run_sum[m] *= std::exp(run_max[m] - bmax);
-          run_max[m] = bmax;
-        }
+        run_max[m] = bmax;
+      }
+      if (!w.acc) {
         run_sum[m] += sum_exp_shifted(row, n, run_max[m]);
-        const int32_t y = p.targets[m];
-        if (target_in(y, v0, n)) {
-          target_logit[m] = row[y - v0];
+        continue;
+      }
+      // Unnormalised softmax weights times dcap, for sum_v p_v dcap_v W_v.
+      scaled_exp_shifted(row, n, run_max[m], 1.0f);
+      float part = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        part += row[j];
+      }
+      run_sum[m] += part;
+      if (cap > 0) {
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] *= w.dcap[j];
         }
       }
+    }
+    if (w.acc) {
+      sgemm(M, H, n, {w.s, VB}, {w.wrows, H}, w.acc, H, true, w.gemm);
     }
   });
 
+  // Merge the threads' running (max, sum) and weighted rows.
+  std::vector<Work> works;
+  for (int t = 0; t < T; ++t) {
+    works.push_back(ws.at(t));
+  }
+  std::vector<float> weight(T);
   for (int64_t m = 0; m < M; ++m) {
-    float gmax = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < T; ++t) {
-      gmax = std::max(gmax, scratch.base()[t * per_thread + VB * H + M * VB + m]);
+    float gmax = kNegInf;
+    for (auto& w : works) {
+      gmax = std::max(gmax, w.r0[m]);
     }
     double total = 0.0;
     for (int t = 0; t < T; ++t) {
-      const float* st = scratch.base() + t * per_thread + VB * H + M * VB;
-      if (st[m] > -std::numeric_limits<float>::infinity()) {
-        total += static_cast<double>(st[M + m]) * std::exp(double(st[m]) - gmax);
-      }
+      weight[t] = works[t].r0[m] > kNegInf ? std::exp(works[t].r0[m] - gmax) : 0.0f;
+      total += double(works[t].r1[m]) * weight[t];
     }
     lse[m] = gmax + static_cast<float>(std::log(total));
     const int32_t y = p.targets[m];
     logp[m] = y == p.cfg.ignore_index ? 0.0f : target_logit[m] - lse[m];
+    if (gsum) {
+      float* out = gsum + m * H;
+      std::fill(out, out + H, 0.0f);
+      for (int t = 0; t < T; ++t) {
+        const float c = static_cast<float>(weight[t] / total);
+        const float* a = works[t].acc + m * H;
+        for (int64_t i = 0; i < H; ++i) {
+          out[i] += c * a[i];
+        }
+      }
+    }
   }
 }
 
 void backward(const HeadProblem& p, const float* lse, const float* g,
               const float* g_lse, void* dh, void* dw) {
   const int64_t M = p.M, H = p.H, V = p.V;
-  const int64_t blocks = (V + VB - 1) / VB;
-  const int T = thread_count(blocks);
-  const int64_t gemm_floats = sgemm_scratch_floats(std::max(VB, H));
-  const int64_t per_thread = VB * H + M * VB + M * H + 2 * M + gemm_floats;
-  Scratch scratch(T * per_thread);
-  std::atomic<int64_t> next{0};
+  const int T = threads_for(p);
+  Workspace ws(T, p, true, std::max(VB, H));
   const float cap = p.cfg.softcap;
   const Elem w_elem = elem_of(p.w_dtype);
 
-  run_threads(T, [&](int t) {
-    float* wrows = scratch.base() + t * per_thread;
-    float* s = wrows + VB * H;
-    float* dh_part = s + M * VB;
-    float* gm = dh_part + M * H;
-    float* coef = gm + M;
-    GemmScratch gs = sgemm_scratch(coef + M);
-    std::fill(dh_part, dh_part + M * H, 0.0f);
-    // Ignored and out-of-range rows take no gradient through logp.
-    for (int64_t m = 0; m < M; ++m) {
-      const int32_t y = p.targets[m];
-      const bool ok = y != p.cfg.ignore_index && y >= 0 && y < V;
-      gm[m] = ok ? g[m] : 0.0f;
-      coef[m] = g_lse[m] - gm[m];
-    }
-    std::vector<float> dcap(cap > 0 ? VB : 0);
-    for (int64_t b; (b = next.fetch_add(1)) < blocks;) {
-      const int64_t v0 = b * VB, n = std::min(VB, V - v0);
-      load_rows(p, v0, n, wrows);
-      sgemm(M, n, H, h_view(p), {wrows, H, true}, s, VB, false, gs);
-      // dS = (g * onehot + (g_lse - g) * softmax) * dcap, in place.
+  over_blocks(p, ws, T, [&](Work& w, int64_t b) {
+    float *gm = w.r0, *coef = w.r1;
+    if (b < 0) {
+      std::fill(w.acc, w.acc + M * H, 0.0f);
+      // Ignored and out-of-range rows take no gradient through logp.
       for (int64_t m = 0; m < M; ++m) {
-        float* row = s + m * VB;
-        if (cap > 0) {
-          apply_softcap(row, dcap.data(), n, cap);
-        }
-        scaled_exp_shifted(row, n, lse[m], coef[m]);
         const int32_t y = p.targets[m];
-        if (target_in(y, v0, n)) {
-          row[y - v0] += gm[m];
-        }
-        if (cap > 0) {
-          for (int64_t j = 0; j < n; ++j) {
-            row[j] *= dcap[j];
-          }
+        const bool ok = y != p.cfg.ignore_index && y >= 0 && y < V;
+        gm[m] = ok ? g[m] : 0.0f;
+        coef[m] = g_lse[m] - gm[m];
+      }
+      return;
+    }
+    auto [v0, n] = block_logits(p, b, w);
+    // dS = (g * onehot + (g_lse - g) * softmax) * dcap, in place.
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = w.s + m * VB;
+      if (cap > 0) {
+        softcap_inplace(row, w.dcap, n, cap);
+      }
+      scaled_exp_shifted(row, n, lse[m], coef[m]);
+      const int32_t y = p.targets[m];
+      if (target_in(y, v0, n)) {
+        row[y - v0] += gm[m];
+      }
+      if (cap > 0) {
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] *= w.dcap[j];
         }
       }
-      sgemm(M, H, n, {s, VB}, {wrows, H}, dh_part, H, true, gs);
-      if (dw) {
-        // dW rows = dS^T @ h, staged in wrows (done with the weight now).
-        sgemm(n, H, M, {s, VB, true}, h_view(p), wrows, H, false, gs);
-        for (int64_t i = 0; i < n * H; ++i) {
-          store_float(dw, w_elem, v0 * H + i, wrows[i]);
-        }
+    }
+    sgemm(M, H, n, {w.s, VB}, {w.wrows, H}, w.acc, H, true, w.gemm);
+    if (dw) {
+      // dW rows = dS^T @ h, staged in wrows (done with the weight now).
+      sgemm(n, H, M, {w.s, VB, true}, h_view(p), w.wrows, H, false, w.gemm);
+      for (int64_t i = 0; i < n * H; ++i) {
+        store_float(dw, w_elem, v0 * H + i, w.wrows[i]);
       }
     }
   });
 
   const Elem h_elem = elem_of(p.h_dtype);
+  std::vector<Work> works;
+  for (int t = 0; t < T; ++t) {
+    works.push_back(ws.at(t));
+  }
   for (int64_t i = 0; i < M * H; ++i) {
     float acc = 0.0f;
-    for (int t = 0; t < T; ++t) {
-      acc += scratch.base()[t * per_thread + VB * H + M * VB + i];
+    for (auto& w : works) {
+      acc += w.acc[i];
     }
     store_float(dh, h_elem, i, acc);
   }

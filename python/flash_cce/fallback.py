@@ -19,21 +19,25 @@ def _block_size(m, v, block):
     return max(128, min(v, _BLOCK_ELEMENTS // max(m, 1)))
 
 
-def _rows(w, scales, biases, lo, hi, group_size, bits):
-    """Rows [lo, hi) of the head as float32."""
-    if scales is None:
-        return w[lo:hi].astype(mx.float32)
-    return mx.dequantize(
-        w[lo:hi], scales[lo:hi], biases[lo:hi], group_size=group_size, bits=bits
-    ).astype(mx.float32)
+def dequantize_f32(w, scales, biases, group_size, bits):
+    """Affine dequantization in float32.
+
+    mx.dequantize rounds `scale * q + bias` to the scales' dtype even with
+    dtype=float32, so take the integer codes from it (exact with unit scales)
+    and apply scales and biases here.
+    """
+    unit = mx.ones(scales.shape, mx.float32)
+    codes = mx.dequantize(w, unit, mx.zeros_like(unit), group_size=group_size, bits=bits)
+    codes = codes.reshape(*scales.shape, group_size)
+    out = codes * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+    return out.reshape(scales.shape[0], -1)
 
 
-def _gather_rows(w, scales, biases, idx, group_size, bits):
+def _rows(w, scales, biases, idx, group_size, bits):
+    """Rows `idx` (a slice or index array) of the head as float32."""
     if scales is None:
         return w[idx].astype(mx.float32)
-    return mx.dequantize(
-        w[idx], scales[idx], biases[idx], group_size=group_size, bits=bits
-    ).astype(mx.float32)
+    return dequantize_f32(w[idx], scales[idx], biases[idx], group_size, bits)
 
 
 def _softcap(raw, cap):
@@ -58,7 +62,7 @@ def _forward(h, w, scales, biases, targets, group_size, bits, cap, ignore_index,
     run_sum = mx.zeros((m,), mx.float32)
     for lo in range(0, v, bs):
         hi = min(v, lo + bs)
-        s, _ = _softcap(h32 @ _rows(w, scales, biases, lo, hi, group_size, bits).T, cap)
+        s, _ = _softcap(h32 @ _rows(w, scales, biases, slice(lo, hi), group_size, bits).T, cap)
         new_max = mx.maximum(run_max, s.max(axis=1))
         run_sum = run_sum * mx.exp(run_max - new_max) + mx.exp(
             s - new_max[:, None]
@@ -67,7 +71,7 @@ def _forward(h, w, scales, biases, targets, group_size, bits, cap, ignore_index,
     lse = run_max + mx.log(run_sum)
     keep, ok = _valid(targets, v, ignore_index)
     safe = mx.where(ok, targets, 0).astype(mx.uint32)
-    wy = _gather_rows(w, scales, biases, safe, group_size, bits)
+    wy = _rows(w, scales, biases, safe, group_size, bits)
     sy, _ = _softcap((h32 * wy).sum(axis=1), cap)
     logp = mx.where(ok, sy - lse, mx.where(keep, float("nan"), 0.0))
     return logp, lse
@@ -89,7 +93,7 @@ def _backward(
     dw_blocks = []
     for lo in range(0, v, bs):
         hi = min(v, lo + bs)
-        wb = _rows(w, scales, biases, lo, hi, group_size, bits)
+        wb = _rows(w, scales, biases, slice(lo, hi), group_size, bits)
         s, dcap = _softcap(h32 @ wb.T, cap)
         ds = coef * mx.exp(s - lse[:, None])
         onehot = targets[:, None] == mx.arange(lo, hi)[None, :]

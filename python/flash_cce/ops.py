@@ -60,7 +60,7 @@ def check_targets(targets, vocab_size, ignore_index=-100):
 
 def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
                       bits=None, softcap=None, ignore_index=-100, stream=None,
-                      backend=None, validate_targets=True):
+                      backend=None, validate_targets=True, fused_backward=True):
     """Per-token log-probabilities of a linear head without materialising logits.
 
     Args:
@@ -71,6 +71,11 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
         softcap: Gemma's final logit softcap `cap * tanh(s / cap)`, or None.
         backend: None/"auto" (native kernel where there is one, else the pure-MLX
             fallback), "native" or "fallback".
+        fused_backward: let the native forward also accumulate the softmax-weighted
+            head rows `sum_v p_v dcap_v W_v` (one `[M, H]` float32 array kept for
+            the backward), so that the gradient for `h` costs no second pass over
+            the vocabulary: 2 GEMMs for forward + backward instead of 3. Turn it
+            off for forward-only use, where it would be wasted work.
 
     Returns:
         `(logp, lse)`, float32 arrays of shape `targets.shape`:
@@ -83,7 +88,8 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     if _use_native(backend, stream):
         logp, lse = _ext.forward(
             h, w, targets, scales, biases, group_size=group_size, bits=bits,
-            softcap=softcap, ignore_index=ignore_index, stream=stream,
+            softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
+            stream=stream,
         )
         return logp, lse
     lead = targets.shape

@@ -49,7 +49,7 @@ TEST(HeadCpu, QuantizedRowsDequantizeInPlace) {
     p.h = h.data(), p.w = packed.data(), p.scales = scales.data(),
     p.biases = biases.data(), p.targets = &y;
     float logp, lse;
-    cpu::forward(p, &logp, &lse);
+    cpu::forward(p, &logp, &lse, nullptr);
     const double w0 = 0.5 * codes[k] - 1.0, w1 = -0.25 * codes[H + k] + 2.0;
     EXPECT_NEAR(lse, lse2(w0, w1), 1e-6);
     EXPECT_NEAR(logp, w0 - lse2(w0, w1), 1e-6);
@@ -71,7 +71,7 @@ TEST(HeadCpu, ThreadCountDoesNotChangeResults) {
   for (const char* n : {"1", "3", "8"}) {
     setenv("FLASH_CCE_NUM_THREADS", n, 1);
     std::vector<float> logp(M), lse(M), g(M, 1.0f), g_lse(M, 0.0f), dh(M * H);
-    cpu::forward(p, logp.data(), lse.data());
+    cpu::forward(p, logp.data(), lse.data(), nullptr);
     cpu::backward(p, lse.data(), g.data(), g_lse.data(), dh.data(), nullptr);
     logp.insert(logp.end(), dh.begin(), dh.end());
     results.push_back(logp);
@@ -92,7 +92,7 @@ TEST(HeadCpu, OutOfRangeTargetIsNan) {
   p.M = 1, p.H = 2, p.V = 2;
   p.h = h.data(), p.w = w.data(), p.targets = y.data();
   float logp, lse;
-  cpu::forward(p, &logp, &lse);
+  cpu::forward(p, &logp, &lse, nullptr);
   EXPECT_TRUE(std::isnan(logp));
   EXPECT_NEAR(lse, lse2(-0.5, 3.0), 1e-6);
 }

@@ -1,0 +1,373 @@
+// Host side of the CUDA flash-CCE head: loads the kernels' fatbin once per
+// process with the driver API (libmlx links the CUDA runtime statically, so
+// kernels registered with our own runtime would be invisible to MLX's graphs),
+// plans the launches and records them on MLX's command encoder.
+#include "cuda_head.h"
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+#include "params.h"
+
+namespace flash_cce::cuda {
+
+namespace {
+
+void check(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) {
+    const char* msg = nullptr;
+    cuGetErrorString(r, &msg);
+    throw std::runtime_error(std::string("[flash_cce] ") + what + ": " +
+                             (msg ? msg : "unknown CUDA error"));
+  }
+}
+
+// The fatbin installed beside the extension module (FLASH_CCE_FATBIN overrides).
+std::string fatbin_path() {
+  if (const char* env = std::getenv("FLASH_CCE_FATBIN")) {
+    return env;
+  }
+  Dl_info info{};
+  if (!dladdr(reinterpret_cast<void*>(&fatbin_path), &info) || !info.dli_fname) {
+    throw std::runtime_error("[flash_cce] cannot locate the extension module");
+  }
+  std::string so = info.dli_fname;
+  return so.substr(0, so.find_last_of('/') + 1) + "flash_cce_kernels.fatbin";
+}
+
+class Kernels {
+ public:
+  CUfunction get(const std::string& name, int ordinal) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!module_) {
+      ordinal_ = ordinal;
+      load();
+    }
+    auto it = fns_.find(name);
+    if (it != fns_.end()) {
+      return it->second;
+    }
+    CUfunction fn;
+    check(cuModuleGetFunction(&fn, module_, name.c_str()), ("kernel " + name).c_str());
+    check(cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kSmemBytes),
+          "shared memory size");
+    fns_.emplace(name, fn);
+    return fn;
+  }
+
+ private:
+  void load() {
+    const std::string path = fatbin_path();
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      throw std::runtime_error("[flash_cce] missing CUDA kernels: " + path);
+    }
+    image_.assign(std::istreambuf_iterator<char>(in), {});
+    // MLX has made its device current through the runtime; make sure the
+    // driver sees that primary context on this thread too.
+    CUcontext ctx = nullptr;
+    check(cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+    if (!ctx) {
+      CUdevice dev;
+      check(cuInit(0), "cuInit");
+      check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
+      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+    }
+    check(cuModuleLoadData(&module_, image_.data()), ("loading " + path).c_str());
+  }
+
+  std::mutex mutex_;
+  std::string image_;
+  CUmodule module_ = nullptr;
+  int ordinal_ = 0;
+  std::unordered_map<std::string, CUfunction> fns_;
+};
+
+Kernels& kernels() {
+  static Kernels k;
+  return k;
+}
+
+int32_t src_kind(mx::Dtype t) {
+  return t == mx::bfloat16 ? kBF16 : t == mx::float16 ? kF16 : kF32;
+}
+
+// Tensor-core operand type: fp16 when h is fp16, else bf16 (fp32 operands are
+// rounded to bf16 in the loaders; accumulation is always fp32).
+bool use_f16(const HeadProblem& p) {
+  return p.h_dtype == mx::float16;
+}
+
+mx::Dtype compute_dtype(const HeadProblem& p) {
+  return use_f16(p) ? mx::float16 : mx::bfloat16;
+}
+
+// A row-major [rows, cols] operand of dtype t, read natively when it already
+// is the compute type and rows are 16-byte aligned.
+Operand dense(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int64_t ld,
+              mx::Dtype compute) {
+  Operand o{};
+  o.ptr = ptr;
+  o.ld = ld;
+  o.rows = rows;
+  o.cols = cols;
+  const int64_t esize = t == mx::float32 ? 4 : 2;
+  const bool aligned = (ld * esize) % 16 == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  o.kind = (t == compute && aligned) ? kNative : src_kind(t);
+  o.vec_ok = aligned;
+  return o;
+}
+
+Operand weight(const HeadProblem& p, mx::Dtype compute) {
+  if (!p.cfg.quantized) {
+    return dense(p.w, p.w_dtype, p.V, p.H, p.H, compute);
+  }
+  Operand o{};
+  o.ptr = p.w;
+  o.ld = p.H;
+  o.rows = p.V;
+  o.cols = p.H;
+  o.kind = kQuant;
+  o.scales = p.scales;
+  o.biases = p.biases;
+  o.sb_kind = src_kind(p.sb_dtype);
+  o.group_size = p.cfg.group_size;
+  o.bits = p.cfg.bits;
+  return o;
+}
+
+// Kernel name suffix: compute type and weight loader.
+std::string variant(const HeadProblem& p) {
+  std::string t = use_f16(p) ? "f16" : "bf16";
+  if (!p.cfg.quantized) {
+    return t + "_dense";
+  }
+  if (p.cfg.bits == 4 || p.cfg.bits == 8) {
+    return t + "_q" + std::to_string(p.cfg.bits);
+  }
+  return t + "_qany";
+}
+
+int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+mx::array scratch(mx::cu::CommandEncoder& enc, mx::Shape shape, mx::Dtype t) {
+  mx::array a(std::move(shape), t, nullptr, {});
+  a.set_data(mx::allocator::malloc(a.nbytes()));
+  enc.add_temporary(a);
+  return a;
+}
+
+void alloc(std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+  }
+}
+
+// Records one kernel on the encoder (1-D grids: no y/z limits to respect).
+struct Launch {
+  mx::cu::CommandEncoder& enc;
+  int ordinal;
+  template <class P>
+  void operator()(const std::string& name, int64_t blocks, uint32_t smem, P& params) {
+    CUfunction fn = kernels().get(name, ordinal);
+    enc.add_kernel_node_ex(fn, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), dim3(1),
+                           smem, params);
+  }
+};
+
+void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {
+  p.h = mx::gpu_ptr<void>(in[0]);
+  p.w = mx::gpu_ptr<void>(in[1]);
+  p.targets = mx::gpu_ptr<int32_t>(in[2]);
+  if (p.cfg.quantized) {
+    p.scales = mx::gpu_ptr<void>(in[scales_at]);
+    p.biases = mx::gpu_ptr<void>(in[scales_at + 1]);
+    p.sb_dtype = in[scales_at].dtype();
+  }
+}
+
+// Vocabulary splits of the forward: enough blocks for ~8 waves of one block
+// per multiprocessor, while the [splits, M] partials stay under 32 MB.
+int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
+  const int64_t want = cdiv(132 * 8, m_tiles);
+  const int64_t cap = std::max<int64_t>(1, (int64_t(4) << 20) / M);
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
+}
+
+// Width of the backward's vocabulary chunk: the [M, width] dS buffer stays
+// under 48 MB.
+int64_t backward_chunk(int64_t M, int64_t V) {
+  const int64_t cols = (int64_t(48) << 20) / (2 * M);
+  return std::clamp<int64_t>(cols / kTileN * kTileN, kTileN, cdiv(V, kTileN) * kTileN);
+}
+
+} // namespace
+
+void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
+             std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  mx::cu::device(s.device).make_current();
+  HeadProblem p = prob;
+  set_pointers(p, inputs, 3);
+  alloc(outputs);
+  const auto ct = compute_dtype(p);
+
+  FwdParams fp{};
+  fp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, ct);
+  fp.w = weight(p, ct);
+  fp.targets = p.targets;
+  fp.M = p.M;
+  fp.V = p.V;
+  fp.H = p.H;
+  fp.m_tiles = static_cast<int>(cdiv(p.M, kTileM));
+  fp.v_tiles = static_cast<int>(cdiv(p.V, kTileN));
+  fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
+  fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
+  fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
+  fp.cap = p.cfg.softcap;
+
+  auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
+  fp.part_max = mx::gpu_ptr<float>(parts);
+  fp.part_sum = fp.part_max + int64_t(fp.splits) * p.M;
+  fp.target_logit = fp.part_sum + int64_t(fp.splits) * p.M;
+
+  Launch launch{enc, s.device.index};
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(parts);
+  launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+
+  CombineParams cp{};
+  cp.part_max = fp.part_max;
+  cp.part_sum = fp.part_sum;
+  cp.target_logit = fp.target_logit;
+  cp.targets = p.targets;
+  cp.logp = mx::gpu_ptr<float>(outputs[0]);
+  cp.lse = mx::gpu_ptr<float>(outputs[1]);
+  cp.M = p.M;
+  cp.V = p.V;
+  cp.splits = fp.splits;
+  cp.ignore_index = p.cfg.ignore_index;
+  enc.set_input_array(parts);
+  enc.set_input_array(inputs[2]);
+  enc.set_output_array(outputs[0]);
+  enc.set_output_array(outputs[1]);
+  launch("fcce_combine", cdiv(p.M, kThreads), 0, cp);
+}
+
+void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  mx::cu::device(s.device).make_current();
+  HeadProblem p = prob;
+  set_pointers(p, inputs, 6);
+  alloc(outputs);
+  const bool want_dw = outputs.size() > 1;
+  const auto ct = compute_dtype(p);
+  const int64_t M = p.M, H = p.H, V = p.V;
+  const int m_tiles = static_cast<int>(cdiv(M, kTileM));
+  const int h_tiles = static_cast<int>(cdiv(H, kTileN));
+  const int64_t chunk = backward_chunk(M, V);
+
+  auto ds = scratch(enc, {static_cast<int>(M), static_cast<int>(chunk)}, ct);
+  // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer.
+  const bool acc_in_out = p.h_dtype == mx::float32;
+  mx::array acc = acc_in_out ? outputs[0] : scratch(enc, {static_cast<int>(M), static_cast<int>(H)}, mx::float32);
+
+  DsParams dp{};
+  dp.h = dense(p.h, p.h_dtype, M, H, H, ct);
+  dp.w = weight(p, ct);
+  dp.targets = p.targets;
+  dp.lse = mx::gpu_ptr<float>(inputs[3]);
+  dp.g = mx::gpu_ptr<float>(inputs[4]);
+  dp.g_lse = mx::gpu_ptr<float>(inputs[5]);
+  dp.ds = mx::gpu_ptr<void>(ds);
+  dp.M = M;
+  dp.V = V;
+  dp.H = H;
+  dp.ld_ds = chunk;
+  dp.m_tiles = m_tiles;
+  dp.ignore_index = p.cfg.ignore_index;
+  dp.cap = p.cfg.softcap;
+
+  DhParams hp{};
+  hp.ds = dense(dp.ds, ct, M, 0, chunk, ct);
+  hp.w = weight(p, ct);
+  hp.acc = mx::gpu_ptr<float>(acc);
+  hp.out = mx::gpu_ptr<void>(outputs[0]);
+  hp.M = M;
+  hp.H = H;
+  hp.m_tiles = m_tiles;
+  hp.out_kind = src_kind(p.h_dtype);
+
+  DwParams wp{};
+  if (want_dw) {
+    wp.ds = dense(dp.ds, ct, M, 0, chunk, ct);
+    wp.h = dense(p.h, p.h_dtype, M, H, H, ct);
+    wp.out = mx::gpu_ptr<void>(outputs[1]);
+    wp.M = M;
+    wp.H = H;
+    wp.out_kind = src_kind(p.w_dtype);
+  }
+
+  Launch launch{enc, s.device.index};
+  const std::string v = variant(p);
+  const std::string t = use_f16(p) ? "f16" : "bf16";
+  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+    const int64_t width = std::min(chunk, V - v0);
+    const int64_t v_tiles = cdiv(width, kTileN);
+    dp.v0 = v0;
+    dp.width = width;
+    for (auto& a : inputs) {
+      enc.set_input_array(a);
+    }
+    enc.set_output_array(ds);
+    launch("fcce_ds_" + v, m_tiles * v_tiles, kSmemBytes, dp);
+
+    // dS @ W[v0 : v0 + width]: the weight rows are the K dimension.
+    hp.ds.cols = width;
+    hp.w.row0 = v0;
+    hp.first = v0 == 0;
+    hp.last = v0 + width >= V;
+    enc.set_input_array(inputs[1]);
+    if (p.cfg.quantized) {
+      enc.set_input_array(inputs[6]);
+      enc.set_input_array(inputs[7]);
+    }
+    // The next chunk's dS overwrites the buffer: mark it written here so that
+    // the graph orders that write after this read.
+    enc.set_output_array(ds);
+    enc.set_output_array(acc);
+    enc.set_output_array(outputs[0]);
+    launch("fcce_dh_" + v, int64_t(m_tiles) * h_tiles, kSmemBytes, hp);
+
+    if (want_dw) {
+      // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
+      wp.ds.cols = width;
+      wp.v0 = v0;
+      wp.width = width;
+      wp.v_tiles = static_cast<int>(v_tiles);
+      enc.set_input_array(inputs[0]);
+      enc.set_output_array(ds);
+      enc.set_output_array(outputs[1]);
+      launch("fcce_dw_" + t, v_tiles * h_tiles, kSmemBytes, wp);
+    }
+  }
+}
+
+} // namespace flash_cce::cuda

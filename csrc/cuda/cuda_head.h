@@ -1,0 +1,19 @@
+// CUDA evaluation of the flash-CCE primitives (kernels in head_kernels.cu).
+#pragma once
+
+#include <vector>
+
+#include "../head_kernels.h"
+#include "mlx/stream.h"
+
+namespace flash_cce::cuda {
+
+// Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32).
+void forward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+             std::vector<mx::array>& outputs);
+
+// Inputs h, w, targets, lse, g, g_lse (+ scales, biases); outputs dh (+ dw).
+void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs);
+
+} // namespace flash_cce::cuda

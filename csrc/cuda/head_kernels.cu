@@ -1,0 +1,670 @@
+// CUDA kernels of the flash-CCE head (sm_80 and later: mma.sync tensor cores,
+// cp.async pipelines). Compiled by nvcc into a fatbin that the host code loads
+// through the driver API; every kernel is extern "C" so it is found by name.
+//
+// One GEMM main loop, C[128 x 128] = A[128 x K] . B[128 x K]^T with A and B
+// each stored K-major or MN-major, feeds four epilogues:
+//   fwd  logits -> softcap -> per-row online (max, sum) and target logit
+//   ds   logits -> dS = (g onehot + (g_lse - g) softmax) dcap, stored
+//   dh   dh (+)= dS @ W_chunk
+//   dw   dW_chunk = dS^T @ h
+// Quantized heads are dequantized by the B loader into shared memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "params.h"
+
+namespace flash_cce::cuda {
+
+namespace {
+
+constexpr int BM = kTileM, BN = kTileN, BK = kTileK, PAD = 8;
+
+// Compute types --------------------------------------------------------------
+
+template <class T>
+struct Ops;
+
+template <>
+struct Ops<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat162 pack(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
+  }
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+template <>
+struct Ops<__half> {
+  static __device__ __forceinline__ __half2 pack(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
+  static __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  auto v = Ops<T>::pack(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float bf16_bits(uint32_t u16) {
+  return __uint_as_float(u16 << 16);
+}
+
+__device__ __forceinline__ float f16_bits(uint32_t u16) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
+}
+
+__device__ __forceinline__ float load_as_float(const void* p, int kind, int64_t i) {
+  switch (kind) {
+    case kBF16:
+      return bf16_bits(static_cast<const uint16_t*>(p)[i]);
+    case kF16:
+      return f16_bits(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store_from_float(void* p, int kind, int64_t i, float v) {
+  switch (kind) {
+    case kBF16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+      break;
+    case kF16:
+      static_cast<__half*>(p)[i] = __float2half_rn(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+  }
+}
+
+// PTX wrappers -----------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// Tile loader ------------------------------------------------------------------
+
+// Loads an R x C tile of an Operand into shared memory (row stride C + PAD) in
+// chunks of 8 elements, two chunks per thread. fetch() starts the global reads
+// (cp.async, or loads into registers); store() converts the registers and
+// writes shared memory, so the conversion overlaps the tensor-core work.
+// QB: 0 dense, 4 or 8 quantized with that many bits, 1 quantized, bits at run time.
+template <class T, int R, int C, int QB>
+struct TileLoader {
+  static constexpr int kChunks = R * C / 8 / kThreads;
+  static_assert(kChunks * 8 * kThreads == R * C, "tile must split into 8-element chunks");
+
+  enum Mode : int { kZero, kAsync, kFloats, kHalves, kPacked };
+  uint4 raw[kChunks][2];
+  uint32_t sraw[kChunks], braw[kChunks];
+  int mode[kChunks];
+
+  __device__ __forceinline__ void fetch(const Operand& op, int64_t r0, int64_t c0, T* tile) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int q = threadIdx.x + i * kThreads;
+      const int r = q / (C / 8), c = (q % (C / 8)) * 8;
+      const int64_t gr = op.row0 + r0 + r, gc = op.col0 + c0 + c;
+      const bool in = gr < op.rows && gc < op.cols;
+      T* dst = tile + r * (C + PAD) + c;
+      if (QB == 0 && op.kind == kNative) {
+        const int64_t left = in ? (op.cols - gc) * 2 : 0;
+        const int bytes = left > 16 ? 16 : static_cast<int>(left);
+        const void* src = in ? static_cast<const T*>(op.ptr) + gr * op.ld + gc : op.ptr;
+        cp_async16(dst, src, bytes);
+        mode[i] = kAsync;
+      } else if (!in) {
+        mode[i] = kZero;
+      } else if (QB != 0) {
+        fetch_packed(op, gr, gc, i);
+      } else if (op.vec_ok && gc + 8 <= op.cols) {
+        if (op.kind == kF32) {
+          const auto* s = reinterpret_cast<const uint4*>(static_cast<const float*>(op.ptr) + gr * op.ld + gc);
+          raw[i][0] = __ldg(s);
+          raw[i][1] = __ldg(s + 1);
+          mode[i] = kFloats;
+        } else {
+          raw[i][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(op.ptr) + gr * op.ld + gc));
+          mode[i] = kHalves;
+        }
+      } else {
+        float* f = reinterpret_cast<float*>(raw[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          f[j] = gc + j < op.cols ? load_as_float(op.ptr, op.kind == kNative ? kF32 : op.kind, gr * op.ld + gc + j) : 0.0f;
+        }
+        mode[i] = kFloats;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void fetch_packed(const Operand& op, int64_t gr, int64_t gc, int i) {
+    const int bits = QB > 1 ? QB : op.bits;
+    const auto* row = static_cast<const uint8_t*>(op.ptr) + gr * (op.cols * bits / 8);
+    const int64_t byte = gc / 8 * bits;
+    if (QB == 4) {
+      raw[i][0].x = __ldg(reinterpret_cast<const uint32_t*>(row + byte));
+      raw[i][0].y = 0;
+    } else if (QB == 8) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + byte));
+      raw[i][0].x = v.x;
+      raw[i][0].y = v.y;
+    } else {
+      uint64_t v = 0;
+      for (int j = 0; j < bits; ++j) {
+        v |= uint64_t(__ldg(row + byte + j)) << (8 * j);
+      }
+      raw[i][0].x = static_cast<uint32_t>(v);
+      raw[i][0].y = static_cast<uint32_t>(v >> 32);
+    }
+    const int64_t g = gr * (op.cols / op.group_size) + gc / op.group_size;
+    if (op.sb_kind == kF32) {
+      sraw[i] = __float_as_uint(__ldg(static_cast<const float*>(op.scales) + g));
+      braw[i] = __float_as_uint(__ldg(static_cast<const float*>(op.biases) + g));
+    } else {
+      sraw[i] = __ldg(static_cast<const uint16_t*>(op.scales) + g);
+      braw[i] = __ldg(static_cast<const uint16_t*>(op.biases) + g);
+    }
+    mode[i] = kPacked;
+  }
+
+  __device__ __forceinline__ static float sb_float(uint32_t u, int kind) {
+    return kind == kF32 ? __uint_as_float(u) : kind == kBF16 ? bf16_bits(u) : f16_bits(u);
+  }
+
+  __device__ __forceinline__ void store(const Operand& op, T* tile) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      if (mode[i] == kAsync) {
+        continue;
+      }
+      const int q = threadIdx.x + i * kThreads;
+      const int r = q / (C / 8), c = (q % (C / 8)) * 8;
+      uint4 out = make_uint4(0, 0, 0, 0);
+      if (mode[i] == kFloats) {
+        const float* f = reinterpret_cast<const float*>(raw[i]);
+        out = make_uint4(pack2<T>(f[0], f[1]), pack2<T>(f[2], f[3]),
+                         pack2<T>(f[4], f[5]), pack2<T>(f[6], f[7]));
+      } else if (mode[i] == kHalves) {
+        const uint32_t* u = reinterpret_cast<const uint32_t*>(&raw[i][0]);
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float a = op.kind == kBF16 ? bf16_bits(u[j] & 0xffff) : f16_bits(u[j] & 0xffff);
+          const float b = op.kind == kBF16 ? bf16_bits(u[j] >> 16) : f16_bits(u[j] >> 16);
+          o[j] = pack2<T>(a, b);
+        }
+      } else if (mode[i] == kPacked) {
+        const int bits = QB > 1 ? QB : op.bits;
+        const uint64_t v = uint64_t(raw[i][0].x) | (uint64_t(raw[i][0].y) << 32);
+        const uint32_t mask = (1u << bits) - 1;
+        const float s = sb_float(sraw[i], op.sb_kind), b = sb_float(braw[i], op.sb_kind);
+        uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float q0 = static_cast<float>(uint32_t(v >> (2 * j * bits)) & mask);
+          const float q1 = static_cast<float>(uint32_t(v >> ((2 * j + 1) * bits)) & mask);
+          o[j] = pack2<T>(fmaf(s, q0, b), fmaf(s, q1, b));
+        }
+      }
+      *reinterpret_cast<uint4*>(tile + r * (C + PAD) + c) = out;
+    }
+  }
+};
+
+// GEMM main loop ---------------------------------------------------------------
+
+// Warps form a 2 x 4 grid; warp (wm, wn) owns rows wm*64 + [0, 64) and columns
+// wn*32 + [0, 32) of the tile: 4 x 4 mma tiles of 16 x 8, acc[mi][ni][e] at
+// row wm*64 + mi*16 + lane/4 + (e/2)*8, column wn*32 + ni*8 + (lane%4)*2 + e%2.
+struct Frag {
+  int lane, wm, wn;
+  __device__ __forceinline__ Frag() {
+    lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    wm = warp >> 2;
+    wn = warp & 3;
+  }
+  __device__ __forceinline__ int row(int mi, int e) const {
+    return wm * 64 + mi * 16 + (lane >> 2) + (e >> 1) * 8;
+  }
+  __device__ __forceinline__ int col(int ni, int e) const {
+    return wn * 32 + ni * 8 + (lane & 3) * 2 + (e & 1);
+  }
+};
+
+// acc = A[m0 : m0+128, 0:K] . B[n0 : n0+128, 0:K]^T. A_K: A is stored [m][k]
+// (else [k][m]); likewise B_K for B. Ends with a barrier, so shared memory may
+// be reused right after.
+template <class T, bool A_K, bool B_K, int QB>
+__device__ __forceinline__ void gemm_tile(const Operand& A, const Operand& B, int64_t m0,
+                                          int64_t n0, int64_t K, float (&acc)[4][4][4],
+                                          T* smem) {
+  constexpr int AR = A_K ? BM : BK, AC = A_K ? BK : BM;
+  constexpr int BR = B_K ? BN : BK, BC = B_K ? BK : BN;
+  constexpr int kStage = kTileElems;
+  T* sa = smem;
+  T* sb = smem + kStages * kStage;
+  const Frag f;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[mi][ni][e] = 0.0f;
+
+  TileLoader<T, AR, AC, 0> la;
+  TileLoader<T, BR, BC, QB> lb;
+  const int kt_count = static_cast<int>((K + BK - 1) / BK);
+  auto fetch = [&](int kt) {
+    const int s = kt % kStages;
+    const int64_t k0 = int64_t(kt) * BK;
+    la.fetch(A, A_K ? m0 : k0, A_K ? k0 : m0, sa + s * kStage);
+    lb.fetch(B, B_K ? n0 : k0, B_K ? k0 : n0, sb + s * kStage);
+  };
+  auto store = [&](int kt) {
+    const int s = kt % kStages;
+    la.store(A, sa + s * kStage);
+    lb.store(B, sb + s * kStage);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < kt_count) {
+      fetch(s);
+      store(s);
+    }
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < kt_count; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int next = kt + kStages - 1;
+    const bool more = next < kt_count;
+    if (more) {
+      fetch(next);
+    }
+    cp_async_commit();
+
+    const T* ta = sa + (kt % kStages) * kStage;
+    const T* tb = sb + (kt % kStages) * kStage;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        const int mb = f.wm * 64 + mi * 16;
+        if (A_K) {
+          ldsm_x4(af[mi], ta + (mb + (f.lane & 15)) * (AC + PAD) + kk + (f.lane >> 4) * 8);
+        } else {
+          const int k = kk + (f.lane & 7) + (f.lane >> 4) * 8;
+          ldsm_x4_t(af[mi], ta + k * (AC + PAD) + mb + ((f.lane >> 3) & 1) * 8);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int nb = f.wn * 32 + np * 16;
+        uint32_t r[4];
+        if (B_K) {
+          ldsm_x4(r, tb + (nb + (f.lane & 7) + (f.lane >> 4) * 8) * (BC + PAD) + kk +
+                         ((f.lane >> 3) & 1) * 8);
+        } else {
+          const int k = kk + (f.lane & 7) + ((f.lane >> 3) & 1) * 8;
+          ldsm_x4_t(r, tb + k * (BC + PAD) + nb + (f.lane >> 4) * 8);
+        }
+        bf[2 * np][0] = r[0];
+        bf[2 * np][1] = r[1];
+        bf[2 * np + 1][0] = r[2];
+        bf[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+          Ops<T>::mma(acc[mi][ni], af[mi], bf[ni]);
+    }
+    if (more) {
+      store(next);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// Epilogue helpers -----------------------------------------------------------
+
+// tanh through one exponential, accurate to a few fp32 ulps of cap * tanh.
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float e = __expf(2.0f * fminf(fabsf(x), 15.0f));
+  const float t = 1.0f - 2.0f / (e + 1.0f);
+  return copysignf(t, x);
+}
+
+// Online (max, sum-of-exp) merge; -inf maxima carry nothing.
+__device__ __forceinline__ void merge(float& m, float& l, float om, float ol) {
+  const float nm = fmaxf(m, om);
+  if (nm == -INFINITY) {
+    return;
+  }
+  l = l * __expf(m - nm) + ol * __expf(om - nm);
+  m = nm;
+}
+
+// Forward ------------------------------------------------------------------------
+
+template <class T, int QB>
+__device__ __forceinline__ void fwd_body(const FwdParams& p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float red_max[4][BM], red_sum[4][BM];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
+  const int64_t m0 = int64_t(mt) * BM;
+  const int t_begin = split * p.tiles_per_split;
+  const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
+  const Frag f;
+
+  int32_t y[8];
+  float run_max[8], run_sum[8];
+#pragma unroll
+  for (int ri = 0; ri < 8; ++ri) {
+    const int64_t gm = m0 + f.row(ri >> 1, (ri & 1) * 2);
+    y[ri] = gm < p.M ? p.targets[gm] : -1;
+    run_max[ri] = -INFINITY;
+    run_sum[ri] = 0.0f;
+  }
+
+  float acc[4][4][4];
+  for (int vt = t_begin; vt < t_end; ++vt) {
+    const int64_t v0 = int64_t(vt) * BN;
+    gemm_tile<T, true, true, QB>(p.h, p.w, m0, v0, p.H, acc, smem);
+#pragma unroll
+    for (int ri = 0; ri < 8; ++ri) {
+      const int mi = ri >> 1, e0 = (ri & 1) * 2;
+      const int64_t gm = m0 + f.row(mi, e0);
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int64_t v = v0 + f.col(ni, j);
+          float s = acc[mi][ni][e0 + j];
+          if (p.cap > 0.0f) {
+            s = p.cap * tanh_fast(s / p.cap);
+          }
+          if (v >= p.V) {
+            s = -INFINITY;
+          } else if (v == y[ri] && gm < p.M) {
+            p.target_logit[gm] = s;
+          }
+          acc[mi][ni][e0 + j] = s;
+          tmax = fmaxf(tmax, s);
+        }
+      if (tmax == -INFINITY) {
+        continue;
+      }
+      const float nm = fmaxf(run_max[ri], tmax);
+      float sum = 0.0f;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          sum += __expf(acc[mi][ni][e0 + j] - nm);
+      run_sum[ri] = run_sum[ri] * __expf(run_max[ri] - nm) + sum;
+      run_max[ri] = nm;
+    }
+  }
+
+  // Reduce over the 4 lanes that share a row, then over the 4 column warps.
+#pragma unroll
+  for (int ri = 0; ri < 8; ++ri) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      const float om = __shfl_xor_sync(0xffffffff, run_max[ri], off);
+      const float ol = __shfl_xor_sync(0xffffffff, run_sum[ri], off);
+      merge(run_max[ri], run_sum[ri], om, ol);
+    }
+    if ((f.lane & 3) == 0) {
+      const int r = f.row(ri >> 1, (ri & 1) * 2);
+      red_max[f.wn][r] = run_max[ri];
+      red_sum[f.wn][r] = run_sum[ri];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < BM) {
+    const int r = threadIdx.x;
+    float m = red_max[0][r], l = red_sum[0][r];
+    for (int w = 1; w < 4; ++w) {
+      merge(m, l, red_max[w][r], red_sum[w][r]);
+    }
+    const int64_t gm = m0 + r;
+    if (gm < p.M) {
+      p.part_max[int64_t(split) * p.M + gm] = m;
+      p.part_sum[int64_t(split) * p.M + gm] = l;
+    }
+  }
+}
+
+// Backward: dS -------------------------------------------------------------------
+
+template <class T, int QB>
+__device__ __forceinline__ void ds_body(const DsParams& p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const int mt = blockIdx.x % p.m_tiles, vt = blockIdx.x / p.m_tiles;
+  const int64_t m0 = int64_t(mt) * BM, v0 = p.v0 + int64_t(vt) * BN;
+  const Frag f;
+  float acc[4][4][4];
+  gemm_tile<T, true, true, QB>(p.h, p.w, m0, v0, p.H, acc, smem);
+
+  T* ds = static_cast<T*>(p.ds);
+#pragma unroll
+  for (int ri = 0; ri < 8; ++ri) {
+    const int mi = ri >> 1, e0 = (ri & 1) * 2;
+    const int64_t gm = m0 + f.row(mi, e0);
+    if (gm >= p.M) {
+      continue;
+    }
+    const int32_t y = p.targets[gm];
+    const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
+    const float g = ok ? p.g[gm] : 0.0f;
+    const float coef = p.g_lse[gm] - g;
+    const float lse = p.lse[gm];
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      float d[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int64_t v = v0 + f.col(ni, j);
+        float s = acc[mi][ni][e0 + j], dcap = 1.0f;
+        if (p.cap > 0.0f) {
+          const float t = tanh_fast(s / p.cap);
+          s = p.cap * t;
+          dcap = 1.0f - t * t;
+        }
+        float x = coef * __expf(s - lse);
+        if (v == y) {
+          x += g;
+        }
+        d[j] = v < p.V ? x * dcap : 0.0f;
+      }
+      const int64_t c = v0 - p.v0 + f.col(ni, 0);
+      if (c < p.width) {
+        *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
+      }
+    }
+  }
+}
+
+// Backward: dh ---------------------------------------------------------------------
+
+template <class T, int QB>
+__device__ __forceinline__ void dh_body(const DhParams& p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const int mt = blockIdx.x % p.m_tiles, ht = blockIdx.x / p.m_tiles;
+  const int64_t m0 = int64_t(mt) * BM, n0 = int64_t(ht) * BN;
+  const Frag f;
+  float acc[4][4][4];
+  gemm_tile<T, true, false, QB>(p.ds, p.w, m0, n0, p.ds.cols, acc, smem);
+
+  const bool pairs = (p.H & 1) == 0;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t gm = m0 + f.row(mi, hf * 2);
+      if (gm >= p.M) {
+        continue;
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int64_t c = n0 + f.col(ni, 0);
+        if (c >= p.H) {
+          continue;
+        }
+        float v0 = acc[mi][ni][hf * 2], v1 = acc[mi][ni][hf * 2 + 1];
+        const int64_t i = gm * p.H + c;
+        const bool two = c + 1 < p.H;
+        if (!p.first) {
+          if (pairs) {
+            const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
+            v0 += old.x;
+            v1 += old.y;
+          } else {
+            v0 += p.acc[i];
+            v1 += two ? p.acc[i + 1] : 0.0f;
+          }
+        }
+        if (p.last) {
+          store_from_float(p.out, p.out_kind, i, v0);
+          if (two) {
+            store_from_float(p.out, p.out_kind, i + 1, v1);
+          }
+        } else if (pairs) {
+          *reinterpret_cast<float2*>(p.acc + i) = make_float2(v0, v1);
+        } else {
+          p.acc[i] = v0;
+          if (two) {
+            p.acc[i + 1] = v1;
+          }
+        }
+      }
+    }
+}
+
+// Backward: dW ---------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ void dw_body(const DwParams& p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  const int vt = blockIdx.x % p.v_tiles, ht = blockIdx.x / p.v_tiles;
+  const int64_t r0 = int64_t(vt) * BM, n0 = int64_t(ht) * BN;
+  const Frag f;
+  float acc[4][4][4];
+  gemm_tile<T, false, false, 0>(p.ds, p.h, r0, n0, p.M, acc, smem);
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t r = r0 + f.row(mi, e), c = n0 + f.col(ni, e);
+        if (r < p.width && c < p.H) {
+          store_from_float(p.out, p.out_kind, (p.v0 + r) * p.H + c, acc[mi][ni][e]);
+        }
+      }
+}
+
+} // namespace
+
+} // namespace flash_cce::cuda
+
+using namespace flash_cce::cuda;
+
+// lse = logsumexp over the splits' partial (max, sum); logp = target logit - lse,
+// 0 for ignored rows and NaN for targets outside [0, V).
+extern "C" __global__ void fcce_combine(CombineParams p) {
+  const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (m >= p.M) {
+    return;
+  }
+  float mx = -INFINITY, l = 0.0f;
+  for (int s = 0; s < p.splits; ++s) {
+    merge(mx, l, p.part_max[int64_t(s) * p.M + m], p.part_sum[int64_t(s) * p.M + m]);
+  }
+  const float lse = mx + logf(l);
+  p.lse[m] = lse;
+  const int32_t y = p.targets[m];
+  p.logp[m] = y == p.ignore_index ? 0.0f
+      : (y >= 0 && y < p.V) ? p.target_logit[m] - lse
+                            : __int_as_float(0x7fc00000);
+}
+
+#define FCCE_GEMM_KERNELS(TNAME, T, QNAME, QB)                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, 1)                           \
+      fcce_fwd_##TNAME##_##QNAME(FwdParams p) {                                       \
+    fwd_body<T, QB>(p);                                                               \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kThreads, 1)                           \
+      fcce_ds_##TNAME##_##QNAME(DsParams p) {                                         \
+    ds_body<T, QB>(p);                                                                \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kThreads, 1)                           \
+      fcce_dh_##TNAME##_##QNAME(DhParams p) {                                         \
+    dh_body<T, QB>(p);                                                                \
+  }
+
+#define FCCE_ALL_WEIGHTS(TNAME, T)                                                    \
+  FCCE_GEMM_KERNELS(TNAME, T, dense, 0)                                               \
+  FCCE_GEMM_KERNELS(TNAME, T, q4, 4)                                                  \
+  FCCE_GEMM_KERNELS(TNAME, T, q8, 8)                                                  \
+  FCCE_GEMM_KERNELS(TNAME, T, qany, 1)                                                \
+  extern "C" __global__ void __launch_bounds__(kThreads, 1) fcce_dw_##TNAME(DwParams p) { \
+    dw_body<T>(p);                                                                    \
+  }
+
+FCCE_ALL_WEIGHTS(bf16, __nv_bfloat16)
+FCCE_ALL_WEIGHTS(f16, __half)

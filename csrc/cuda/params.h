@@ -1,0 +1,95 @@
+// Kernel parameter blocks shared by the host code and the CUDA kernels. Plain
+// structs passed by value, so both compilers must agree on their layout.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_cce::cuda {
+
+// How a loader reads an operand: straight copies of the compute type, a
+// conversion from another float type, or MLX affine dequantization.
+enum SrcKind : int32_t { kNative = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kQuant = 4 };
+
+// A row-major matrix read tile by tile; element (r, c) of the view is
+// ptr[(row0 + r) * ld + col0 + c]. Reads at or past (rows, cols) give zero.
+struct Operand {
+  const void* ptr;
+  int64_t ld;
+  int64_t row0, col0;
+  int64_t rows, cols; // absolute bounds
+  int32_t kind;
+  int32_t vec_ok; // 8-element chunks may be read as aligned vectors
+  // Quantized only: [rows, cols / group_size] scales and biases.
+  const void* scales;
+  const void* biases;
+  int32_t sb_kind; // kF32, kBF16 or kF16
+  int32_t group_size;
+  int32_t bits;
+  int32_t pad_;
+};
+
+struct FwdParams {
+  Operand h, w;
+  const int32_t* targets;
+  float* part_max; // [splits, M]
+  float* part_sum; // [splits, M]
+  float* target_logit; // [M]
+  int64_t M, V, H;
+  int32_t m_tiles, v_tiles, splits, tiles_per_split;
+  float cap;
+  int32_t pad_;
+};
+
+struct CombineParams {
+  const float* part_max;
+  const float* part_sum;
+  const float* target_logit;
+  const int32_t* targets;
+  float* logp;
+  float* lse;
+  int64_t M, V;
+  int32_t splits, ignore_index;
+};
+
+// dS for the vocabulary chunk [v0, v0 + width): written to ds[M, ld_ds] in the
+// compute type.
+struct DsParams {
+  Operand h, w;
+  const int32_t* targets;
+  const float* lse;
+  const float* g;
+  const float* g_lse;
+  void* ds;
+  int64_t M, V, H, v0, width, ld_ds;
+  int32_t m_tiles, ignore_index;
+  float cap;
+  int32_t pad_;
+};
+
+// dh (+)= dS @ W[v0 : v0 + width]; fp32 accumulation in acc, the last chunk
+// writes out in out_kind.
+struct DhParams {
+  Operand ds, w;
+  float* acc; // [M, H]
+  void* out; // [M, H]
+  int64_t M, H;
+  int32_t m_tiles, out_kind, first, last;
+};
+
+// dW[v0 : v0 + width] = dS^T @ h, written in out_kind.
+struct DwParams {
+  Operand ds, h;
+  void* out; // [V, H]
+  int64_t M, H, v0, width;
+  int32_t v_tiles, out_kind;
+};
+
+constexpr int kThreads = 256;
+constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kStages = 4;
+
+// Dynamic shared memory of the GEMM kernels: the operand pipeline, each tile
+// row padded by 8 elements against ldmatrix bank conflicts.
+constexpr int kTileElems = 128 * (32 + 8) > 32 * (128 + 8) ? 128 * (32 + 8) : 32 * (128 + 8);
+constexpr int kSmemBytes = kStages * 2 * kTileElems * 2;
+
+} // namespace flash_cce::cuda
