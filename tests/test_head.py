@@ -489,3 +489,23 @@ def test_fused_backward_matches_recompute(dtype, quant, softcap):
     tol = 2 * UNIT[dtype] * ref + (700 + 64) * U32 * ref.max()
     np.testing.assert_array_less(np.abs(to64(fused) - to64(plain)), tol + 1e-12)
     assert not to64(fused)[4].any()
+
+
+def test_backend_routing():
+    """A device without a native kernel runs the pure-MLX fallback automatically."""
+    from flash_cce import ops
+
+    assert ops._use_native(None, mx.cpu) and ops._use_native("native", mx.cpu)
+    assert not ops._use_native("fallback", mx.cpu)
+    gpu = mx.Device(mx.gpu, 0)
+    assert ops._use_native(None, gpu) == fc._ext.has_gpu_kernels()
+    if not fc._ext.has_gpu_kernels():
+        with pytest.raises(ValueError, match="has no flash-CCE kernel"):
+            ops._use_native("native", gpu)
+
+
+def test_explicit_cpu_stream():
+    h, w, y = make_inputs(4, 16, 30)
+    a = fc.flash_cce_forward(h, w, y, stream=mx.cpu)[0]
+    b = fc.flash_cce_forward(h, w, y, stream=mx.cpu, backend="fallback")[0]
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
