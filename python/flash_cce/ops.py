@@ -7,16 +7,18 @@ from . import _ext, fallback
 _BACKENDS = (None, "auto", "native", "fallback")
 
 
-def has_native_kernel(device=None):
-    """Whether `device` (default: MLX's default device) runs the C++/CUDA kernels."""
-    device = device or mx.default_device()
-    return device.type == mx.cpu or _ext.has_gpu_kernels()
-
-
 def _device(stream):
+    """The device of a stream, device, device type (mx.cpu) or None (default)."""
     if stream is None:
         return mx.default_device()
-    return stream.device if isinstance(stream, mx.Stream) else stream
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    return mx.Device(stream) if isinstance(stream, mx.DeviceType) else stream
+
+
+def has_native_kernel(device=None):
+    """Whether `device` (default: MLX's default device) runs the C++/CUDA kernels."""
+    return _device(device).type == mx.cpu or _ext.has_gpu_kernels()
 
 
 def _use_native(backend, stream):
