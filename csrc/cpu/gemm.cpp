@@ -185,6 +185,19 @@ GemmScratch sgemm_scratch(float* base) {
   return {a, align(a + MC * KC)};
 }
 
+int64_t sgemm_packed_a_floats(int64_t M, int64_t K) {
+  return (M + MR - 1) / MR * MR * K;
+}
+
+// Block (ic, pc) of the packed A starts at pc * Mp + ic * kc: each K block
+// holds all row panels, and MC is a multiple of MR.
+void sgemm_pack_a(const MatView& A, int64_t M, int64_t K, float* out) {
+  const int64_t Mp = (M + MR - 1) / MR * MR;
+  for (int64_t pc = 0; pc < K; pc += KC) {
+    pack_a(A, 0, M, pc, std::min(KC, K - pc), out + pc * Mp);
+  }
+}
+
 const char* sgemm_kernel_name() {
   return kernel == kernel_generic ? "generic" : "avx2";
 }
@@ -203,6 +216,7 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
     return;
   }
   float edge[MR * NR];
+  const int64_t Mp = (M + MR - 1) / MR * MR;
   for (int64_t jc = 0; jc < N; jc += NC) {
     const int64_t nc = std::min(NC, N - jc);
     for (int64_t pc = 0; pc < K; pc += KC) {
@@ -211,13 +225,16 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
       pack_b(B, pc, kc, jc, nc, s.b);
       for (int64_t ic = 0; ic < M; ic += MC) {
         const int64_t mc = std::min(MC, M - ic);
-        pack_a(A, ic, mc, pc, kc, s.a);
+        const float* a_blk = A.packed ? A.packed + pc * Mp + ic * kc : s.a;
+        if (!A.packed) {
+          pack_a(A, ic, mc, pc, kc, s.a);
+        }
         for (int64_t jr = 0; jr < nc; jr += NR) {
           const int64_t nr = std::min(NR, nc - jr);
           const float* bp = s.b + jr * kc;
           for (int64_t ir = 0; ir < mc; ir += MR) {
             const int64_t mr = std::min(MR, mc - ir);
-            const float* ap = s.a + ir * kc;
+            const float* ap = a_blk + ir * kc;
             float* c = C + (ic + ir) * ldc + jc + jr;
             if (mr == MR && nr == NR) {
               kernel(kc, ap, bp, c, ldc, acc);

@@ -15,6 +15,8 @@ struct MatView {
   int64_t ld;
   bool trans = false;
   Elem elem = Elem::f32;
+  // For A only: panels made once by sgemm_pack_a, used instead of p.
+  const float* packed = nullptr;
 };
 
 // Per-thread packing space of sgemm_scratch_floats() floats, owned by the caller
@@ -29,6 +31,10 @@ GemmScratch sgemm_scratch(float* base);
 // C[M, N] = (accumulate ? C : 0) + A[M, K] * B[K, N]; C row-major with ldc.
 void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
            int64_t ldc, bool accumulate, GemmScratch& scratch);
+
+// A reused across many calls (the head's h) is packed once: M x K -> panels.
+int64_t sgemm_packed_a_floats(int64_t M, int64_t K);
+void sgemm_pack_a(const MatView& A, int64_t M, int64_t K, float* out);
 
 // Name of the micro-kernel in use ("avx2", "generic"), for benchmarks.
 const char* sgemm_kernel_name();

@@ -147,6 +147,23 @@ bool target_in(int32_t y, int64_t v0, int64_t n) {
   return y >= v0 && y < v0 + n;
 }
 
+// h packed once into GEMM panels, shared by all threads.
+class PackedH {
+ public:
+  explicit PackedH(const HeadProblem& p)
+      : scratch_(sgemm_packed_a_floats(p.M, p.H)) {
+    sgemm_pack_a(h_view(p), p.M, p.H, scratch_.base());
+  }
+  MatView view(const HeadProblem& p) {
+    MatView v = h_view(p);
+    v.packed = scratch_.base();
+    return v;
+  }
+
+ private:
+  Scratch scratch_;
+};
+
 // One thread's working set.
 struct Work {
   float* wrows; // [VB, H] the block's weight rows in fp32
@@ -187,10 +204,11 @@ class Workspace {
 };
 
 // Logits of block b into w.s; returns the block's first row and length.
-std::pair<int64_t, int64_t> block_logits(const HeadProblem& p, int64_t b, Work& w) {
+std::pair<int64_t, int64_t> block_logits(const HeadProblem& p, const MatView& h,
+                                         int64_t b, Work& w) {
   const int64_t v0 = b * VB, n = std::min(VB, p.V - v0);
   load_rows(p, v0, n, w.wrows);
-  sgemm(p.M, n, p.H, h_view(p), {w.wrows, p.H, true}, w.s, VB, false, w.gemm);
+  sgemm(p.M, n, p.H, h, {w.wrows, p.H, true}, w.s, VB, false, w.gemm);
   return {v0, n};
 }
 
@@ -220,6 +238,8 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
   const int64_t M = p.M, H = p.H;
   const int T = threads_for(p);
   Workspace ws(T, p, gsum != nullptr, gsum ? std::max(VB, H) : VB);
+  PackedH packed(p);
+  const MatView hv = packed.view(p);
   std::vector<float> target_logit(M, std::numeric_limits<float>::quiet_NaN());
   const float cap = p.cfg.softcap;
 
@@ -233,7 +253,7 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
       }
       return;
     }
-    auto [v0, n] = block_logits(p, b, w);
+    auto [v0, n] = block_logits(p, hv, b, w);
     for (int64_t m = 0; m < M; ++m) {
       float* row = w.s + m * VB;
       if (cap > 0) {
@@ -314,6 +334,8 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
   const int64_t M = p.M, H = p.H, V = p.V;
   const int T = threads_for(p);
   Workspace ws(T, p, true, std::max(VB, H));
+  PackedH packed(p);
+  const MatView hv = packed.view(p);
   const float cap = p.cfg.softcap;
   const Elem w_elem = elem_of(p.w_dtype);
 
@@ -330,7 +352,7 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
       }
       return;
     }
-    auto [v0, n] = block_logits(p, b, w);
+    auto [v0, n] = block_logits(p, hv, b, w);
     // dS = (g * onehot + (g_lse - g) * softmax) * dcap, in place.
     for (int64_t m = 0; m < M; ++m) {
       float* row = w.s + m * VB;
