@@ -31,6 +31,7 @@ struct Case {
   bool ta, tb;
   Elem ea, eb;
   bool accumulate;
+  bool prepack = false;
 };
 
 // Storage for a logical [rows, cols] matrix in the requested layout and dtype;
@@ -79,6 +80,12 @@ void run(const Case& c) {
   std::vector<float> C(c.M * ldc, 0.5f);
   std::vector<float> scratch(sgemm_scratch_floats(c.N));
   auto s = sgemm_scratch(scratch.data());
+  std::vector<float> packed;
+  if (c.prepack) {
+    packed.resize(sgemm_packed_a_floats(c.M, c.K));
+    sgemm_pack_a(A.view, c.M, c.K, packed.data());
+    A.view.packed = packed.data();
+  }
   sgemm(c.M, c.N, c.K, A.view, B.view, C.data(), ldc, c.accumulate, s);
   for (int64_t i = 0; i < c.M; ++i) {
     for (int64_t j = 0; j < c.N; ++j) {
@@ -119,6 +126,12 @@ TEST(Sgemm, HalfOperands) {
     run({23, 45, 130, false, true, e, e, false});
     run({23, 45, 130, true, false, Elem::f32, e, true});
   }
+}
+
+TEST(Sgemm, PrepackedA) {
+  // K spans several KC blocks and M several MC blocks plus an edge panel.
+  run({203, 40, 700, false, true, Elem::bf16, Elem::f32, false, true});
+  run({7, 33, 5, true, false, Elem::f32, Elem::f32, true, true});
 }
 
 TEST(Sgemm, EmptyK) {
