@@ -1,0 +1,338 @@
+"""The training loop: preference objective steps with gradient accumulation and
+clipping, JSONL metrics, periodic evaluation, atomic checkpoints, exact resume.
+
+Shaped like mlx-lm's `tuner.trainer`: `TrainingArgs` holds the loop's settings and
+`train` takes the model, optimizer and data; the objective comes from
+`flash_cce.objectives` and can be swapped through `train`'s arguments.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.nn.utils import average_gradients
+from mlx.utils import tree_flatten, tree_map
+
+from . import checkpoint
+from .objectives import ObjectiveConfig
+from .objectives import evaluate as objective_evaluate
+from .objectives import value_and_grad as objective_value_and_grad
+
+GB = 1e9
+
+
+@dataclass
+class TrainingArgs:
+    batch_size: int = field(default=4, metadata={"help": "Pairs per micro-batch."})
+    iters: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
+    grad_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    max_grad_norm: Optional[float] = field(default=1.0, metadata={"help": "Clip the global gradient norm to this (None: no clipping)."})
+    steps_per_eval: int = field(default=100, metadata={"help": "Steps between validations (0: only before and after)."})
+    val_batches: int = field(default=-1, metadata={"help": "Validation micro-batches per evaluation, -1 for all."})
+    save_every: int = field(default=100, metadata={"help": "Steps between checkpoints (0: only the last)."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept besides the best."})
+    seed: int = field(default=0, metadata={"help": "Seed of the data order and the MLX PRNG."})
+    memory_canary: float = field(default=0.25, metadata={"help": "Warn when active memory grows by this fraction after the first steps."})
+    progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+
+    def validate(self):
+        for name in ("batch_size", "iters", "grad_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps_per_eval", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+
+
+def build_schedule(learning_rate, iters, warmup=0, schedule="cosine", min_learning_rate=0.0):
+    """Linear warmup from 0 over `warmup` steps, then cosine decay to
+    `min_learning_rate` at `iters` (or a constant rate)."""
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {schedule!r}")
+    if not 0 <= warmup < iters:
+        raise ValueError(f"warmup must be in [0, iters={iters}), got {warmup}")
+    if schedule == "cosine":
+        main = optim.cosine_decay(learning_rate, iters - warmup, min_learning_rate)
+    else:
+        main = lambda step: mx.array(learning_rate, mx.float32)  # noqa: E731
+    if warmup == 0:
+        return main
+    ramp = optim.linear_schedule(0.0, learning_rate, warmup)
+    return optim.join_schedules([ramp, main], [warmup])
+
+
+def batch_indices(n, batch_size, position, seed, rank=0, world=1):
+    """Indices of micro-batch `position` of an endless shuffled stream over `n`
+    examples: epoch e is a permutation seeded by (seed, e); a partial last batch
+    of an epoch is skipped. Rank `rank` of `world` takes every world-th index."""
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"batch_size={batch_size} is larger than the {n} training pairs")
+    epoch, b = divmod(position, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    return order[b * batch_size:(b + 1) * batch_size][rank::world].tolist()
+
+
+def _floats(metrics):
+    return {k: float(v.item()) if isinstance(v, mx.array) else float(v) for k, v in metrics.items()}
+
+
+def evaluate_pairs(model, pairs, objective, batch_size, num_batches=-1, evaluate=objective_evaluate):
+    """Validation metrics: every metric of the objective averaged over the
+    micro-batches weighted by their pair counts ("loss" included)."""
+    model.eval()
+    total, sums = 0, {}
+    starts = range(0, len(pairs), batch_size)
+    if num_batches != -1:
+        starts = list(starts)[:num_batches]
+    for s in starts:
+        batch = pairs[s:s + batch_size]
+        loss, metrics = evaluate(model, batch, objective)
+        values = _floats(dict(metrics, loss=loss))
+        for k, v in values.items():
+            sums[k] = sums.get(k, 0.0) + v * len(batch)
+        total += len(batch)
+    model.train()
+    out = {k: v / total for k, v in sums.items()}
+    if "tokens" in out:
+        out["tokens"] *= total  # a count, not a mean
+    return out
+
+
+class MetricsLog:
+    """Appends one JSON object per line to run_dir/metrics.jsonl."""
+
+    def __init__(self, path, after_step=None):
+        self.path = Path(path)
+        if after_step is not None and self.path.exists():
+            # A resumed run rewrites what the interrupted run logged after its checkpoint.
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= after_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(self.path)
+        self.file = open(self.path, "a")
+
+    def write(self, record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def read_metrics(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MemoryCanary:
+    """Warns once when active memory rises above its level after `settle` steps."""
+
+    def __init__(self, growth, settle=3):
+        self.growth, self.settle, self.base, self.warned = growth, settle, None, False
+
+    def check(self, step, active):
+        if self.base is None:
+            if step >= self.settle:
+                self.base = (step, active)
+            return None
+        limit = self.base[1] * (1 + self.growth) + 64 * 2**20
+        if active > limit and not self.warned:
+            self.warned = True
+            return (f"active memory grew from {self.base[1] / GB:.3f} GB at step {self.base[0]} "
+                    f"to {active / GB:.3f} GB at step {step}: something keeps arrays alive across steps")
+        return None
+
+
+def _progress(args, start, rank):
+    if not args.progress or rank != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=args.iters, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
+          adapter_config=None, resume=None, value_and_grad=objective_value_and_grad,
+          evaluate=objective_evaluate, on_eval=None, log=print):
+    """Trains `model`'s trainable parameters on `train_pairs` (list of Pair).
+
+    Writes run_dir/metrics.jsonl (a record per step and per evaluation) and
+    checkpoints (see `checkpoint`) when `run_dir` is given. `resume` is a run or
+    checkpoint directory to continue from exactly. `on_eval(record)` sees each
+    evaluation. Returns the last evaluation record (or None).
+    """
+    args.validate()
+    objective = objective or ObjectiveConfig()
+    world = mx.distributed.init()
+    rank, size = world.rank(), world.size()
+    writer = rank == 0 and run_dir is not None
+    run_dir = Path(run_dir) if run_dir is not None else None
+
+    if writer and resume is None and any((run_dir / "checkpoints").glob("step-*")):
+        raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume or a new run_dir")
+    state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed)
+    mx.random.seed(args.seed)
+    if resume is not None:
+        loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
+        loaded.pop("training_args", None)
+        state.update(loaded)
+        checkpoint.set_rng_state(state.pop("rng"))
+        log(f"Resumed from {ckpt} at step {state['step']}")
+    log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
+
+    def emit(record):
+        if log_file is not None:
+            log_file.write(record)
+
+    def validate_now(step):
+        if not val_pairs:
+            return None
+        tic = time.perf_counter()
+        values = evaluate_pairs(model, val_pairs, objective, args.batch_size, args.val_batches, evaluate)
+        record = dict(split="valid", step=step, eval_time=time.perf_counter() - tic,
+                      **{k: v for k, v in values.items()})
+        emit(record)
+        if on_eval is not None:
+            on_eval(record)
+        return record
+
+    def save(step, best=False):
+        if not writer:
+            return
+        trainer_state = dict(state, rng=checkpoint.rng_state(), training_args=asdict(args))
+        checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
+                                   adapter_config or {}, best=best, keep=args.keep_checkpoints)
+
+    def after_eval(record, step):
+        loss = record["loss"]
+        if state["best_val"] is None or loss < state["best_val"]:
+            state["best_val"], state["best_step"] = loss, step
+            return True
+        return False
+
+    # The step-0 evaluation is logged but never "best": best points at a checkpoint.
+    last_eval = validate_now(0) if state["step"] == 0 else None
+    model.train()
+    canary = MemoryCanary(args.memory_canary)
+    bar = _progress(args, state["step"], rank)
+    accum = args.grad_accumulation_steps
+    try:
+        for step in range(state["step"] + 1, args.iters + 1):
+            tic = time.perf_counter()
+            mx.reset_peak_memory()
+            grads, sums, tokens = None, {}, 0
+            for _ in range(accum):
+                idx = batch_indices(len(train_pairs), args.batch_size * size, state["position"],
+                                    args.seed, rank, size)
+                state["position"] += 1
+                loss, g, metrics = value_and_grad(model, [train_pairs[i] for i in idx], objective)
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+                mx.eval(grads, loss, metrics)
+                values = _floats(dict(metrics, loss=loss))
+                tokens += values.pop("tokens", 0)
+                for k, v in values.items():
+                    sums[k] = sums.get(k, 0.0) + v / accum
+            grads = average_gradients(tree_map(lambda x: x / accum, grads))
+            if args.max_grad_norm is not None:
+                grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
+            else:
+                norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state)
+            del grads
+            state["step"] = step
+            elapsed = time.perf_counter() - tic
+            active = mx.get_active_memory()
+            record = dict(split="train", step=step, **sums, grad_norm=float(norm.item()),
+                          learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
+                          tokens_per_second=tokens / elapsed, step_time=elapsed,
+                          active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+            warning = canary.check(step, active)
+            if warning:
+                record["memory_warning"] = warning
+                log(f"[warning] {warning}")
+            emit(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                acc=f"{record.get('rewards/accuracies', float('nan')):.2f}")
+                bar.update(1)
+
+            is_best = False
+            if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
+                last_eval = validate_now(step)
+                if last_eval is not None:
+                    is_best = after_eval(last_eval, step)
+                    if bar is not None:
+                        bar.write(_eval_line(last_eval))
+                    elif rank == 0:
+                        log(_eval_line(last_eval))
+            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters:
+                save(step, best=is_best)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_file is not None:
+            log_file.close()
+    return last_eval
+
+
+def _eval_line(r):
+    acc = r.get("rewards/accuracies")
+    margin = r.get("rewards/margins")
+    parts = [f"step {r['step']}: val loss {r['loss']:.4f}"]
+    if acc is not None:
+        parts.append(f"accuracy {acc:.3f}")
+    if margin is not None:
+        parts.append(f"margin {margin:.4f}")
+    return ", ".join(parts)
+
+
+def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=None, quantize=None):
+    """Freezes `model` and makes its fine-tuned part trainable, mlx-lm style:
+    LoRA/DoRA layers on the last `num_layers` blocks (-1: all) or, for "full",
+    those blocks' own weights. `quantize` ({"bits", "group_size"}) quantizes a
+    dense base first (QLoRA)."""
+    import mlx.nn as nn
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    if fine_tune_type not in ("lora", "dora", "full"):
+        raise ValueError(f"fine_tune_type must be 'lora', 'dora' or 'full', got {fine_tune_type!r}")
+    if num_layers > len(model.layers) or num_layers == 0 or num_layers < -1:
+        raise ValueError(f"num_layers must be -1 or in [1, {len(model.layers)}], got {num_layers}")
+    if quantize:
+        if fine_tune_type == "full":
+            raise ValueError("quantize: a quantized base needs fine_tune_type 'lora' or 'dora', not 'full'")
+        gs, bits = quantize.get("group_size", 64), quantize.get("bits", 4)
+        nn.quantize(model, group_size=gs, bits=bits,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)
+    model.freeze()
+    if fine_tune_type == "full":
+        for layer in model.layers[-max(num_layers, 0):]:
+            layer.unfreeze()
+    else:
+        params = dict(lora_parameters or {})
+        params.setdefault("rank", 8)
+        params.setdefault("scale", 20.0)
+        params.setdefault("dropout", 0.0)
+        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
+    return model
+
+
+def trainable_summary(model):
+    from mlx_lm.utils import get_total_parameters
+
+    total = get_total_parameters(model)
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    return f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)"
