@@ -210,6 +210,7 @@ def _run_dir_of(resume):
 
 def run_train(cfg, log=print, on_eval=None):
     """Trains with resolved settings `cfg`; returns (run_dir, last validation record)."""
+    import mlx.core as mx
     import mlx.optimizers as optim
 
     from .trainer import TrainingArgs, build_schedule, prepare_model, train, trainable_summary
@@ -230,6 +231,7 @@ def run_train(cfg, log=print, on_eval=None):
     splits = _load_data(cfg, tokenizer, ("train", "valid", "test") if cfg["test"] else ("train", "valid"), log)
     if "train" not in splits:
         raise ValueError(f"data: {cfg['data']} has no train.jsonl")
+    mx.random.seed(cfg["seed"])  # LoRA's initial weights
     prepare_model(model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
     log(trainable_summary(model))
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])

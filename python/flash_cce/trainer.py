@@ -178,6 +178,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     rank, size = world.rank(), world.size()
     writer = rank == 0 and run_dir is not None
     run_dir = Path(run_dir) if run_dir is not None else None
+    if writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
     if writer and resume is None and any((run_dir / "checkpoints").glob("step-*")):
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume or a new run_dir")
