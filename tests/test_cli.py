@@ -1,0 +1,93 @@
+"""`flash-cce` end to end on the tiny model: train, resume, eval, plot; config precedence."""
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from flash_cce.cli import CONFIG_DEFAULTS, main, resolve_config
+from flash_cce.trainer import read_metrics
+from test_trainer import tiny_setup
+
+
+def test_precedence_flags_over_yaml_over_defaults(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("learning_rate: 2.0e-4\nbatch_size: 3\nlora_parameters: {rank: 4, scale: 5.0, dropout: 0.1}\n")
+    flags = {"batch_size": 7, "lora_rank": 16, "iters": None, "learning_rate": None}
+    cfg = resolve_config(flags, cfg_file)
+    assert cfg["batch_size"] == 7  # flag
+    assert cfg["learning_rate"] == 2.0e-4  # YAML
+    assert cfg["iters"] == CONFIG_DEFAULTS["iters"]  # default
+    assert cfg["lora_parameters"] == {"rank": 16, "scale": 5.0, "dropout": 0.1}  # flag into a YAML table
+    cfg_file.write_text("lerning_rate: 1\n")
+    with pytest.raises(ValueError, match="unknown key 'lerning_rate'"):
+        resolve_config({}, cfg_file)
+
+
+def _train_argv(model_dir, data_dir, run_dir, iters, *extra):
+    return ["train", "--model", str(model_dir), "--data", str(data_dir), "--run-dir", str(run_dir),
+            "--iters", str(iters), "--batch-size", "4", "--num-layers", "-1", "--lora-rank", "4",
+            "--learning-rate", "3e-3", "--lr-schedule", "constant", "--steps-per-eval", "2",
+            "--save-every", "2", "--no-progress", *extra]
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    idat = data.index(b"IDAT")
+    (length,) = struct.unpack(">I", data[idat - 4:idat])
+    raw = zlib.decompress(data[idat + 4:idat + 4 + length])
+    assert len(raw) == h * (3 * w + 1)  # 8-bit RGB rows, each with a filter byte
+    return w, h, raw
+
+
+def test_train_resume_eval_plot(tmp_path, capsys):
+    model_dir, data_dir = tiny_setup(tmp_path)
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(_train_argv(model_dir, data_dir, straight, 4)) == 0
+    # Stop after 2 steps, then continue to 4 from the run directory alone (its
+    # config.yaml supplies the settings; the flag raises iters).
+    assert main(_train_argv(model_dir, data_dir, cut, 2)) == 0
+    assert main(["train", "--resume", str(cut), "--iters", "4"]) == 0
+
+    def losses(run):
+        return [(r["split"], r["step"], r["loss"]) for r in read_metrics(run)]
+
+    assert losses(cut) == losses(straight)
+    assert [r[1] for r in losses(cut) if r[0] == "train"] == [1, 2, 3, 4]
+    saved = json.loads((cut / "adapters" / "adapter_config.json").read_text())
+    assert saved["fine_tune_type"] == "lora" and saved["lora_parameters"]["rank"] == 4
+
+    capsys.readouterr()
+    assert main(["eval", "--model", str(model_dir), "--adapter-path", str(cut / "best"),
+                 "--data", str(data_dir), "--split", "valid"]) == 0
+    out = capsys.readouterr().out
+    assert "rewards/accuracies=" in out and "loss=" in out
+
+    assert main(["plot", str(cut)]) == 0
+    w, h, raw = _png_size(cut / "plot.png")
+    assert (w, h) == (1000, 700)
+    from flash_cce.plot import TRAIN, VALID
+
+    assert bytes(VALID) in raw and bytes(TRAIN) in raw  # both kinds of curve were drawn
+
+
+def test_malformed_data_reports_file_and_line(tmp_path, capsys):
+    model_dir, data_dir = tiny_setup(tmp_path)
+    with open(data_dir / "train.jsonl", "a") as f:
+        f.write('{"prompt": "tom", "chosen": "red ."}\n')
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "run", 1)) == 2
+    err = capsys.readouterr().err
+    assert f"{data_dir / 'train.jsonl'}:33: missing key 'rejected'" in err
+
+
+def test_bad_settings_are_named(tmp_path, capsys):
+    model_dir, data_dir = tiny_setup(tmp_path)
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--num-layers", "9")) == 2
+    assert "num_layers must be -1 or in [1, 2], got 9" in capsys.readouterr().err
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--warmup", "5")) == 2
+    assert "warmup must be in [0, iters=1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--objective", "kto"])
