@@ -48,7 +48,7 @@ std::string fatbin_path() {
 
 class Kernels {
  public:
-  CUfunction get(const std::string& name, int ordinal) {
+  CUfunction get(const std::string& name, int ordinal, int smem) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!module_) {
       ordinal_ = ordinal;
@@ -60,7 +60,7 @@ class Kernels {
     }
     CUfunction fn;
     check(cuModuleGetFunction(&fn, module_, name.c_str()), ("kernel " + name).c_str());
-    check(cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kSmemBytes),
+    check(cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
           "shared memory size");
     fns_.emplace(name, fn);
     return fn;
@@ -182,12 +182,44 @@ struct Launch {
   mx::cu::CommandEncoder& enc;
   int ordinal;
   template <class P>
-  void operator()(const std::string& name, int64_t blocks, uint32_t smem, P& params) {
-    CUfunction fn = kernels().get(name, ordinal);
-    enc.add_kernel_node_ex(fn, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), dim3(1),
+  void operator()(const std::string& name, int64_t blocks, uint32_t smem, P& params,
+                  int threads = kThreads) {
+    CUfunction fn = kernels().get(name, ordinal, std::max<int>(smem, 1));
+    enc.add_kernel_node_ex(fn, dim3(static_cast<unsigned>(blocks)), dim3(threads), dim3(1),
                            smem, params);
   }
 };
+
+// The Hopper path takes dense h and W of one 16-bit type with 16-byte rows.
+bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
+  // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
+  const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
+  const bool off = env && env[0] == '1';
+  const auto& dev = mx::cu::device(s.device);
+  return !off && dev.compute_capability_major() == 9 && !p.cfg.quantized &&
+      p.h_dtype == p.w_dtype && (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) &&
+      p.H % 8 == 0 && reinterpret_cast<uintptr_t>(p.h) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+}
+
+// TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
+// read in boxes of box_rows x 64 with the 128-byte swizzle the wgmma
+// descriptors expect. Reads past rows or cols give zeros.
+CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int box_rows,
+                       int64_t ld = 0) {
+  CUtensorMap m;
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>((ld ? ld : cols) * 2)};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgTileK), static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t elem[2] = {1, 1};
+  check(cuTensorMapEncodeTiled(
+            &m, t == mx::float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2, const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled");
+  return m;
+}
 
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {
   p.h = mx::gpu_ptr<void>(in[0]);
@@ -208,11 +240,11 @@ int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
   return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
 }
 
-// Width of the backward's vocabulary chunk: the [M, width] dS buffer stays
-// under 48 MB.
+// Width of the backward's vocabulary chunk, a multiple of both tile widths:
+// the [M, width] dS buffer stays under 48 MB.
 int64_t backward_chunk(int64_t M, int64_t V) {
   const int64_t cols = (int64_t(48) << 20) / (2 * M);
-  return std::clamp<int64_t>(cols / kTileN * kTileN, kTileN, cdiv(V, kTileN) * kTileN);
+  return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
 }
 
 } // namespace
@@ -226,6 +258,8 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   alloc(outputs);
   const auto ct = compute_dtype(p);
 
+  const bool wg = use_wgmma(s, p);
+  const int tile_n = wg ? kWgTileN : kTileN;
   FwdParams fp{};
   fp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, ct);
   fp.w = weight(p, ct);
@@ -234,7 +268,7 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   fp.V = p.V;
   fp.H = p.H;
   fp.m_tiles = static_cast<int>(cdiv(p.M, kTileM));
-  fp.v_tiles = static_cast<int>(cdiv(p.V, kTileN));
+  fp.v_tiles = static_cast<int>(cdiv(p.V, tile_n));
   fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
@@ -250,7 +284,16 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
     enc.set_input_array(a);
   }
   enc.set_output_array(parts);
-  launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+  if (wg) {
+    WgFwdParams wp{};
+    wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
+    wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+    wp.p = fp;
+    launch(std::string("fcce_fwd_wg_") + (use_f16(p) ? "f16" : "bf16"),
+           int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
+  } else {
+    launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+  }
 
   CombineParams cp{};
   cp.part_max = fp.part_max;
@@ -282,6 +325,7 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   const int64_t M = p.M, H = p.H, V = p.V;
   const int m_tiles = static_cast<int>(cdiv(M, kTileM));
   const int h_tiles = static_cast<int>(cdiv(H, kTileN));
+  const bool wg = use_wgmma(s, p);
   const int64_t chunk = backward_chunk(M, V);
 
   auto ds = scratch(enc, {static_cast<int>(M), static_cast<int>(chunk)}, ct);
@@ -325,6 +369,15 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
     wp.out_kind = src_kind(p.w_dtype);
   }
 
+  WgDsParams wgp{};
+  WgDhParams whp{};
+  WgDwParams wwp{};
+  if (wg) {
+    wgp.h_map = tensor_map(p.h, p.h_dtype, M, H, kWgTileM);
+    wgp.w_map = tensor_map(p.w, p.w_dtype, V, H, kWgTileN);
+    whp.b_map = tensor_map(p.w, p.w_dtype, V, H, 64);
+    wwp.b_map = tensor_map(p.h, p.h_dtype, M, H, 64);
+  }
   Launch launch{enc, s.device.index};
   const std::string v = variant(p);
   const std::string t = use_f16(p) ? "f16" : "bf16";
@@ -337,7 +390,12 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
       enc.set_input_array(a);
     }
     enc.set_output_array(ds);
-    launch("fcce_ds_" + v, m_tiles * v_tiles, kSmemBytes, dp);
+    if (wg) {
+      wgp.p = dp;
+      launch("fcce_ds_wg_" + t, m_tiles * cdiv(width, kWgTileN), kWgSmemBytes, wgp, kWgThreads);
+    } else {
+      launch("fcce_ds_" + v, m_tiles * v_tiles, kSmemBytes, dp);
+    }
 
     // dS @ W[v0 : v0 + width]: the weight rows are the K dimension.
     hp.ds.cols = width;
@@ -354,7 +412,16 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
     enc.set_output_array(ds);
     enc.set_output_array(acc);
     enc.set_output_array(outputs[0]);
-    launch("fcce_dh_" + v, int64_t(m_tiles) * h_tiles, kSmemBytes, hp);
+    if (wg) {
+      whp.a_map = tensor_map(dp.ds, ct, M, width, kWgTileM, chunk);
+      whp.p = hp;
+      whp.v0 = v0;
+      whp.width = width;
+      launch("fcce_dh_wg_" + t, int64_t(m_tiles) * cdiv(H, kWgTileN), kWgSmemBytes, whp,
+             kWgThreads);
+    } else {
+      launch("fcce_dh_" + v, int64_t(m_tiles) * h_tiles, kSmemBytes, hp);
+    }
 
     if (want_dw) {
       // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
@@ -365,7 +432,13 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
       enc.set_input_array(inputs[0]);
       enc.set_output_array(ds);
       enc.set_output_array(outputs[1]);
-      launch("fcce_dw_" + t, v_tiles * h_tiles, kSmemBytes, wp);
+      if (wg) {
+        wwp.a_map = tensor_map(dp.ds, ct, M, width, 64, chunk);
+        wwp.p = wp;
+        launch("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp, kWgThreads);
+      } else {
+        launch("fcce_dw_" + t, v_tiles * h_tiles, kSmemBytes, wp);
+      }
     }
   }
 }

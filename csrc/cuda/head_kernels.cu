@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "params.h"
 
 namespace flash_cce::cuda {
@@ -124,80 +126,125 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t* r, const void* p) {
 
 // Tile loader ------------------------------------------------------------------
 
-// Loads an R x C tile of an Operand into shared memory (row stride C + PAD) in
-// chunks of 8 elements, two chunks per thread. fetch() starts the global reads
-// (cp.async, or loads into registers); store() converts the registers and
-// writes shared memory, so the conversion overlaps the tensor-core work.
+// Loads R x C tiles of an Operand into shared memory (row stride C + PAD) in
+// chunks of 8 elements, two chunks per thread. K_COLS: the K dimension runs
+// along the tile's columns (a K-major operand), else along its rows. Addresses
+// and bounds are set up once per output tile (start) so that each k-step costs
+// a pointer increment and a compare. fetch() starts the global reads (cp.async,
+// or loads into registers); store() converts the registers and writes shared
+// memory, so the conversion overlaps the tensor-core work.
 // QB: 0 dense, 4 or 8 quantized with that many bits, 1 quantized, bits at run time.
-template <class T, int R, int C, int QB>
+template <class T, int R, int C, int QB, bool K_COLS>
 struct TileLoader {
   static constexpr int kChunks = R * C / 8 / kThreads;
   static_assert(kChunks * 8 * kThreads == R * C, "tile must split into 8-element chunks");
 
   enum Mode : int { kZero, kAsync, kFloats, kHalves, kPacked };
+  const unsigned char* ptr[kChunks]; // the chunk's first byte at k-step 0
+  int64_t sb[kChunks]; // quantized: scale index at k-step 0 (without the K part)
+  int krem[kChunks]; // elements along K left at k-step 0
+  int kcol[kChunks]; // quantized K_COLS: the chunk's column at k-step 0
+  int fixed_bytes[kChunks]; // !K_COLS: bytes of the chunk inside the columns
+  int64_t step; // bytes per k-step
+  int64_t sb_step; // scale entries per k-step (!K_COLS)
+  int kind, bits, lg_group;
+  bool vec;
+
   uint4 raw[kChunks][2];
   uint32_t sraw[kChunks], braw[kChunks];
   int mode[kChunks];
 
-  __device__ __forceinline__ void fetch(const Operand& op, int64_t r0, int64_t c0, T* tile) {
+  __device__ __forceinline__ static int64_t clamp_int(int64_t x) {
+    return x > (1 << 30) ? (1 << 30) : x;
+  }
+
+  // fixed0: the tile's origin along the non-K dimension.
+  __device__ __forceinline__ void start(const Operand& op, int64_t fixed0) {
+    kind = op.kind;
+    vec = op.vec_ok;
+    bits = QB > 1 ? QB : op.bits;
+    lg_group = QB ? __ffs(op.group_size) - 1 : 0;
+    const int esize = QB ? 0 : (kind == kF32 ? 4 : 2);
+    const int64_t row_bytes = QB ? op.cols * bits / 8 : op.ld * esize;
+    step = K_COLS ? (QB ? BK * bits / 8 : int64_t(BK) * esize) : BK * row_bytes;
+    sb_step = K_COLS ? 0 : int64_t(BK) * (op.cols >> lg_group);
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
       const int q = threadIdx.x + i * kThreads;
       const int r = q / (C / 8), c = (q % (C / 8)) * 8;
-      const int64_t gr = op.row0 + r0 + r, gc = op.col0 + c0 + c;
-      const bool in = gr < op.rows && gc < op.cols;
-      T* dst = tile + r * (C + PAD) + c;
-      if (QB == 0 && op.kind == kNative) {
-        const int64_t left = in ? (op.cols - gc) * 2 : 0;
-        const int bytes = left > 16 ? 16 : static_cast<int>(left);
-        const void* src = in ? static_cast<const T*>(op.ptr) + gr * op.ld + gc : op.ptr;
-        cp_async16(dst, src, bytes);
+      const int64_t gr = op.row0 + (K_COLS ? fixed0 : 0) + r;
+      const int64_t gc = op.col0 + (K_COLS ? 0 : fixed0) + c;
+      const bool ok = K_COLS ? gr < op.rows : gc < op.cols;
+      krem[i] = ok ? static_cast<int>(clamp_int(K_COLS ? op.cols - gc : op.rows - gr)) : 0;
+      kcol[i] = static_cast<int>(gc);
+      const int64_t left = op.cols - gc;
+      fixed_bytes[i] = left >= 8 ? 16 : left > 0 ? static_cast<int>(left) * 2 : 0;
+      const int64_t col_bytes = QB ? gc * bits / 8 : gc * esize;
+      ptr[i] = static_cast<const unsigned char*>(op.ptr) + (ok ? gr * row_bytes + col_bytes : 0);
+      sb[i] = QB ? gr * (op.cols >> lg_group) + (K_COLS ? 0 : gc >> lg_group) : 0;
+    }
+  }
+
+  __device__ __forceinline__ void fetch(const Operand& op, int kt, T* tile) {
+    const int kk = kt * BK;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int q = threadIdx.x + i * kThreads;
+      const int r = q / (C / 8), c = (q % (C / 8)) * 8;
+      const bool in = kk < krem[i];
+      const unsigned char* src = ptr[i] + kt * step;
+      if (QB == 0 && kind == kNative) {
+        int bytes = 0;
+        if (in) {
+          bytes = K_COLS ? min(16, (krem[i] - kk) * 2) : fixed_bytes[i];
+        }
+        cp_async16(tile + r * (C + PAD) + c, in ? src : ptr[i], bytes);
         mode[i] = kAsync;
       } else if (!in) {
         mode[i] = kZero;
       } else if (QB != 0) {
-        fetch_packed(op, gr, gc, i);
-      } else if (op.vec_ok && gc + 8 <= op.cols) {
-        if (op.kind == kF32) {
-          const auto* s = reinterpret_cast<const uint4*>(static_cast<const float*>(op.ptr) + gr * op.ld + gc);
-          raw[i][0] = __ldg(s);
-          raw[i][1] = __ldg(s + 1);
+        fetch_packed(op, src, kk, i);
+      } else if (vec && (K_COLS ? krem[i] - kk : fixed_bytes[i] / 2) >= 8) {
+        if (kind == kF32) {
+          raw[i][0] = __ldg(reinterpret_cast<const uint4*>(src));
+          raw[i][1] = __ldg(reinterpret_cast<const uint4*>(src) + 1);
           mode[i] = kFloats;
         } else {
-          raw[i][0] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(op.ptr) + gr * op.ld + gc));
+          raw[i][0] = __ldg(reinterpret_cast<const uint4*>(src));
           mode[i] = kHalves;
         }
       } else {
+        // Ragged edge: element by element, zero past the operand.
+        const int n = K_COLS ? min(8, krem[i] - kk) : fixed_bytes[i] / 2;
         float* f = reinterpret_cast<float*>(raw[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          f[j] = gc + j < op.cols ? load_as_float(op.ptr, op.kind == kNative ? kF32 : op.kind, gr * op.ld + gc + j) : 0.0f;
+          f[j] = j < n ? load_as_float(src, kind, j) : 0.0f;
         }
         mode[i] = kFloats;
       }
     }
   }
 
-  __device__ __forceinline__ void fetch_packed(const Operand& op, int64_t gr, int64_t gc, int i) {
-    const int bits = QB > 1 ? QB : op.bits;
-    const auto* row = static_cast<const uint8_t*>(op.ptr) + gr * (op.cols * bits / 8);
-    const int64_t byte = gc / 8 * bits;
+  __device__ __forceinline__ void fetch_packed(const Operand& op, const unsigned char* src,
+                                               int kk, int i) {
     if (QB == 4) {
-      raw[i][0].x = __ldg(reinterpret_cast<const uint32_t*>(row + byte));
+      raw[i][0].x = __ldg(reinterpret_cast<const uint32_t*>(src));
       raw[i][0].y = 0;
     } else if (QB == 8) {
-      const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + byte));
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
       raw[i][0].x = v.x;
       raw[i][0].y = v.y;
     } else {
       uint64_t v = 0;
       for (int j = 0; j < bits; ++j) {
-        v |= uint64_t(__ldg(row + byte + j)) << (8 * j);
+        v |= uint64_t(__ldg(src + j)) << (8 * j);
       }
       raw[i][0].x = static_cast<uint32_t>(v);
       raw[i][0].y = static_cast<uint32_t>(v >> 32);
     }
-    const int64_t g = gr * (op.cols / op.group_size) + gc / op.group_size;
+    const int64_t g = K_COLS ? sb[i] + ((kcol[i] + kk) >> lg_group)
+                             : sb[i] + int64_t(kk / BK) * sb_step;
     if (op.sb_kind == kF32) {
       sraw[i] = __float_as_uint(__ldg(static_cast<const float*>(op.scales) + g));
       braw[i] = __float_as_uint(__ldg(static_cast<const float*>(op.biases) + g));
@@ -230,12 +277,11 @@ struct TileLoader {
         uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float a = op.kind == kBF16 ? bf16_bits(u[j] & 0xffff) : f16_bits(u[j] & 0xffff);
-          const float b = op.kind == kBF16 ? bf16_bits(u[j] >> 16) : f16_bits(u[j] >> 16);
+          const float a = kind == kBF16 ? bf16_bits(u[j] & 0xffff) : f16_bits(u[j] & 0xffff);
+          const float b = kind == kBF16 ? bf16_bits(u[j] >> 16) : f16_bits(u[j] >> 16);
           o[j] = pack2<T>(a, b);
         }
       } else if (mode[i] == kPacked) {
-        const int bits = QB > 1 ? QB : op.bits;
         const uint64_t v = uint64_t(raw[i][0].x) | (uint64_t(raw[i][0].y) << 32);
         const uint32_t mask = (1u << bits) - 1;
         const float s = sb_float(sraw[i], op.sb_kind), b = sb_float(braw[i], op.sb_kind);
@@ -294,14 +340,15 @@ __device__ __forceinline__ void gemm_tile(const Operand& A, const Operand& B, in
       for (int e = 0; e < 4; ++e)
         acc[mi][ni][e] = 0.0f;
 
-  TileLoader<T, AR, AC, 0> la;
-  TileLoader<T, BR, BC, QB> lb;
+  TileLoader<T, AR, AC, 0, A_K> la;
+  TileLoader<T, BR, BC, QB, B_K> lb;
+  la.start(A, m0);
+  lb.start(B, n0);
   const int kt_count = static_cast<int>((K + BK - 1) / BK);
   auto fetch = [&](int kt) {
     const int s = kt % kStages;
-    const int64_t k0 = int64_t(kt) * BK;
-    la.fetch(A, A_K ? m0 : k0, A_K ? k0 : m0, sa + s * kStage);
-    lb.fetch(B, B_K ? n0 : k0, B_K ? k0 : n0, sb + s * kStage);
+    la.fetch(A, kt, sa + s * kStage);
+    lb.fetch(B, kt, sb + s * kStage);
   };
   auto store = [&](int kt) {
     const int s = kt % kStages;
@@ -378,7 +425,7 @@ __device__ __forceinline__ void gemm_tile(const Operand& A, const Operand& B, in
 // tanh through one exponential, accurate to a few fp32 ulps of cap * tanh.
 __device__ __forceinline__ float tanh_fast(float x) {
   const float e = __expf(2.0f * fminf(fabsf(x), 15.0f));
-  const float t = 1.0f - 2.0f / (e + 1.0f);
+  const float t = 1.0f - __fdividef(2.0f, e + 1.0f);
   return copysignf(t, x);
 }
 
@@ -415,6 +462,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
     run_sum[ri] = 0.0f;
   }
 
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   float acc[4][4][4];
   for (int vt = t_begin; vt < t_end; ++vt) {
     const int64_t v0 = int64_t(vt) * BN;
@@ -431,7 +479,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
           const int64_t v = v0 + f.col(ni, j);
           float s = acc[mi][ni][e0 + j];
           if (p.cap > 0.0f) {
-            s = p.cap * tanh_fast(s / p.cap);
+            s = p.cap * tanh_fast(s * inv_cap);
           }
           if (v >= p.V) {
             s = -INFINITY;
@@ -499,6 +547,7 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
   gemm_tile<T, true, true, QB>(p.h, p.w, m0, v0, p.H, acc, smem);
 
   T* ds = static_cast<T*>(p.ds);
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
 #pragma unroll
   for (int ri = 0; ri < 8; ++ri) {
     const int mi = ri >> 1, e0 = (ri & 1) * 2;
@@ -519,7 +568,7 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
         const int64_t v = v0 + f.col(ni, j);
         float s = acc[mi][ni][e0 + j], dcap = 1.0f;
         if (p.cap > 0.0f) {
-          const float t = tanh_fast(s / p.cap);
+          const float t = tanh_fast(s * inv_cap);
           s = p.cap * t;
           dcap = 1.0f - t * t;
         }
@@ -618,6 +667,8 @@ __device__ __forceinline__ void dw_body(const DwParams& p) {
       }
 }
 
+#include "head_wgmma.cuh"
+
 } // namespace
 
 } // namespace flash_cce::cuda
@@ -668,3 +719,24 @@ extern "C" __global__ void fcce_combine(CombineParams p) {
 
 FCCE_ALL_WEIGHTS(bf16, __nv_bfloat16)
 FCCE_ALL_WEIGHTS(f16, __half)
+
+#define FCCE_WG_KERNELS(TNAME, T)                                                     \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_fwd_wg_##TNAME(const __grid_constant__ WgFwdParams p) {                    \
+    fwd_wg_body<T>(p);                                                                \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_ds_wg_##TNAME(const __grid_constant__ WgDsParams p) {                      \
+    ds_wg_body<T>(p);                                                                 \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_dh_wg_##TNAME(const __grid_constant__ WgDhParams p) {                      \
+    dh_wg_body<T>(p);                                                                 \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_dw_wg_##TNAME(const __grid_constant__ WgDwParams p) {                      \
+    dw_wg_body<T>(p);                                                                 \
+  }
+
+FCCE_WG_KERNELS(bf16, __nv_bfloat16)
+FCCE_WG_KERNELS(f16, __half)

@@ -2,6 +2,8 @@
 // structs passed by value, so both compilers must agree on their layout.
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 namespace flash_cce::cuda {
@@ -91,5 +93,36 @@ constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kStages = 4;
 // row padded by 8 elements against ldmatrix bank conflicts.
 constexpr int kTileElems = 128 * (32 + 8) > 32 * (128 + 8) ? 128 * (32 + 8) : 32 * (128 + 8);
 constexpr int kSmemBytes = kStages * 2 * kTileElems * 2;
+
+// Hopper path (sm_90a) for the dense K-major GEMMs of fwd and ds: TMA loads of
+// 128 x 64 tiles of h and 256 x 64 tiles of W (128-byte swizzle), wgmma
+// m64n256k16 from two consumer warpgroups, one producer warpgroup.
+constexpr int kWgThreads = 384;
+constexpr int kWgTileM = 128, kWgTileN = 256, kWgTileK = 64, kWgStages = 4;
+constexpr int kWgStageBytes = (kWgTileM + kWgTileN) * kWgTileK * 2;
+constexpr int kWgSmemBytes = kWgStages * kWgStageBytes + 1024; // + alignment slack
+
+struct WgFwdParams {
+  CUtensorMap h_map, w_map;
+  FwdParams p;
+};
+
+struct WgDsParams {
+  CUtensorMap h_map, w_map;
+  DsParams p;
+};
+
+// a_map: dS [M, width] in 64 x 128 boxes; b_map: W [V, H] in 64 x 64 boxes.
+struct WgDhParams {
+  CUtensorMap a_map, b_map;
+  DhParams p;
+  int64_t v0, width;
+};
+
+// a_map: dS [M, width] and b_map: h [M, H], both in 64 x 64 boxes.
+struct WgDwParams {
+  CUtensorMap a_map, b_map;
+  DwParams p;
+};
 
 } // namespace flash_cce::cuda

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds the extension with its CUDA kernels against the MLX found on
+# PYTHONPATH, then runs the requested stages on the GPU:
+#   test      GPU-vs-CPU parity tests (tests/test_gpu_*.py)
+#   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu
+#   sanitize  compute-sanitizer memcheck and racecheck on a small shape
+#   bench ARGS...  bench/bench_head.py ARGS (must come last)
+# Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
+# skips nvcc with a fatbin built elsewhere from the same sources.
+set -uo pipefail
+out=${OUT:-runs/gpu}
+mkdir -p "$out"
+extra=()
+if [ -n "${FLASH_CCE_PREBUILT_FATBIN:-}" ]; then
+  extra+=("-DFLASH_CCE_PREBUILT_FATBIN=$FLASH_CCE_PREBUILT_FATBIN")
+fi
+if ! { cmake -S . -B build/gpu -G Ninja -DFLASH_CCE_CUDA=ON \
+        -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=${FLASH_CCE_BUILD_TYPE:-Release} "${extra[@]}" &&
+      cmake --build build/gpu -j; } >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  exit 1
+fi
+cp build/gpu/_ext*.so build/gpu/csrc/cuda/flash_cce_kernels.fatbin python/flash_cce/
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >"$out/gpu.txt" 2>&1
+
+status=0
+while [ $# -gt 0 ]; do
+  stage=$1
+  shift
+  case $stage in
+    test)
+      timeout 150 python3 -m pytest -q tests/test_gpu_head.py 2>&1 | tee "$out/test_gpu.log" | tail -15 || status=1 ;;
+    suite)
+      FLASH_CCE_TEST_DEVICE=gpu timeout 400 python3 -m pytest -q tests 2>&1 | tee "$out/suite_gpu.log" | tail -15 || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/sanitize_head.py \
+          >"$out/sanitize_$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY' "$out/sanitize_$tool.log") summaries)"
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitize_$tool.log" | tail -3
+      done ;;
+    bench)
+      python3 bench/bench_head.py --json "$out/bench_head.json" "$@" 2>&1 | tee "$out/bench.log" | tail -80
+      break ;;
+    *)
+      echo "unknown stage $stage" >&2
+      exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,450 @@
+// Hopper (sm_90a) kernels for the dense K-major logits GEMM S = h W^T that the
+// forward and the dS pass share: a producer warpgroup streams 128 x 64 tiles of
+// h and 256 x 64 tiles of W with the tensor copy engine into a 4-stage ring of
+// 128-byte-swizzled shared memory; two consumer warpgroups each run wgmma
+// m64n256k16 on 64 rows and then apply the fused epilogue to their
+// accumulators. Included by head_kernels.cu (inside its anonymous namespace).
+#pragma once
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASH_CCE_WGMMA 1
+#include "wgmma_ops.inc"
+#endif
+
+constexpr int WBM = kWgTileM, WBN = kWgTileN, WBK = kWgTileK, WST = kWgStages;
+constexpr int kWgABytes = WBM * WBK * 2, kWgBBytes = WBN * WBK * 2;
+
+#ifdef FLASH_CCE_WGMMA
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred ready;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+      "@!ready bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int k,
+                                         int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(k), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Shared-memory matrix descriptors, 128-byte swizzle. K-major: rows of 64 k
+// (128 bytes), 8-row groups 1024 bytes apart. MN-major: rows of 64 m or n per
+// k, 8-k groups 1024 bytes apart (SBO), 64-wide m/n blocks 8 KB apart (LBO).
+__device__ __forceinline__ uint64_t wg_desc(const void* p, bool mn_major) {
+  const uint64_t addr = smem_addr(p);
+  const uint64_t lbo = mn_major ? (8192 >> 4) : 1;
+  return ((addr & 0x3FFFF) >> 4) | (lbo << 16) | (uint64_t(1024 >> 4) << 32) |
+      (uint64_t(1) << 62);
+}
+
+template <class T, bool TA, bool TB>
+__device__ __forceinline__ void wgmma_tile(float* d, uint64_t da, uint64_t db, int acc) {
+  constexpr bool f16 = std::is_same_v<T, __half>;
+  if constexpr (!TA && !TB) {
+    f16 ? wgmma_f16_00(d, da, db, acc) : wgmma_bf16_00(d, da, db, acc);
+  } else if constexpr (!TA) {
+    f16 ? wgmma_f16_01(d, da, db, acc) : wgmma_bf16_01(d, da, db, acc);
+  } else {
+    static_assert(TB, "no kernel takes an MN-major A with a K-major B");
+    f16 ? wgmma_f16_11(d, da, db, acc) : wgmma_bf16_11(d, da, db, acc);
+  }
+}
+
+// The pipeline shared by both kernels. Each consumer thread owns rows
+// row(0) and row(1) of the tile and, per 8-column group j, columns
+// j*8 + (lane%4)*2 + {0, 1}: acc[j*4 + ri*2 + e].
+struct WgPipe {
+  unsigned char* base;
+  uint64_t* full;
+  uint64_t* empty;
+  int wg, tid;
+
+  __device__ __forceinline__ unsigned char* a(int s) const {
+    return base + s * kWgStageBytes;
+  }
+  __device__ __forceinline__ unsigned char* b(int s) const {
+    return a(s) + kWgABytes;
+  }
+  __device__ __forceinline__ int row(int ri) const {
+    return (wg - 1) * 64 + (tid >> 5) * 16 + ((tid & 31) >> 2) + ri * 8;
+  }
+  __device__ __forceinline__ int col(int j, int e) const {
+    return j * 8 + (tid & 3) * 2 + e;
+  }
+};
+
+__device__ __forceinline__ WgPipe wg_setup(unsigned char* smem_raw, uint64_t* full,
+                                           uint64_t* empty) {
+  WgPipe pipe;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(smem_raw);
+  pipe.base = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  (void)addr;
+  pipe.full = full;
+  pipe.empty = empty;
+  pipe.wg = threadIdx.x / 128;
+  pipe.tid = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < WST; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8); // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  return pipe;
+}
+
+// Producer: stream the k-tiles of one output tile. K-major operands come as
+// one box of rows x 64 k; MN-major ones (TA / TB) as 64 x 64 boxes, one per
+// 64-wide block of m or n, at k rows k_row0 + kt * 64.
+template <bool TA, bool TB>
+__device__ __forceinline__ void wg_produce_tile(const WgPipe& pipe, const CUtensorMap* a_map,
+                                                const CUtensorMap* b_map, int a0, int b0,
+                                                int k_row0, int kt_count, int& s, int& phase) {
+  for (int kt = 0; kt < kt_count; ++kt) {
+    mbar_wait(&pipe.empty[s], phase ^ 1);
+    mbar_expect_tx(&pipe.full[s], kWgABytes + kWgBBytes);
+    if (TA) {
+      for (int j = 0; j < WBM / 64; ++j) {
+        tma_load(pipe.a(s) + j * 8192, a_map, &pipe.full[s], a0 + j * 64, kt * WBK);
+      }
+    } else {
+      tma_load(pipe.a(s), a_map, &pipe.full[s], kt * WBK, a0);
+    }
+    if (TB) {
+      for (int j = 0; j < WBN / 64; ++j) {
+        tma_load(pipe.b(s) + j * 8192, b_map, &pipe.full[s], b0 + j * 64, k_row0 + kt * WBK);
+      }
+    } else {
+      tma_load(pipe.b(s), b_map, &pipe.full[s], kt * WBK, b0);
+    }
+    if (++s == WST) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// Consumer: acc = A[64 rows of this warpgroup] . B[256 columns] over kt_count k-tiles.
+template <class T, bool TA, bool TB>
+__device__ __forceinline__ void wg_consume(const WgPipe& pipe, float* acc, int kt_count, int& s,
+                                           int& phase) {
+  const int off = (pipe.wg - 1) * 8192; // 64 rows (K-major) or one 64-wide block (MN-major)
+  for (int kt = 0; kt < kt_count; ++kt) {
+    mbar_wait(&pipe.full[s], phase);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < WBK / 16; ++k) {
+      const uint64_t da = wg_desc(pipe.a(s) + off + k * (TA ? 2048 : 32), TA);
+      const uint64_t db = wg_desc(pipe.b(s) + k * (TB ? 2048 : 32), TB);
+      wgmma_tile<T, TA, TB>(acc, da, db, kt > 0 || k > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if ((pipe.tid & 31) == 0) {
+      mbar_arrive(&pipe.empty[s]);
+    }
+    if (++s == WST) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+__device__ __forceinline__ void wg_producer_regs() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+}
+
+__device__ __forceinline__ void wg_consumer_regs() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+}
+
+#endif // FLASH_CCE_WGMMA
+
+template <class T>
+__device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const FwdParams& p = P.p;
+  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
+  const int m0 = mt * WBM;
+  const int t_begin = split * p.tiles_per_split;
+  const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
+  const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
+  if (pipe.wg == 0) {
+    wg_producer_regs();
+    if (pipe.tid == 0) {
+      int s = 0, phase = 0;
+      for (int vt = t_begin; vt < t_end; ++vt) {
+        wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, m0, vt * WBN, 0, kt_count, s,
+                                      phase);
+      }
+    }
+    return;
+  }
+  wg_consumer_regs();
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
+  int32_t y[2];
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t gm = m0 + pipe.row(ri);
+    y[ri] = gm < p.M ? p.targets[gm] : -1;
+  }
+  float acc[128];
+  int s = 0, phase = 0;
+  for (int vt = t_begin; vt < t_end; ++vt) {
+    wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
+    const int64_t v0 = int64_t(vt) * WBN;
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int64_t gm = m0 + pipe.row(ri);
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t v = v0 + pipe.col(j, e);
+          float x = acc[j * 4 + ri * 2 + e];
+          if (p.cap > 0.0f) {
+            x = p.cap * tanh_fast(x * inv_cap);
+          }
+          if (v >= p.V) {
+            x = -INFINITY;
+          } else if (v == y[ri] && gm < p.M) {
+            p.target_logit[gm] = x;
+          }
+          acc[j * 4 + ri * 2 + e] = x;
+          tmax = fmaxf(tmax, x);
+        }
+      if (tmax == -INFINITY) {
+        continue;
+      }
+      const float nm = fmaxf(run_max[ri], tmax);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          sum += __expf(acc[j * 4 + ri * 2 + e] - nm);
+      run_sum[ri] = run_sum[ri] * __expf(run_max[ri] - nm) + sum;
+      run_max[ri] = nm;
+    }
+  }
+  // A warp holds whole rows: reduce over the 4 lanes that share one.
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      const float om = __shfl_xor_sync(0xffffffff, run_max[ri], off);
+      const float ol = __shfl_xor_sync(0xffffffff, run_sum[ri], off);
+      merge(run_max[ri], run_sum[ri], om, ol);
+    }
+    const int64_t gm = m0 + pipe.row(ri);
+    if ((pipe.tid & 3) == 0 && gm < p.M) {
+      p.part_max[int64_t(split) * p.M + gm] = run_max[ri];
+      p.part_sum[int64_t(split) * p.M + gm] = run_sum[ri];
+    }
+  }
+#endif
+}
+
+template <class T>
+__device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const DsParams& p = P.p;
+  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const int mt = blockIdx.x % p.m_tiles, vt_local = blockIdx.x / p.m_tiles;
+  const int m0 = mt * WBM;
+  const int vt = static_cast<int>(p.v0 / WBN) + vt_local;
+  const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
+  int s = 0, phase = 0;
+  if (pipe.wg == 0) {
+    wg_producer_regs();
+    if (pipe.tid == 0) {
+      wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, m0, vt * WBN, 0, kt_count, s,
+                                    phase);
+    }
+    return;
+  }
+  wg_consumer_regs();
+  float acc[128];
+  wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
+  const int64_t v0 = int64_t(vt) * WBN;
+  T* ds = static_cast<T*>(p.ds);
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t gm = m0 + pipe.row(ri);
+    if (gm >= p.M) {
+      continue;
+    }
+    const int32_t y = p.targets[gm];
+    const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
+    const float g = ok ? p.g[gm] : 0.0f;
+    const float coef = p.g_lse[gm] - g;
+    const float lse = p.lse[gm];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      float d[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t v = v0 + pipe.col(j, e);
+        float x = acc[j * 4 + ri * 2 + e], dcap = 1.0f;
+        if (p.cap > 0.0f) {
+          const float t = tanh_fast(x * inv_cap);
+          x = p.cap * t;
+          dcap = 1.0f - t * t;
+        }
+        float z = coef * __expf(x - lse);
+        if (v == y) {
+          z += g;
+        }
+        d[e] = v < p.V ? z * dcap : 0.0f;
+      }
+      const int64_t c = v0 - p.v0 + pipe.col(j, 0);
+      if (c < p.width) {
+        *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
+      }
+    }
+  }
+#endif
+}
+
+// dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
+// [k = v][n = h] (N-major).
+template <class T>
+__device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const DhParams& p = P.p;
+  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const int mt = blockIdx.x % p.m_tiles, nt = blockIdx.x / p.m_tiles;
+  const int m0 = mt * WBM, n0 = nt * WBN;
+  const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
+  int s = 0, phase = 0;
+  if (pipe.wg == 0) {
+    wg_producer_regs();
+    if (pipe.tid == 0) {
+      wg_produce_tile<false, true>(pipe, &P.a_map, &P.b_map, m0, n0, static_cast<int>(P.v0),
+                                   kt_count, s, phase);
+    }
+    return;
+  }
+  wg_consumer_regs();
+  float acc[128];
+  wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
+  const bool pairs = (p.H & 1) == 0;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t gm = m0 + pipe.row(ri);
+    if (gm >= p.M) {
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int64_t c = n0 + pipe.col(j, 0);
+      if (c >= p.H) {
+        continue;
+      }
+      float v0 = acc[j * 4 + ri * 2], v1 = acc[j * 4 + ri * 2 + 1];
+      const int64_t i = gm * p.H + c;
+      const bool two = c + 1 < p.H;
+      if (!p.first) {
+        if (pairs) {
+          const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
+          v0 += old.x;
+          v1 += old.y;
+        } else {
+          v0 += p.acc[i];
+          v1 += two ? p.acc[i + 1] : 0.0f;
+        }
+      }
+      if (p.last) {
+        store_from_float(p.out, p.out_kind, i, v0);
+        if (two) {
+          store_from_float(p.out, p.out_kind, i + 1, v1);
+        }
+      } else if (pairs) {
+        *reinterpret_cast<float2*>(p.acc + i) = make_float2(v0, v1);
+      } else {
+        p.acc[i] = v0;
+        if (two) {
+          p.acc[i + 1] = v1;
+        }
+      }
+    }
+  }
+#endif
+}
+
+// dW[v0 + 128 rows] = dS^T . h: A = dS read as [k = m][v] (M-major), B = h as
+// [k = m][n = h] (N-major).
+template <class T>
+__device__ __forceinline__ void dw_wg_body(const WgDwParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const DwParams& p = P.p;
+  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const int vt = blockIdx.x % p.v_tiles, nt = blockIdx.x / p.v_tiles;
+  const int r0 = vt * WBM, n0 = nt * WBN;
+  const int kt_count = static_cast<int>((p.M + WBK - 1) / WBK);
+  int s = 0, phase = 0;
+  if (pipe.wg == 0) {
+    wg_producer_regs();
+    if (pipe.tid == 0) {
+      wg_produce_tile<true, true>(pipe, &P.a_map, &P.b_map, r0, n0, 0, kt_count, s, phase);
+    }
+    return;
+  }
+  wg_consumer_regs();
+  float acc[128];
+  wg_consume<T, true, true>(pipe, acc, kt_count, s, phase);
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t r = r0 + pipe.row(ri);
+    if (r >= p.width) {
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t c = n0 + pipe.col(j, e);
+        if (c < p.H) {
+          store_from_float(p.out, p.out_kind, (p.v0 + r) * p.H + c, acc[j * 4 + ri * 2 + e]);
+        }
+      }
+  }
+#endif
+}

@@ -1,0 +1,172 @@
+"""GPU kernels of the flash-CCE head against the CPU kernels (and the pure-MLX
+fallback). Skipped where MLX has no GPU or this build has no GPU kernels.
+
+The GPU multiplies in bf16 (fp16 when h is fp16) with fp32 accumulation: fp32
+operands and dequantized weights are rounded to that type in the loaders. The
+CPU reference therefore runs on the same rounded operands, which makes every
+product exact on both sides; what remains is fp32 summation order (~1e-6
+relative) for the forward, and for the backward the rounding of dS to the
+operand type (2^-9 relative for bf16, 2^-11 for fp16) plus the output dtype.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from flash_cce import _ext, flash_cce_backward, flash_cce_forward
+
+pytestmark = pytest.mark.skipif(
+    not (mx.is_available(mx.gpu) and _ext.has_gpu_kernels()),
+    reason="needs an MLX GPU and a build with the CUDA kernels",
+)
+
+# logp/lse: fp32 sums of exact products over H <= 256 terms of size <= ~3,
+# in different orders on both sides: a few 1e-6 relative, plus the exp/log
+# approximations of the GPU epilogue (2^-22 relative each).
+FWD_ATOL = 2e-4
+# dh, dW: dS stored in bf16 (2^-9 relative per element), the output rounded to
+# its dtype (2^-9 for bf16): a norm-wise error of a few 2^-9.
+BWD_RTOL = {mx.float32: 6e-3, mx.bfloat16: 1.2e-2, mx.float16: 6e-3}
+
+
+def compute_type(dtype):
+    return mx.float16 if dtype == mx.float16 else mx.bfloat16
+
+
+def rounded(a, dtype):
+    """a as the GPU's tensor cores see it, in float32."""
+    return a.astype(compute_type(dtype)).astype(mx.float32)
+
+
+def make(m, h, v, dtype, seed, ignore=0):
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    hid = mx.random.normal((m, h), key=k1).astype(dtype)
+    w = (0.3 * mx.random.normal((v, h), key=k2)).astype(dtype)
+    y = mx.random.randint(0, v, (m,), key=k3).astype(mx.int32)
+    if ignore:
+        y[:ignore] = -100
+    return hid, w, y
+
+
+def rel_err(a, b):
+    a = np.array(a.astype(mx.float32), dtype=np.float64)
+    b = np.array(b.astype(mx.float32), dtype=np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def cpu_ref(hid, w, y, dtype, g, g_lse, softcap, compute_dw):
+    """CPU kernels on the operands the GPU sees, float32."""
+    ct = compute_type(dtype)
+    h32 = rounded(hid, ct)
+    w32 = rounded(w, ct)
+    logp, lse = flash_cce_forward(h32, w32, y, softcap=softcap, stream=mx.cpu)
+    grads = flash_cce_backward(h32, w32, y, lse, g, g_lse=g_lse, softcap=softcap,
+                               compute_dw=compute_dw, stream=mx.cpu)
+    return logp, lse, grads
+
+
+SHAPES = [(37, 64, 300), (130, 96, 1000), (257, 40, 515), (300, 256, 2100)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_matches_cpu(shape, dtype, softcap):
+    m, h, v = shape
+    hid, w, y = make(m, h, v, dtype, seed=m + h + v, ignore=3)
+    g = mx.random.normal((m,))
+    g_lse = mx.random.normal((m,))
+    logp, lse = flash_cce_forward(hid, w, y, softcap=softcap, stream=mx.gpu)
+    dh, dw = flash_cce_backward(hid, w, y, lse, g, g_lse=g_lse, softcap=softcap,
+                                compute_dw=True, stream=mx.gpu)
+    r_logp, r_lse, (r_dh, r_dw) = cpu_ref(hid, w, y, dtype, g, g_lse, softcap, True)
+    assert dh.dtype == hid.dtype and dw.dtype == w.dtype
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    assert np.all(np.array(logp)[:3] == 0.0)  # ignored rows
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
+    assert rel_err(dw, r_dw) < BWD_RTOL[dtype]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_matches_cpu(bits, group_size):
+    m, h, v, softcap = 70, 256, 777, 30.0
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=bits * group_size, ignore=2)
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    g = mx.random.normal((m,))
+    logp, lse = flash_cce_forward(hid, wq, y, scales, biases, group_size=group_size,
+                                  softcap=softcap, stream=mx.gpu)
+    dh = flash_cce_backward(hid, wq, y, lse, g, scales, biases, group_size=group_size,
+                            softcap=softcap, stream=mx.gpu)
+    # The GPU rounds each dequantized weight to bf16; so does the reference.
+    w_dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
+    r_logp, r_lse, r_dh = cpu_ref(hid, w_dense, y, mx.bfloat16, g, None, softcap, False)
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+def test_out_of_range_target_is_nan_and_gets_no_gradient():
+    m, h, v = 20, 64, 260
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=5)
+    y[4] = v + 3
+    y[5] = -7
+    logp, lse = flash_cce_forward(hid, w, y, stream=mx.gpu, validate_targets=False)
+    logp = np.array(logp)
+    assert np.isnan(logp[4]) and np.isnan(logp[5])
+    assert np.all(np.isfinite(np.delete(logp, [4, 5])))
+    g = mx.ones((m,))
+    dh = flash_cce_backward(hid, w, y, lse, g, stream=mx.gpu)
+    h32, w32 = rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16)
+    _, r_lse = flash_cce_forward(h32, w32, y, stream=mx.cpu, validate_targets=False)
+    r_dh = flash_cce_backward(h32, w32, y, r_lse, g, stream=mx.cpu)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+def test_against_fallback_and_grad():
+    """Native GPU vs the pure-MLX fallback on the GPU, through mx.grad."""
+    m, h, v = 96, 128, 1500
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=11)
+
+    def loss(hid, w, backend):
+        logp, lse = flash_cce_forward(hid, w, y, softcap=30.0, backend=backend)
+        return (logp * mx.arange(m) / m).sum() + 0.1 * lse.sum()
+
+    with mx.stream(mx.gpu):
+        val, (gh, gw) = mx.value_and_grad(loss, argnums=(0, 1))(hid, w, "native")
+        rval, (rgh, rgw) = mx.value_and_grad(loss, argnums=(0, 1))(hid, w, "fallback")
+    # The fallback multiplies fp32-upcast bf16 operands: the same exact products.
+    assert abs(val.item() - rval.item()) < 1e-3 * abs(rval.item())
+    assert rel_err(gh, rgh) < BWD_RTOL[mx.bfloat16]
+    assert rel_err(gw, rgw) < BWD_RTOL[mx.bfloat16]
+
+
+def test_large_grid_shapes():
+    """More rows than a grid's y/z limit of 65535 blocks would allow per axis."""
+    m, h, v = 65536 + 70, 64, 1030
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=3)
+    logp, lse = flash_cce_forward(hid, w, y, stream=mx.gpu)
+    r_logp, r_lse, _ = cpu_ref(hid[-300:], w, y[-300:], mx.bfloat16, mx.ones((300,)),
+                               None, None, False)
+    np.testing.assert_allclose(np.array(logp[-300:]), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("h_dtype,w_dtype", [(mx.bfloat16, mx.float32), (mx.float16, mx.bfloat16)])
+def test_mixed_dtypes(h_dtype, w_dtype):
+    """Operands of different types go through the converting loaders."""
+    m, h, v = 90, 72, 650
+    hid, w, y = make(m, h, v, h_dtype, seed=9)
+    w = w.astype(w_dtype)
+    g = mx.random.normal((m,))
+    logp, lse = flash_cce_forward(hid, w, y, softcap=30.0, stream=mx.gpu)
+    dh, dw = flash_cce_backward(hid, w, y, lse, g, softcap=30.0, compute_dw=True,
+                                stream=mx.gpu)
+    ct = compute_type(h_dtype)
+    h32, w32 = rounded(hid, ct), rounded(w, ct)
+    r_logp, r_lse = flash_cce_forward(h32, w32, y, softcap=30.0, stream=mx.cpu)
+    r_dh, r_dw = flash_cce_backward(h32, w32, y, r_lse, g, softcap=30.0, compute_dw=True,
+                                    stream=mx.cpu)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[h_dtype]
+    assert rel_err(dw, r_dw) < BWD_RTOL[mx.bfloat16]
