@@ -81,6 +81,15 @@ def _ref_value_and_grad(model, pairs, cfg, ref=None):
     return nn.value_and_grad(model, lambda: _ref_loss(model, pairs, cfg, ref))()
 
 
+def _matches_reference(model, pairs, cfg):
+    """Asserts loss and gradients equal the reference's; returns the metrics."""
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+    return metrics
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_orpo_matches_trl_on_mlx_lm_logits(arch):
     model = tiny_model(arch, lora=True)
@@ -110,10 +119,7 @@ def test_other_objectives_match_reference(name):
     model = tiny_model("qwen3", lora=True)
     pairs = _pairs(2)
     cfg = ObjectiveConfig(name=name, beta=0.5, gamma=0.3, nll_on_prompt=False)
-    loss, grads, _ = value_and_grad(model, pairs, cfg)
-    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
-    _close(loss, want_loss)
-    _grads_close(grads, want_grads)
+    _matches_reference(model, pairs, cfg)
 
 
 def test_dpo_reference_is_the_model_without_adapters():
@@ -156,10 +162,7 @@ def test_quantized_base_with_lora(arch):
     model = tiny_model(arch, lora=True, quantize=True)
     pairs = _pairs(5)
     cfg = ObjectiveConfig(segment_size=1)
-    loss, grads, _ = value_and_grad(model, pairs, cfg)
-    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
-    _close(loss, want_loss)
-    _grads_close(grads, want_grads)
+    _matches_reference(model, pairs, cfg)
 
 
 def test_full_fine_tuning_tied_head():
@@ -167,10 +170,7 @@ def test_full_fine_tuning_tied_head():
     model = tiny_model("llama", tied=True)
     pairs = _pairs(6)
     cfg = ObjectiveConfig()
-    loss, grads, _ = value_and_grad(model, pairs, cfg)
-    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
-    _close(loss, want_loss)
-    _grads_close(grads, want_grads)
+    _matches_reference(model, pairs, cfg)
 
 
 def test_evaluate_equals_value_and_grad():
@@ -190,11 +190,8 @@ def test_prompts_that_tokenise_differently_fall_back():
     pairs = [random_pair(rng, 5, 3, 4, same_prompt=False), random_pair(rng, 5, 3, 4)]
     model = tiny_model("llama", lora=True)
     cfg = ObjectiveConfig()
-    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    metrics = _matches_reference(model, pairs, cfg)
     assert metrics["prefix_fallbacks"].item() == 1
-    want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg)
-    _close(loss, want_loss)
-    _grads_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("pair, match", [

@@ -1,0 +1,204 @@
+"""ORPO step time and peak memory: flash_cce.objectives against its own switches
+and mlx-lm-lora's ORPO, on one pair (prompt = half of each sequence), LoRA rank 16
+on every linear layer of every block, random weights.
+
+    python bench/bench_orpo.py                # small shapes, fits a 2-core CPU
+    python bench/bench_orpo.py --full         # the issue's shapes: models A/B, 1k/4k/8k
+    python bench/bench_orpo.py --full --models A4 --lengths 8192 --json out.json
+
+Providers (each a full step: forward, backward, gradients evaluated):
+  flash_cce             flash head + prefix sharing + segmented backward (defaults)
+  no_flash_head         same with the full-logits head
+  no_prefix             same with two forwards instead of one prompt forward
+  no_segments           same with the plain backward
+  mlx-lm-lora           mlx-lm-lora 5.10.2 `orpo_loss_from_model`, plain
+  mlx-lm-lora ckpt      the same with its `grad_checkpoint` (every block checkpointed)
+  seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
+A provider that fails (e.g. out of memory) is reported with its error.
+"""
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import gemma3_text, gemma4_text
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
+from flash_cce.batch import Pair
+from flash_cce.objectives import ObjectiveConfig, value_and_grad
+
+FULL_MODELS = {
+    # model A: gemma3_text, hidden 1536, 35 layers, tied V=262144
+    "A4": ("gemma3_text", dict(hidden_size=1536, num_hidden_layers=35, intermediate_size=6144,
+                               num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                               vocab_size=262144), 4),
+    "Abf16": ("gemma3_text", dict(hidden_size=1536, num_hidden_layers=35,
+                                  intermediate_size=6144, num_attention_heads=8,
+                                  num_key_value_heads=1, head_dim=256, vocab_size=262144), None),
+    # model B: mlx-lm 0.32.2's default gemma4_text.ModelArgs()
+    "B4": ("gemma4_text", {}, 4),
+}
+SMALL_MODELS = {  # same architectures, scaled down for a 2-core CPU
+    "A4": ("gemma3_text", dict(hidden_size=128, num_hidden_layers=4, intermediate_size=512,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               query_pre_attn_scalar=64, vocab_size=8192, sliding_window=64,
+                               sliding_window_pattern=2), 4),
+    "B4": ("gemma4_text", dict(hidden_size=128, num_hidden_layers=6, intermediate_size=512,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                               global_head_dim=128, num_kv_shared_layers=2,
+                               hidden_size_per_layer_input=64, vocab_size=8192,
+                               vocab_size_per_layer_input=8192, sliding_window=64,
+                               sliding_window_pattern=3), 4),
+}
+FULL_LENGTHS = (1024, 4096, 8192)
+SMALL_LENGTHS = (128, 256, 512)
+PROVIDERS = ("flash_cce", "no_flash_head", "no_prefix", "no_segments", "mlx-lm-lora",
+             "mlx-lm-lora ckpt")
+
+
+def build(kind, overrides, bits, dtype, seed=0):
+    mx.random.seed(seed)
+    module = gemma3_text if kind == "gemma3_text" else gemma4_text
+    args = module.ModelArgs(model_type=kind, **overrides)
+    model = module.Model(args)
+    if kind == "gemma3_text":
+        model.sanitize({})  # tied head, as the real checkpoints
+    model.set_dtype(dtype)  # before quantizing, or activations stay float32
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 20.0, "dropout": 0.0})
+    mx.eval(model.parameters())
+    return model
+
+
+def make_pair(length, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    half = length // 2
+    prompt = rng.integers(0, vocab, half).tolist()
+    chosen = prompt + rng.integers(0, vocab, length - half).tolist()
+    rejected = prompt + rng.integers(0, vocab, length - half).tolist()
+    return Pair(chosen, rejected, half, half)
+
+
+def ours(model, pair, **switches):
+    cfg = ObjectiveConfig(name="orpo", **switches)
+
+    def step():
+        loss, grads, metrics = value_and_grad(model, [pair], cfg)
+        mx.eval(loss, grads, metrics)
+
+    return step
+
+
+def mlx_lm_lora(model, pair, checkpoint):
+    from mlx_lm_lora.trainer.orpo_trainer import orpo_loss_from_model
+    from mlx_lm_lora.trainer.sft_trainer import grad_checkpoint
+
+    layer_type = type(model.layers[0])
+    original = layer_type.__call__
+    n = len(pair.chosen)
+    chosen, rejected = mx.array([pair.chosen]), mx.array([pair.rejected])
+    mask = mx.array([[0.0] * pair.chosen_prompt_len + [1.0] * (n - pair.chosen_prompt_len)])
+    scores = mx.ones((1,))
+
+    def loss_fn(model):
+        return orpo_loss_from_model(model, chosen, rejected, mask, mask, scores, beta=0.1)[0]
+
+    grad = nn.value_and_grad(model, loss_fn)
+
+    def step():
+        if checkpoint:
+            grad_checkpoint(model.layers[0])  # patches the block class itself...
+        try:
+            loss, grads = grad(model)
+            mx.eval(loss, grads)
+        finally:
+            layer_type.__call__ = original  # ...so undo it for the other providers
+
+    return step
+
+
+def make_step(name, model, pair):
+    if name == "flash_cce":
+        return ours(model, pair)
+    if name == "no_flash_head":
+        return ours(model, pair, flash_head=False)
+    if name == "no_prefix":
+        return ours(model, pair, prefix_sharing=False)
+    if name == "no_segments":
+        return ours(model, pair, segment_size=0)
+    if name.startswith("seg="):
+        return ours(model, pair, segment_size=int(name[4:]))
+    return mlx_lm_lora(model, pair, checkpoint=name.endswith("ckpt"))
+
+
+def measure(step, repeats):
+    step()  # warm-up: kernels, caches
+    times = []
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, mx.get_peak_memory() / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true", help="the issue's shapes (needs a big GPU)")
+    ap.add_argument("--models", nargs="*", help="subset of A4, Abf16, B4")
+    ap.add_argument("--lengths", nargs="*", type=int, help="tokens per sequence")
+    ap.add_argument("--providers", nargs="*", help=f"subset of {PROVIDERS}")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"),
+                    help="activations (default: bfloat16 with --full, else float32: "
+                         "bfloat16 made this step 5-7x slower on MLX's CPU backend)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps (median)")
+    ap.add_argument("--json", default="bench_orpo.json", help="where to write results")
+    args = ap.parse_args()
+    models = FULL_MODELS if args.full else SMALL_MODELS
+    lengths = args.lengths or (FULL_LENGTHS if args.full else SMALL_LENGTHS)
+    providers = args.providers or PROVIDERS
+    repeats = args.repeats or (3 if args.full else 2)
+    dtype = getattr(mx, args.dtype or ("bfloat16" if args.full else "float32"))
+    results = []
+    print(f"device: {mx.default_device()}, {platform.machine()}, {dtype}; ms / peak GB; one pair")
+    print(f"| model | tokens | " + " | ".join(providers) + " |")
+    print("|---|---|" + "---|" * len(providers))
+    for key in args.models or models:
+        kind, overrides, bits = models[key]
+        model = build(kind, overrides, bits, dtype)
+        for length in lengths:
+            pair = make_pair(length, model.args.vocab_size)
+            cells = []
+            for name in providers:
+                try:
+                    ms, gb = measure(make_step(name, model, pair), repeats)
+                    cells.append(f"{ms:.0f} / {gb:.2f}")
+                    results.append(dict(model=key, tokens=length, provider=name, ms=ms, peak_gb=gb))
+                except Exception as err:  # noqa: BLE001 - report and go on
+                    cells.append("fails")
+                    results.append(dict(model=key, tokens=length, provider=name,
+                                        error=f"{type(err).__name__}: {err}"[:300]))
+                gc.collect()
+                mx.clear_cache()
+            print(f"| {key} | {length} | " + " | ".join(cells) + " |", flush=True)
+        del model
+        gc.collect()
+        mx.clear_cache()
+    with open(args.json, "w") as f:
+        json.dump(dict(device=str(mx.default_device()), machine=platform.machine(),
+                       dtype=str(dtype), full=args.full, repeats=repeats,
+                       results=results), f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
