@@ -181,3 +181,36 @@ def test_bad_training_args():
         TrainingArgs(grad_accumulation_steps=0).validate()
     with pytest.raises(ValueError, match="max_grad_norm"):
         TrainingArgs(max_grad_norm=0).validate()
+
+
+@pytest.mark.parametrize("name", ["orpo", "simpo", "orpo_margin", "dpo", "sft"])
+def test_each_objective_trains(setup, name):
+    model_dir, train_pairs, val_pairs = setup
+    model = fresh(model_dir)
+    before = _params(model)
+    evals = []
+    args = TrainingArgs(batch_size=4, iters=1, progress=False)
+    train(model, optim.AdamW(learning_rate=1e-3), train_pairs, val_pairs, args,
+          ObjectiveConfig(name=name), on_eval=evals.append, log=lambda *_: None)
+    assert all(math.isfinite(r["loss"]) for r in evals) and len(evals) == 2
+    assert any(not np.array_equal(v, before[k]) for k, v in _params(model).items())
+
+
+def test_qlora_quantizes_the_base_and_trains_adapters(setup):
+    import mlx.nn as nn
+
+    model_dir, train_pairs, _ = setup
+    model, _ = load(str(model_dir))
+    prepare_model(model, "lora", -1, {"rank": 4, "scale": 10.0, "dropout": 0.0},
+                  quantize={"bits": 4, "group_size": 32})
+    q = model.layers[0].self_attn.q_proj
+    assert isinstance(q.linear, nn.QuantizedLinear) and q.linear.bits == 4
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)  # the tied head too
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert names and all(k.endswith(("lora_a", "lora_b")) for k in names)
+    before = _params(model)
+    train(model, optim.AdamW(learning_rate=1e-3), train_pairs, None,
+          TrainingArgs(batch_size=4, iters=1, progress=False), log=lambda *_: None)
+    assert any(not np.array_equal(v, before[k]) for k, v in _params(model).items())
+    with pytest.raises(ValueError, match="needs fine_tune_type 'lora' or 'dora'"):
+        prepare_model(load(str(model_dir))[0], "full", -1, quantize={"bits": 4})

@@ -5,8 +5,8 @@ what color is the ball ?"); the chosen answer is the stated color, the rejected
 one another color. Validation and test pairs use (name, color, object) triples
 that never occur in training, so accuracy above chance means the model learned
 to read the color from the prompt, not to recall pairs. A randomly initialised
-2-layer llama starts at chance; ORPO gets it right on held-out pairs within a
-couple of hundred steps on a laptop CPU.
+2-layer llama starts at chance; with ORPO it answers held-out pairs right after
+about 75 steps (see the README for measured runs).
 """
 
 import random
@@ -28,8 +28,8 @@ DEMO_CONFIG = dict(
     fine_tune_type="full",
     num_layers=-1,
     objective="orpo",
-    learning_rate=3e-3,
-    min_learning_rate=3e-4,
+    learning_rate=1e-3,
+    min_learning_rate=1e-4,
     warmup=10,
     weight_decay=0.0,
     batch_size=8,
