@@ -263,7 +263,7 @@ def run_eval(cfg, adapter_path, split, log=print):
 
 def main(argv=None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = parser_args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "plot":
             from .plot import plot_run
@@ -275,7 +275,7 @@ def main(argv=None):
 
             run_demo(args.run_dir, iters=args.iters)
             return 0
-        flags = {k: v for k, v in vars(parser_args).items() if k not in ("command", "config")}
+        flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
         base = None
         if args.command == "train" and flags.get("resume") and not args.config:
             saved = _run_dir_of(flags["resume"]) / "config.yaml"
