@@ -215,6 +215,9 @@ def run_train(cfg, log=print, on_eval=None):
 
     from .trainer import TrainingArgs, build_schedule, prepare_model, train, trainable_summary
 
+    rank = mx.distributed.init().rank()
+    if rank != 0:  # one voice and one writer: rank 0
+        log = lambda *a, **k: None  # noqa: E731
     run_dir = Path(cfg["run_dir"])
     objective = _objective(cfg)
     args = TrainingArgs(batch_size=cfg["batch_size"], iters=cfg["iters"],
@@ -222,7 +225,7 @@ def run_train(cfg, log=print, on_eval=None):
                         max_grad_norm=cfg["max_grad_norm"], steps_per_eval=cfg["steps_per_eval"],
                         val_batches=cfg["val_batches"], save_every=cfg["save_every"],
                         keep_checkpoints=cfg["keep_checkpoints"], seed=cfg["seed"],
-                        progress=cfg["progress"])
+                        progress=cfg["progress"] and rank == 0)
     args.validate()
     schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
                               cfg["min_learning_rate"])
@@ -235,9 +238,10 @@ def run_train(cfg, log=print, on_eval=None):
     prepare_model(model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
     log(trainable_summary(model))
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "config.yaml", "w") as f:
-        yaml.safe_dump(cfg, f, sort_keys=True)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "config.yaml", "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=True)
     last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
                  run_dir=run_dir, adapter_config=cfg, resume=cfg["resume"], on_eval=on_eval, log=log)
     if cfg["test"] and splits.get("test"):

@@ -172,21 +172,44 @@ def _stack(all_stats):
     return {k: mx.stack([s[k] for s in all_stats]) for k in all_stats[0]}
 
 
-def _metrics(obj, cfg, pairs, all_stats, totals):
+def _distributed(group):
+    return group is not None and group.size() > 1
+
+
+def _global_totals(totals, group):
+    """Batch totals over every rank's pairs (a data-parallel step's batch)."""
+    if not _distributed(group):
+        return totals
+    return tuple(int(v) for v in mx.distributed.all_sum(mx.array(totals), group=group).tolist())
+
+
+def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
+    """Loss and metrics of the batch; with a group, of the pairs of all its ranks."""
     stats = _stack(all_stats)
+    counts = mx.array([
+        sum(cfg.prefix_sharing and obj.rejected and not p.shares_prompt() for p in pairs),
+        sum(len(p.chosen) + len(p.rejected) for p in pairs),
+    ])
+    if _distributed(group):
+        stats = {k: mx.distributed.all_gather(v, group=group) for k, v in stats.items()}
+        counts = mx.distributed.all_sum(counts, group=group)
     terms, metrics = obj.fn(stats, cfg, *totals)
-    metrics["prefix_fallbacks"] = mx.array(
-        sum(cfg.prefix_sharing and obj.rejected and not p.shares_prompt() for p in pairs)
-    )
-    metrics["tokens"] = mx.array(sum(len(p.chosen) + len(p.rejected) for p in pairs))
+    metrics["prefix_fallbacks"] = counts[0]
+    metrics["tokens"] = counts[1]
     return terms.sum(), metrics
 
 
-def value_and_grad(model, pairs, cfg):
+def value_and_grad(model, pairs, cfg, group=None):
     """Loss (mean over the pairs), gradients (the tree of
-    `model.trainable_parameters()`) and metrics (str -> scalar) of `cfg`'s objective."""
+    `model.trainable_parameters()`) and metrics (str -> scalar) of `cfg`'s objective.
+
+    With a distributed `group`, `pairs` is this rank's share of a batch spread over
+    the group: the loss and metrics are those of the whole batch, and the
+    gradients are this rank's share of the batch's, so that their sum over the
+    ranks (an all-reduce) is the gradient of the whole batch.
+    """
     lm, obj, ref = _prepare(model, pairs, cfg)
-    totals = _batch_totals(pairs, cfg, obj)
+    totals = _global_totals(_batch_totals(pairs, cfg, obj), group)
     grads, all_stats = None, []
     for i, pair in enumerate(pairs):
         seg = _segment_size(cfg, pair)
@@ -201,7 +224,7 @@ def value_and_grad(model, pairs, cfg):
         grads = g if grads is None else tree_map(mx.add, grads, g)
         all_stats.append(tree_map(mx.stop_gradient, stats))
         mx.eval(grads, all_stats[-1])
-    loss, metrics = _metrics(obj, cfg, pairs, all_stats, totals)
+    loss, metrics = _metrics(obj, cfg, pairs, all_stats, totals, group)
     return loss, grads, metrics
 
 

@@ -15,7 +15,6 @@ from typing import Optional
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.nn.utils import average_gradients
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint
@@ -28,7 +27,7 @@ GB = 1e9
 
 @dataclass
 class TrainingArgs:
-    batch_size: int = field(default=4, metadata={"help": "Pairs per micro-batch."})
+    batch_size: int = field(default=4, metadata={"help": "Pairs per micro-batch, over all ranks together."})
     iters: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
     grad_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     max_grad_norm: Optional[float] = field(default=1.0, metadata={"help": "Clip the global gradient norm to this (None: no clipping)."})
@@ -80,6 +79,16 @@ def batch_indices(n, batch_size, position, seed, rank=0, world=1):
     epoch, b = divmod(position, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(n)
     return order[b * batch_size:(b + 1) * batch_size][rank::world].tolist()
+
+
+def sum_over_ranks(grads, group):
+    """All-reduce sum of a gradient tree (mlx's bucketed average, times the size)."""
+    if group.size() == 1:
+        return grads
+    from mlx.nn.utils import average_gradients
+
+    n = group.size()
+    return tree_map(lambda g: g * n, average_gradients(grads, group))
 
 
 def _floats(metrics):
@@ -176,6 +185,13 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     objective = objective or ObjectiveConfig()
     world = mx.distributed.init()
     rank, size = world.rank(), world.size()
+    if args.batch_size % size:
+        raise ValueError(f"batch_size={args.batch_size} is not divisible by the {size} ranks")
+    # Each rank takes its share of every micro-batch; the objective normalises
+    # by the whole micro-batch, so the summed gradients equal a single process's.
+    step_fn = value_and_grad
+    if size > 1:
+        step_fn = lambda m, p, o: value_and_grad(m, p, o, group=world)  # noqa: E731
     writer = rank == 0 and run_dir is not None
     run_dir = Path(run_dir) if run_dir is not None else None
     if writer:
@@ -235,17 +251,17 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             mx.reset_peak_memory()
             grads, sums, tokens = None, {}, 0
             for _ in range(accum):
-                idx = batch_indices(len(train_pairs), args.batch_size * size, state["position"],
+                idx = batch_indices(len(train_pairs), args.batch_size, state["position"],
                                     args.seed, rank, size)
                 state["position"] += 1
-                loss, g, metrics = value_and_grad(model, [train_pairs[i] for i in idx], objective)
+                loss, g, metrics = step_fn(model, [train_pairs[i] for i in idx], objective)
                 grads = g if grads is None else tree_map(mx.add, grads, g)
                 mx.eval(grads, loss, metrics)
                 values = _floats(dict(metrics, loss=loss))
                 tokens += values.pop("tokens", 0)
                 for k, v in values.items():
                     sums[k] = sums.get(k, 0.0) + v / accum
-            grads = average_gradients(tree_map(lambda x: x / accum, grads))
+            grads = sum_over_ranks(tree_map(lambda x: x / accum, grads), world)
             if args.max_grad_norm is not None:
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
