@@ -543,49 +543,50 @@ void set_cpu_pointers(HeadProblem& p, const std::vector<mx::array>& in,
   }
 }
 
-void alloc(std::vector<mx::array>& outputs) {
+using Arrays = std::vector<mx::array>;
+
+// Allocates the outputs and queues run(problem, inputs, outputs) on the CPU
+// stream; the lambda keeps the arrays alive until it has run.
+template <class F>
+void dispatch_cpu(mx::Stream stream, const HeadConfig& cfg, size_t scales_at,
+                  const std::vector<mx::array>& inputs,
+                  std::vector<mx::array>& outputs, F run) {
   for (auto& o : outputs) {
     o.set_data(mx::allocator::malloc(o.nbytes()));
   }
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  for (auto& a : outputs) {
+    enc.set_output_array(a);
+  }
+  enc.dispatch([in = inputs, out = outputs, cfg, scales_at, run]() mutable {
+    auto p = make_problem(in, cfg);
+    set_cpu_pointers(p, in, scales_at);
+    run(p, in, out);
+  });
 }
 
 } // namespace
 
 void FlashCCEForward::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
-  alloc(outputs);
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  for (auto& a : outputs) {
-    enc.set_output_array(a);
-  }
-  enc.dispatch([in = inputs, out = outputs, cfg = cfg_]() mutable {
-    auto p = make_problem(in, cfg);
-    set_cpu_pointers(p, in, 3);
-    cpu::forward(p, out[0].data<float>(), out[1].data<float>(),
-                 cfg.fused ? out[2].data<float>() : nullptr);
-  });
+  dispatch_cpu(stream(), cfg_, 3, inputs, outputs,
+               [](const HeadProblem& p, Arrays&, Arrays& out) {
+                 cpu::forward(p, out[0].data<float>(), out[1].data<float>(),
+                              p.cfg.fused ? out[2].data<float>() : nullptr);
+               });
 }
 
 void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  alloc(outputs);
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  for (auto& a : outputs) {
-    enc.set_output_array(a);
-  }
-  enc.dispatch([in = inputs, out = outputs, cfg = cfg_]() mutable {
-    auto p = make_problem(in, cfg);
-    set_cpu_pointers(p, in, 6);
-    cpu::backward(p, in[3].data<float>(), in[4].data<float>(),
-                  in[5].data<float>(), out[0].data<void>(),
-                  out.size() > 1 ? out[1].data<void>() : nullptr);
-  });
+  dispatch_cpu(stream(), cfg_, 6, inputs, outputs,
+               [](const HeadProblem& p, Arrays& in, Arrays& out) {
+                 cpu::backward(p, in[3].data<float>(), in[4].data<float>(),
+                               in[5].data<float>(), out[0].data<void>(),
+                               out.size() > 1 ? out[1].data<void>() : nullptr);
+               });
 }
 
 // A GPU backend opts into the fused forward (third output) by defining
