@@ -17,7 +17,7 @@ constexpr int64_t MR = 6;
 constexpr int64_t NR = 16;
 constexpr int64_t MC = 96;
 constexpr int64_t KC = 256;
-constexpr int64_t NC = 1024;
+constexpr int64_t NC = 512;
 
 using Kernel = void (*)(int64_t kc, const float* a, const float* b, float* c,
                         int64_t ldc, bool accumulate);

@@ -92,20 +92,9 @@ void store_float(void* p, Elem e, int64_t i, float v) {
   }
 }
 
-// Rows [v0, v0 + n) of the head as fp32 [n, H]; affine dequant for packed weights.
-void load_rows(const HeadProblem& p, int64_t v0, int64_t n, float* out) {
+// Rows [v0, v0 + n) of a packed head, affine-dequantized to fp32 [n, H].
+void dequant_rows(const HeadProblem& p, int64_t v0, int64_t n, float* out) {
   const int64_t H = p.H;
-  if (!p.cfg.quantized) {
-    const Elem e = elem_of(p.w_dtype);
-    if (e == Elem::f32) {
-      std::memcpy(out, static_cast<const float*>(p.w) + v0 * H, n * H * sizeof(float));
-      return;
-    }
-    for (int64_t i = 0; i < n * H; ++i) {
-      out[i] = load_float(p.w, e, v0 * H + i);
-    }
-    return;
-  }
   const int bits = p.cfg.bits;
   const int64_t gs = p.cfg.group_size, groups = H / gs;
   const int64_t row_bytes = H * bits / 8;
@@ -166,8 +155,9 @@ class PackedH {
 
 // One thread's working set.
 struct Work {
-  float* wrows; // [VB, H] the block's weight rows in fp32
-  float* s;     // [M, VB] the block's logits, then its dS or probabilities
+  MatView wblock; // [n, H] the current block's weight rows
+  float* wrows;   // [VB, H] fp32 rows: dequantized weights, or staged dW rows
+  float* s;       // [M, VB] the block's logits, then its dS or probabilities
   float* acc;   // [M, H] this thread's share of a [M, H] result, or null
   float* r0;    // [M] per-row state (running max, or masked g)
   float* r1;    // [M] (running sum, or g_lse - g)
@@ -175,40 +165,56 @@ struct Work {
   GemmScratch gemm;
 };
 
-// Per-thread working sets carved from one MLX allocation.
+// Per-thread working sets carved from one MLX allocation. `acc0`, when given,
+// is thread 0's [M, H] accumulator (an output buffer), saving one copy.
 class Workspace {
  public:
-  Workspace(int threads, const HeadProblem& p, bool with_acc, int64_t max_n)
-      : M_(p.M), H_(p.H), with_acc_(with_acc),
-        per_thread_(VB * p.H + p.M * VB + (with_acc ? p.M * p.H : 0) + 2 * p.M + VB +
-                    sgemm_scratch_floats(max_n)),
-        scratch_(threads * per_thread_) {}
+  Workspace(int threads, const HeadProblem& p, bool with_acc, bool with_rows,
+            int64_t max_n, float* acc0 = nullptr)
+      : M_(p.M), H_(p.H), rows_(with_rows ? VB * p.H : 0),
+        acc_(with_acc ? p.M * p.H : 0), acc0_(acc0),
+        per_thread_(rows_ + p.M * VB + 2 * p.M + VB + sgemm_scratch_floats(max_n)),
+        threads_(threads),
+        scratch_(threads * per_thread_ + (threads - (acc0 ? 1 : 0)) * acc_) {}
 
   Work at(int t) {
     Work w;
     w.wrows = scratch_.base() + t * per_thread_;
-    w.s = w.wrows + VB * H_;
-    w.acc = with_acc_ ? w.s + M_ * VB : nullptr;
-    w.r0 = w.s + M_ * VB + (with_acc_ ? M_ * H_ : 0);
+    w.s = w.wrows + rows_;
+    w.r0 = w.s + M_ * VB;
     w.r1 = w.r0 + M_;
     w.dcap = w.r1 + M_;
     w.gemm = sgemm_scratch(w.dcap + VB);
+    float* accs = scratch_.base() + threads_ * per_thread_;
+    w.acc = !acc_ ? nullptr : acc0_ ? (t == 0 ? acc0_ : accs + (t - 1) * acc_)
+                                    : accs + t * acc_;
     return w;
   }
 
  private:
-  int64_t M_, H_;
-  bool with_acc_;
+  int64_t M_, H_, rows_, acc_;
+  float* acc0_;
   int64_t per_thread_;
+  int threads_;
   Scratch scratch_;
 };
 
-// Logits of block b into w.s; returns the block's first row and length.
+// Logits of block b into w.s and its weight rows into w.wblock; returns the
+// block's first row and length. Only packed weights are converted.
 std::pair<int64_t, int64_t> block_logits(const HeadProblem& p, const MatView& h,
                                          int64_t b, Work& w) {
   const int64_t v0 = b * VB, n = std::min(VB, p.V - v0);
-  load_rows(p, v0, n, w.wrows);
-  sgemm(p.M, n, p.H, h, {w.wrows, p.H, true}, w.s, VB, false, w.gemm);
+  if (p.cfg.quantized) {
+    dequant_rows(p, v0, n, w.wrows);
+    w.wblock = {w.wrows, p.H, false, Elem::f32};
+  } else {
+    const Elem e = elem_of(p.w_dtype);
+    const size_t size = e == Elem::f32 ? 4 : 2;
+    w.wblock = {static_cast<const char*>(p.w) + v0 * p.H * size, p.H, false, e};
+  }
+  MatView wt = w.wblock;
+  wt.trans = true;
+  sgemm(p.M, n, p.H, h, wt, w.s, VB, false, w.gemm);
   return {v0, n};
 }
 
@@ -237,7 +243,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
   const int64_t M = p.M, H = p.H;
   const int T = threads_for(p);
-  Workspace ws(T, p, gsum != nullptr, gsum ? std::max(VB, H) : VB);
+  Workspace ws(T, p, gsum != nullptr, p.cfg.quantized, gsum ? std::max(VB, H) : VB, gsum);
   PackedH packed(p);
   const MatView hv = packed.view(p);
   std::vector<float> target_logit(M, std::numeric_limits<float>::quiet_NaN());
@@ -292,7 +298,7 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
       }
     }
     if (w.acc) {
-      sgemm(M, H, n, {w.s, VB}, {w.wrows, H}, w.acc, H, true, w.gemm);
+      sgemm(M, H, n, {w.s, VB}, w.wblock, w.acc, H, true, w.gemm);
     }
   });
 
@@ -316,9 +322,13 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
     const int32_t y = p.targets[m];
     logp[m] = y == p.cfg.ignore_index ? 0.0f : target_logit[m] - lse[m];
     if (gsum) {
+      // Thread 0 accumulated in gsum itself: scale it, then add the others.
       float* out = gsum + m * H;
-      std::fill(out, out + H, 0.0f);
-      for (int t = 0; t < T; ++t) {
+      const float c0 = static_cast<float>(weight[0] / total);
+      for (int64_t i = 0; i < H; ++i) {
+        out[i] *= c0;
+      }
+      for (int t = 1; t < T; ++t) {
         const float c = static_cast<float>(weight[t] / total);
         const float* a = works[t].acc + m * H;
         for (int64_t i = 0; i < H; ++i) {
@@ -333,7 +343,7 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
               const float* g_lse, void* dh, void* dw) {
   const int64_t M = p.M, H = p.H, V = p.V;
   const int T = threads_for(p);
-  Workspace ws(T, p, true, std::max(VB, H));
+  Workspace ws(T, p, true, p.cfg.quantized || dw != nullptr, std::max(VB, H));
   PackedH packed(p);
   const MatView hv = packed.view(p);
   const float cap = p.cfg.softcap;
@@ -370,7 +380,7 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
         }
       }
     }
-    sgemm(M, H, n, {w.s, VB}, {w.wrows, H}, w.acc, H, true, w.gemm);
+    sgemm(M, H, n, {w.s, VB}, w.wblock, w.acc, H, true, w.gemm);
     if (dw) {
       // dW rows = dS^T @ h, staged in wrows (done with the weight now).
       sgemm(n, H, M, {w.s, VB, true}, h_view(p), w.wrows, H, false, w.gemm);

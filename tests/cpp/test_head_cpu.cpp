@@ -71,9 +71,12 @@ TEST(HeadCpu, ThreadCountDoesNotChangeResults) {
   for (const char* n : {"1", "3", "8"}) {
     setenv("FLASH_CCE_NUM_THREADS", n, 1);
     std::vector<float> logp(M), lse(M), g(M, 1.0f), g_lse(M, 0.0f), dh(M * H);
+    std::vector<float> gsum(M * H);
     cpu::forward(p, logp.data(), lse.data(), nullptr);
+    cpu::forward(p, logp.data(), lse.data(), gsum.data()); // the fused variant
     cpu::backward(p, lse.data(), g.data(), g_lse.data(), dh.data(), nullptr);
     logp.insert(logp.end(), dh.begin(), dh.end());
+    logp.insert(logp.end(), gsum.begin(), gsum.end());
     results.push_back(logp);
   }
   unsetenv("FLASH_CCE_NUM_THREADS");
