@@ -189,6 +189,22 @@ def matmul_rate(warmup, reps):
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def save(args, rate, results):
+    """Writes the JSON after every shape, so that a cut-short run keeps its data."""
+    if not args.json:
+        return
+    meta = dict(date=time.strftime("%Y-%m-%d"), host=platform.node(), mlx=mx.__version__,
+                device=str(mx.default_device()), matmul_tflops=rate)
+    try:
+        import torch
+
+        meta["gpu"] = torch.cuda.get_device_name()
+    except Exception:
+        pass
+    with open(args.json, "w") as f:
+        json.dump(dict(meta=meta, results=results, table=table(rate, results)), f, indent=1)
+
+
 def run(args):
     results = []
     shapes = [parse_shape(s) for s in args.shapes] if args.shapes else SHAPES
@@ -250,6 +266,7 @@ def run(args):
                         record(**base, provider=prov, variant="bf16", mode=mode, softcap=cap,
                                ms=None, error=str(e))
         del inputs
+        save(args, rate, results)
         mx.clear_cache()
         try:
             import torch
@@ -311,12 +328,7 @@ def main():
     print("\nms / extra GB over inputs (fwd+bwd TFLOP/s count 4*M*V*H; fwd 2*M*V*H;"
           f" with dW 6*M*V*H). bf16 matmul rate: {rate:.0f} TFLOP/s")
     print(md)
-    if args.json:
-        meta = dict(date=time.strftime("%Y-%m-%d"), host=platform.node(),
-                    mlx=mx.__version__, device=str(mx.default_device()),
-                    matmul_tflops=rate)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, results=results, table=md), f, indent=1)
+    save(args, rate, results)
 
 
 if __name__ == "__main__":

@@ -190,14 +190,16 @@ struct Launch {
   }
 };
 
-// The Hopper path takes dense h and W of one 16-bit type with 16-byte rows.
+// The Hopper path takes a 16-bit h and a dense W of the same type, both with
+// 16-byte rows. Quantized heads use the mma.sync kernels, whose loaders
+// dequantize (see the CUDA section of the README for the measurements).
 bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
   // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
   const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
   const bool off = env && env[0] == '1';
   const auto& dev = mx::cu::device(s.device);
   return !off && dev.compute_capability_major() == 9 && !p.cfg.quantized &&
-      p.h_dtype == p.w_dtype && (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) &&
+      p.w_dtype == p.h_dtype && (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) &&
       p.H % 8 == 0 && reinterpret_cast<uintptr_t>(p.h) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
 }
@@ -289,7 +291,7 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
     wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     wp.p = fp;
-    launch(std::string("fcce_fwd_wg_") + (use_f16(p) ? "f16" : "bf16"),
+    launch("fcce_fwd_wg_" + std::string(use_f16(p) ? "f16" : "bf16"),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
     launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);

@@ -149,11 +149,14 @@ __device__ __forceinline__ void wg_produce_tile(const WgPipe& pipe, const CUtens
   }
 }
 
-// Consumer: acc = A[64 rows of this warpgroup] . B[256 columns] over kt_count k-tiles.
+// Consumer: acc = A[64 rows of this warpgroup] . B[256 columns] over kt_count
+// k-tiles. One k-tile of wgmma stays in flight: a stage is released once the
+// next one's wgmma has been issued and the previous group has completed.
 template <class T, bool TA, bool TB>
 __device__ __forceinline__ void wg_consume(const WgPipe& pipe, float* acc, int kt_count, int& s,
                                            int& phase) {
   const int off = (pipe.wg - 1) * 8192; // 64 rows (K-major) or one 64-wide block (MN-major)
+  int prev = -1;
   for (int kt = 0; kt < kt_count; ++kt) {
     mbar_wait(&pipe.full[s], phase);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -164,23 +167,32 @@ __device__ __forceinline__ void wg_consume(const WgPipe& pipe, float* acc, int k
       wgmma_tile<T, TA, TB>(acc, da, db, kt > 0 || k > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    if ((pipe.tid & 31) == 0) {
-      mbar_arrive(&pipe.empty[s]);
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    if (prev >= 0 && (pipe.tid & 31) == 0) {
+      mbar_arrive(&pipe.empty[prev]);
     }
+    prev = s;
     if (++s == WST) {
       s = 0;
       phase ^= 1;
     }
   }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  if (prev >= 0 && (pipe.tid & 31) == 0) {
+    mbar_arrive(&pipe.empty[prev]);
+  }
 }
 
+// Registers: the producer warpgroup gives registers to the consumers, whose
+// 128 accumulators and epilogue need more than the 168 a thread gets at launch.
+// setmaxnreg.inc waits until the pool holds what it asks for, so the two
+// counts must balance: (168 - 56) x 128 = (224 - 168) x 256.
 __device__ __forceinline__ void wg_producer_regs() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
 }
 
 __device__ __forceinline__ void wg_consumer_regs() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
 }
 
 #endif // FLASH_CCE_WGMMA
@@ -199,8 +211,8 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   if (pipe.wg == 0) {
     wg_producer_regs();
+    int s = 0, phase = 0;
     if (pipe.tid == 0) {
-      int s = 0, phase = 0;
       for (int vt = t_begin; vt < t_end; ++vt) {
         wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, m0, vt * WBN, 0, kt_count, s,
                                       phase);
@@ -214,30 +226,34 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
+    // Rows past M never match a column (their target logit is not written).
     const int64_t gm = m0 + pipe.row(ri);
-    y[ri] = gm < p.M ? p.targets[gm] : -1;
+    y[ri] = gm < p.M ? p.targets[gm] : INT32_MIN / 2;
   }
   float acc[128];
   int s = 0, phase = 0;
   for (int vt = t_begin; vt < t_end; ++vt) {
     wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
-    const int64_t v0 = int64_t(vt) * WBN;
+    // Columns relative to the tile, in 32 bits.
+    const int v0 = vt * WBN;
+    const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       const int64_t gm = m0 + pipe.row(ri);
+      const int yc = y[ri] - v0;
       float tmax = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int64_t v = v0 + pipe.col(j, e);
+          const int c = pipe.col(j, e);
           float x = acc[j * 4 + ri * 2 + e];
           if (p.cap > 0.0f) {
             x = p.cap * tanh_fast(x * inv_cap);
           }
-          if (v >= p.V) {
+          if (c >= cols) {
             x = -INFINITY;
-          } else if (v == y[ri] && gm < p.M) {
+          } else if (c == yc) {
             p.target_logit[gm] = x;
           }
           acc[j * 4 + ri * 2 + e] = x;
