@@ -153,7 +153,7 @@ def test_against_fallback_and_grad():
 
 
 def test_large_grid_shapes():
-    """More rows than a grid's y/z limit of 65535 blocks would allow per axis."""
+    """More rows (65606) than a grid's y or z axis could give one block each (65535)."""
     m, h, v = 65536 + 70, 64, 1030
     hid, w, y = make(m, h, v, mx.bfloat16, seed=3)
     logp, lse = flash_cce_forward(hid, w, y, stream=mx.gpu)

@@ -439,6 +439,55 @@ __device__ __forceinline__ void merge(float& m, float& l, float om, float ol) {
   m = nm;
 }
 
+// dh[gm, c] and dh[gm, c + 1] (when c + 1 < H) (+)= v0, v1: fp32 accumulation
+// in p.acc, and the last vocabulary chunk writes p.out in its dtype.
+__device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t c, float v0,
+                                          float v1) {
+  const bool pairs = (p.H & 1) == 0;
+  const int64_t i = gm * p.H + c;
+  const bool two = c + 1 < p.H;
+  if (!p.first) {
+    if (pairs) {
+      const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
+      v0 += old.x;
+      v1 += old.y;
+    } else {
+      v0 += p.acc[i];
+      v1 += two ? p.acc[i + 1] : 0.0f;
+    }
+  }
+  if (p.last) {
+    store_from_float(p.out, p.out_kind, i, v0);
+    if (two) {
+      store_from_float(p.out, p.out_kind, i + 1, v1);
+    }
+  } else if (pairs) {
+    *reinterpret_cast<float2*>(p.acc + i) = make_float2(v0, v1);
+  } else {
+    p.acc[i] = v0;
+    if (two) {
+      p.acc[i + 1] = v1;
+    }
+  }
+}
+
+// One element of dS = (g onehot + (g_lse - g) softmax) dcap for raw logit s at
+// column v; coef = g_lse - g. Columns at or past V give 0.
+__device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t V, float g,
+                                          float coef, float lse, float cap, float inv_cap) {
+  float dcap = 1.0f;
+  if (cap > 0.0f) {
+    const float t = tanh_fast(s * inv_cap);
+    s = cap * t;
+    dcap = 1.0f - t * t;
+  }
+  float x = coef * __expf(s - lse);
+  if (v == y) {
+    x += g;
+  }
+  return v < V ? x * dcap : 0.0f;
+}
+
 // Forward ------------------------------------------------------------------------
 
 template <class T, int QB>
@@ -565,18 +614,8 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
       float d[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int64_t v = v0 + f.col(ni, j);
-        float s = acc[mi][ni][e0 + j], dcap = 1.0f;
-        if (p.cap > 0.0f) {
-          const float t = tanh_fast(s * inv_cap);
-          s = p.cap * t;
-          dcap = 1.0f - t * t;
-        }
-        float x = coef * __expf(s - lse);
-        if (v == y) {
-          x += g;
-        }
-        d[j] = v < p.V ? x * dcap : 0.0f;
+        d[j] = ds_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), y, p.V, g, coef, lse, p.cap,
+                        inv_cap);
       }
       const int64_t c = v0 - p.v0 + f.col(ni, 0);
       if (c < p.width) {
@@ -598,7 +637,6 @@ __device__ __forceinline__ void dh_body(const DhParams& p) {
   float acc[4][4][4];
   gemm_tile<T, true, false, QB>(p.ds, p.w, m0, n0, p.ds.cols, acc, smem);
 
-  const bool pairs = (p.H & 1) == 0;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -613,32 +651,7 @@ __device__ __forceinline__ void dh_body(const DhParams& p) {
         if (c >= p.H) {
           continue;
         }
-        float v0 = acc[mi][ni][hf * 2], v1 = acc[mi][ni][hf * 2 + 1];
-        const int64_t i = gm * p.H + c;
-        const bool two = c + 1 < p.H;
-        if (!p.first) {
-          if (pairs) {
-            const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
-            v0 += old.x;
-            v1 += old.y;
-          } else {
-            v0 += p.acc[i];
-            v1 += two ? p.acc[i + 1] : 0.0f;
-          }
-        }
-        if (p.last) {
-          store_from_float(p.out, p.out_kind, i, v0);
-          if (two) {
-            store_from_float(p.out, p.out_kind, i + 1, v1);
-          }
-        } else if (pairs) {
-          *reinterpret_cast<float2*>(p.acc + i) = make_float2(v0, v1);
-        } else {
-          p.acc[i] = v0;
-          if (two) {
-            p.acc[i + 1] = v1;
-          }
-        }
+        dh_update(p, gm, c, acc[mi][ni][hf * 2], acc[mi][ni][hf * 2 + 1]);
       }
     }
 }

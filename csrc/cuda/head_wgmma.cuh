@@ -333,18 +333,8 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
       float d[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int64_t v = v0 + pipe.col(j, e);
-        float x = acc[j * 4 + ri * 2 + e], dcap = 1.0f;
-        if (p.cap > 0.0f) {
-          const float t = tanh_fast(x * inv_cap);
-          x = p.cap * t;
-          dcap = 1.0f - t * t;
-        }
-        float z = coef * __expf(x - lse);
-        if (v == y) {
-          z += g;
-        }
-        d[e] = v < p.V ? z * dcap : 0.0f;
+        d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, g, coef, lse,
+                        p.cap, inv_cap);
       }
       const int64_t c = v0 - p.v0 + pipe.col(j, 0);
       if (c < p.width) {
@@ -379,7 +369,6 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   wg_consumer_regs();
   float acc[128];
   wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
-  const bool pairs = (p.H & 1) == 0;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t gm = m0 + pipe.row(ri);
@@ -392,32 +381,7 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
       if (c >= p.H) {
         continue;
       }
-      float v0 = acc[j * 4 + ri * 2], v1 = acc[j * 4 + ri * 2 + 1];
-      const int64_t i = gm * p.H + c;
-      const bool two = c + 1 < p.H;
-      if (!p.first) {
-        if (pairs) {
-          const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
-          v0 += old.x;
-          v1 += old.y;
-        } else {
-          v0 += p.acc[i];
-          v1 += two ? p.acc[i + 1] : 0.0f;
-        }
-      }
-      if (p.last) {
-        store_from_float(p.out, p.out_kind, i, v0);
-        if (two) {
-          store_from_float(p.out, p.out_kind, i + 1, v1);
-        }
-      } else if (pairs) {
-        *reinterpret_cast<float2*>(p.acc + i) = make_float2(v0, v1);
-      } else {
-        p.acc[i] = v0;
-        if (two) {
-          p.acc[i + 1] = v1;
-        }
-      }
+      dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
     }
   }
 #endif
