@@ -1,7 +1,6 @@
 #include "gemm.h"
 
 #include <algorithm>
-#include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -102,24 +101,6 @@ Kernel pick_kernel() {
 }
 
 const Kernel kernel = pick_kernel();
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-template <Elem E>
-inline float load(const void* p, int64_t i) {
-  if constexpr (E == Elem::f32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (E == Elem::bf16) {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return static_cast<float>(static_cast<const _Float16*>(p)[i]);
-  }
-}
 
 // Copies panels of `width` lines (rows of A, columns of B) out of a block
 // [lines x kc], k-major inside a panel, zero padded. `along_k` says whether k

@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace flash_cce::cpu {
+#include "elem.h"
 
-enum class Elem { f32, bf16, f16 };
+namespace flash_cce::cpu {
 
 // A read-only matrix view, converted to fp32 while packing. Element (r, c) of
 // the logical matrix sits at p[r * ld + c], or at p[c * ld + r] when trans is set.

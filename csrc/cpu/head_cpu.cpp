@@ -1,13 +1,12 @@
 // CPU flash-CCE head. Threads take vocabulary blocks of VB rows from a shared
-// counter; a block's weight rows are converted (dequantized) to fp32 once, its
-// logits tile [M, VB] lives in per-thread scratch, and only per-row running
-// statistics leave the thread. Scratch comes from MLX's allocator so that it
+// counter; a packed block's weight rows are dequantized to fp32 once (dense rows
+// are read in place), its logits tile [M, VB] lives in per-thread scratch, and
+// only per-row running statistics and [M, H] accumulators leave the thread. Scratch comes from MLX's allocator so that it
 // shows in mx.get_peak_memory().
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -60,38 +59,6 @@ Elem elem_of(mx::Dtype t) {
   return t == mx::bfloat16 ? Elem::bf16 : t == mx::float16 ? Elem::f16 : Elem::f32;
 }
 
-float load_float(const void* p, Elem e, int64_t i) {
-  switch (e) {
-    case Elem::bf16: {
-      uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-    case Elem::f16:
-      return static_cast<float>(static_cast<const _Float16*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-void store_float(void* p, Elem e, int64_t i, float v) {
-  switch (e) {
-    case Elem::bf16: {
-      uint32_t bits;
-      std::memcpy(&bits, &v, 4);
-      bits += 0x7fff + ((bits >> 16) & 1); // round to nearest even
-      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(bits >> 16);
-      break;
-    }
-    case Elem::f16:
-      static_cast<_Float16*>(p)[i] = static_cast<_Float16>(v);
-      break;
-    default:
-      static_cast<float*>(p)[i] = v;
-  }
-}
-
 // Rows [v0, v0 + n) of a packed head, affine-dequantized to fp32 [n, H].
 void dequant_rows(const HeadProblem& p, int64_t v0, int64_t n, float* out) {
   const int64_t H = p.H;
@@ -105,8 +72,8 @@ void dequant_rows(const HeadProblem& p, int64_t v0, int64_t n, float* out) {
     const auto* q = static_cast<const uint8_t*>(p.w) + v * row_bytes;
     float* o = out + r * H;
     for (int64_t g = 0; g < groups; ++g) {
-      const float scale = load_float(p.scales, se, v * groups + g);
-      const float bias = load_float(p.biases, se, v * groups + g);
+      const float scale = load(p.scales, se, v * groups + g);
+      const float bias = load(p.biases, se, v * groups + g);
       for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
         uint32_t val;
         if (bits == 8) {
@@ -176,6 +143,14 @@ class Workspace {
         per_thread_(rows_ + p.M * VB + 2 * p.M + VB + sgemm_scratch_floats(max_n)),
         threads_(threads),
         scratch_(threads * per_thread_ + (threads - (acc0 ? 1 : 0)) * acc_) {}
+
+  std::vector<Work> all() {
+    std::vector<Work> works;
+    for (int t = 0; t < threads_; ++t) {
+      works.push_back(at(t));
+    }
+    return works;
+  }
 
   Work at(int t) {
     Work w;
@@ -303,10 +278,7 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
   });
 
   // Merge the threads' running (max, sum) and weighted rows.
-  std::vector<Work> works;
-  for (int t = 0; t < T; ++t) {
-    works.push_back(ws.at(t));
-  }
+  const std::vector<Work> works = ws.all();
   std::vector<float> weight(T);
   for (int64_t m = 0; m < M; ++m) {
     float gmax = kNegInf;
@@ -385,22 +357,19 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
       // dW rows = dS^T @ h, staged in wrows (done with the weight now).
       sgemm(n, H, M, {w.s, VB, true}, h_view(p), w.wrows, H, false, w.gemm);
       for (int64_t i = 0; i < n * H; ++i) {
-        store_float(dw, w_elem, v0 * H + i, w.wrows[i]);
+        store(dw, w_elem, v0 * H + i, w.wrows[i]);
       }
     }
   });
 
   const Elem h_elem = elem_of(p.h_dtype);
-  std::vector<Work> works;
-  for (int t = 0; t < T; ++t) {
-    works.push_back(ws.at(t));
-  }
+  const std::vector<Work> works = ws.all();
   for (int64_t i = 0; i < M * H; ++i) {
     float acc = 0.0f;
     for (auto& w : works) {
       acc += w.acc[i];
     }
-    store_float(dh, h_elem, i, acc);
+    store(dh, h_elem, i, acc);
   }
 }
 
