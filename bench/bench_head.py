@@ -90,16 +90,20 @@ def mlx_inputs(m, h, v, dtype, bits):
     return hid, w, y, q
 
 
-def ours_loss(cap, q):
+def ours_loss(cap, q, fused):
+    """fused: the forward also emits the gradient state for h (two GEMMs for
+    forward + backward where the GPU supports it); off for forward-only and
+    for dW, where that state would go unused."""
     from flash_cce import flash_cce_forward
 
     def loss(hid, w, y):
         if q is None:
-            logp, _ = flash_cce_forward(hid, w, y, softcap=cap, validate_targets=False)
+            logp, _ = flash_cce_forward(hid, w, y, softcap=cap, validate_targets=False,
+                                        fused_backward=fused)
         else:
             wq, s, b = q
             logp, _ = flash_cce_forward(hid, wq, y, s, b, group_size=64, softcap=cap,
-                                        validate_targets=False)
+                                        validate_targets=False, fused_backward=fused)
         return -logp.mean()
 
     return loss
@@ -236,9 +240,13 @@ def run(args):
                 for name, (hid, w, y, q) in inputs.items():
                     if mode == "fwd_bwd_dw" and q is not None:
                         continue
-                    providers = [("flash_cce", ours_loss(cap, q))]
+                    fused = mode == "fwd_bwd"
+                    providers = [("flash_cce", ours_loss(cap, q, fused))]
                     if name == "bf16" and "mma" in args.providers:
-                        providers.append(("flash_cce_mma", ours_loss(cap, q)))
+                        providers.append(("flash_cce_mma", ours_loss(cap, q, fused)))
+                    if name == "bf16" and fused and cap and "3gemm" in args.providers:
+                        # the same step with the logits recomputed in the backward
+                        providers.append(("flash_cce_3gemm", ours_loss(cap, q, False)))
                     if name in ("bf16", "q4") and "mlx" in args.providers:
                         providers.append(("mlx", mlx_loss(cap, q, False)))
                         providers.append(("mlx_fast_ce", mlx_loss(cap, q, True)))
@@ -279,7 +287,8 @@ def run(args):
 
 def table(rate, results):
     """Markdown table: one row per shape/mode/softcap, providers as columns."""
-    cols = ["flash_cce/bf16", "flash_cce_mma/bf16", "flash_cce/fp16", "flash_cce/q4", "flash_cce/q8",
+    cols = ["flash_cce/bf16", "flash_cce_3gemm/bf16", "flash_cce_mma/bf16", "flash_cce/fp16",
+            "flash_cce/q4", "flash_cce/q8",
             "mlx/bf16", "mlx_fast_ce/bf16", "mlx/q4", "liger/bf16", "cce/bf16", "torch/bf16"]
     gemm = {(r["M"], r["H"], r["V"]): r["ms"] for r in results if r["mode"] == "gemm"}
     rows = {}
@@ -317,7 +326,8 @@ def main():
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--softcap", default="both", choices=("on", "off", "both"))
     p.add_argument("--variants", nargs="*", default=["bf16", "fp16", "q4", "q8"])
-    p.add_argument("--providers", nargs="*", default=["mma", "mlx", "liger", "cce", "torch"])
+    p.add_argument("--providers", nargs="*",
+                   default=["mma", "3gemm", "mlx", "liger", "cce", "torch"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results here")

@@ -263,7 +263,7 @@ std::vector<mx::array> flash_cce_forward(
     return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
   }
   auto stream = mx::to_stream(s);
-  cfg.fused = fused_backward && supports_fused(stream);
+  cfg.fused = fused_backward && supports_fused(stream, cfg, h.dtype());
   auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
   return {out[0], out[1]};
 }
@@ -366,57 +366,28 @@ void batch_front(std::vector<mx::array>& in, const std::vector<int>& axes,
   }
 }
 
-// Affine dequantization in float32. mx::dequantize rounds scale * q + bias to
-// the scales' dtype even when asked for float32, so take the integer codes from
-// it (exact with unit scales) and apply scales and biases here.
-mx::array dequantize_f32(const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, const HeadConfig& cfg,
-                         mx::Stream s) {
-  const int rows = w.shape(0);
-  const int groups = scales.shape(1);
-  auto unit = mx::ones({rows, groups}, mx::float32, s);
-  auto codes = mx::dequantize(w, unit, mx::zeros_like(unit, s), cfg.group_size,
-                              cfg.bits, "affine", std::nullopt, mx::float32, s);
-  codes = mx::reshape(codes, {rows, groups, cfg.group_size}, s);
-  auto scale = mx::expand_dims(mx::astype(scales, mx::float32, s), 2, s);
-  auto bias = mx::expand_dims(mx::astype(biases, mx::float32, s), 2, s);
-  return mx::reshape(mx::add(mx::multiply(codes, scale, s), bias, s),
-                     {rows, groups * cfg.group_size}, s);
-}
-
 // dh = g dcap_y W_y + (g_lse - g) gsum, with gsum = sum_v p_v dcap_v W_v from
 // the forward and dcap_y = 1 - (s_y / cap)^2 recovered from s_y = logp + lse.
-mx::array fused_dh(const std::vector<mx::array>& primals,
-                   const std::vector<mx::array>& outputs, const mx::array& g,
-                   const mx::array& g_lse, const HeadConfig& cfg, mx::Stream s) {
-  const auto& h = primals[0];
-  const auto& w = primals[1];
-  const auto& y = primals[2];
-  const int V = w.shape(0);
-  auto valid = mx::logical_and(
-      mx::not_equal(y, mx::array(cfg.ignore_index), s),
-      mx::logical_and(mx::greater_equal(y, mx::array(0), s),
-                      mx::less(y, mx::array(V), s), s),
-      s);
-  auto zero = mx::array(0.0f);
-  auto gm = mx::where(valid, mx::astype(g, mx::float32, s), zero, s);
-  auto coef_y = gm;
-  if (cfg.softcap > 0) {
-    auto t = mx::divide(mx::add(outputs[0], outputs[1], s), mx::array(cfg.softcap), s);
-    auto dcap = mx::subtract(mx::array(1.0f), mx::square(t, s), s);
-    coef_y = mx::where(valid, mx::multiply(gm, dcap, s), zero, s);
+// Inputs: gsum, w, targets, logp, lse, g, g_lse (+ scales, biases); the
+// row-wise ones may carry any leading shape (vmap), gsum ends in H.
+mx::array fused_dh(const std::vector<mx::array>& in, mx::Dtype out_dtype,
+                   const HeadConfig& cfg, mx::Stream s) {
+  const auto& gsum = in[0];
+  const int H = gsum.shape().back();
+  std::vector<mx::array> flat{
+      mx::contiguous(mx::reshape(gsum, {-1, H}, s), false, s),
+      mx::contiguous(in[1], false, s),
+      mx::contiguous(mx::astype(mx::flatten(in[2], s), mx::int32, s), false, s)};
+  for (size_t i = 3; i < 7; ++i) {
+    flat.push_back(rowwise(in[i], s));
   }
-  auto safe = mx::where(valid, y, mx::array(0), s);
-  auto w_y = mx::take(w, safe, 0, s);
-  if (cfg.quantized) {
-    w_y = dequantize_f32(w_y, mx::take(primals[3], safe, 0, s),
-                         mx::take(primals[4], safe, 0, s), cfg, s);
+  for (size_t i = 7; i < in.size(); ++i) {
+    flat.push_back(mx::contiguous(in[i], false, s));
   }
-  w_y = mx::astype(w_y, mx::float32, s);
-  auto coef_rest = mx::subtract(mx::astype(g_lse, mx::float32, s), gm, s);
-  auto dh = mx::add(mx::multiply(mx::expand_dims(coef_y, 1, s), w_y, s),
-                    mx::multiply(mx::expand_dims(coef_rest, 1, s), outputs[2], s), s);
-  return mx::astype(dh, h.dtype(), s);
+  auto shape = flat[0].shape();
+  auto dh = mx::array(std::move(shape), out_dtype,
+                      std::make_shared<FlashCCEFusedDh>(s, cfg, out_dtype), std::move(flat));
+  return mx::reshape(dh, gsum.shape(), s);
 }
 
 } // namespace
@@ -439,7 +410,11 @@ std::vector<mx::array> FlashCCEForward::vjp(
   }
   std::vector<mx::array> grads;
   if (cfg_.fused && !want_dw) {
-    grads = {fused_dh(primals, outputs, g, g_lse, cfg_, s)};
+    std::vector<mx::array> in{outputs[2], w, targets, outputs[0], outputs[1], g, g_lse};
+    for (size_t i = 3; i < primals.size(); ++i) {
+      in.push_back(primals[i]);
+    }
+    grads = {fused_dh(in, h.dtype(), cfg_, s)};
   } else {
     grads = flash_cce_backward(
       h, w, targets, outputs[1], g, g_lse, opt_input(primals, 3),
@@ -516,6 +491,19 @@ bool FlashCCEBackward::is_equivalent(const mx::Primitive& other) const {
   return cfg_ == o.cfg_ && compute_dw_ == o.compute_dw_;
 }
 
+std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEFusedDh::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  auto in = inputs;
+  batch_front(in, axes, {0, 2, 3, 4, 5, 6}, "the fused backward");
+  return {{fused_dh(in, out_dtype_, cfg_, stream())}, {0}};
+}
+
+bool FlashCCEFusedDh::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const FlashCCEFusedDh&>(other);
+  return cfg_ == o.cfg_ && out_dtype_ == o.out_dtype_;
+}
+
 // Evaluation ------------------------------------------------------------------
 
 namespace {
@@ -579,6 +567,17 @@ void FlashCCEForward::eval_cpu(const std::vector<mx::array>& inputs,
                });
 }
 
+void FlashCCEFusedDh::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  dispatch_cpu(stream(), cfg_, 7, inputs, outputs,
+               [](HeadProblem p, Arrays& in, Arrays& out) {
+                 p.h_dtype = out[0].dtype();
+                 cpu::fused_dh(p, in[0].data<float>(), in[3].data<float>(),
+                               in[4].data<float>(), in[5].data<float>(),
+                               in[6].data<float>(), out[0].data<void>());
+               });
+}
+
 void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   dispatch_cpu(stream(), cfg_, 6, inputs, outputs,
@@ -589,13 +588,22 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                });
 }
 
-// A GPU backend opts into the fused forward (third output) by defining
-// FLASH_CCE_GPU_FUSED; without it the GPU forward has two outputs only.
-bool supports_fused(const mx::Stream& s) {
-#ifdef FLASH_CCE_GPU_FUSED
-  return true;
+// Whether the forward on this stream can also emit the gradient state (third
+// output). The CUDA kernels do so with a softcap only: they weight the rows by
+// exp(s - cap), a fixed reference that needs no running maximum, so the
+// weights span [e^-2cap, 1]. That must stay within the normal range of the
+// type they are stored in: bf16 (the fp32 exponent range; cap <= 40 gives
+// e^-80 ~ 1.8e-35), not fp16 (whose smallest normal is ~6e-5).
+bool supports_fused(const mx::Stream& s, const HeadConfig& cfg, mx::Dtype h_dtype) {
+  if (s.device == mx::Device::cpu) {
+    return true;
+  }
+#ifdef FLASH_CCE_CUDA
+  return cfg.softcap > 0.0f && cfg.softcap <= 40.0f && h_dtype != mx::float16;
 #else
-  return s.device == mx::Device::cpu;
+  (void)cfg;
+  (void)h_dtype;
+  return false;
 #endif
 }
 
@@ -611,6 +619,12 @@ void FlashCCEBackward::eval_gpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
   cuda::backward(stream(), make_problem(inputs, cfg_), inputs, outputs);
 }
+void FlashCCEFusedDh::eval_gpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  auto p = make_problem(inputs, cfg_);
+  p.h_dtype = outputs[0].dtype();
+  cuda::fused_dh(stream(), p, inputs, outputs);
+}
 #else
 bool has_gpu_kernels() {
   return false;
@@ -622,6 +636,11 @@ void FlashCCEForward::eval_gpu(const std::vector<mx::array>&,
 }
 void FlashCCEBackward::eval_gpu(const std::vector<mx::array>&,
                                 std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "[flash_cce] this build has no GPU kernel; use backend='fallback'");
+}
+void FlashCCEFusedDh::eval_gpu(const std::vector<mx::array>&,
+                               std::vector<mx::array>&) {
   throw std::runtime_error(
       "[flash_cce] this build has no GPU kernel; use backend='fallback'");
 }

@@ -85,8 +85,8 @@ std::vector<mx::array> flash_cce_backward(
 // True when eval_gpu has a native kernel in this build (CUDA today).
 bool has_gpu_kernels();
 
-// True when the backend of `s` implements the fused forward outputs.
-bool supports_fused(const mx::Stream& s);
+// True when the backend of `s` implements the fused forward outputs for cfg.
+bool supports_fused(const mx::Stream& s, const HeadConfig& cfg, mx::Dtype h_dtype);
 
 // Primitives ------------------------------------------------------------------
 
@@ -149,6 +149,33 @@ class FlashCCEBackward : public mx::Primitive {
  private:
   HeadConfig cfg_;
   bool compute_dw_;
+};
+
+// The gradient for h from the fused forward's state: dh = g dcap_y W_y +
+// (g_lse - g) gsum in one pass over [M, H]. Inputs: gsum[M,H] float32, w,
+// targets, logp, lse, g, g_lse (+ scales, biases). Output: dh[M,H] in out_dtype.
+class FlashCCEFusedDh : public mx::Primitive {
+ public:
+  FlashCCEFusedDh(mx::Stream stream, HeadConfig cfg, mx::Dtype out_dtype)
+      : mx::Primitive(stream), cfg_(cfg), out_dtype_(out_dtype) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs,
+                std::vector<mx::array>& outputs) override;
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(
+      const std::vector<mx::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "FlashCCEFusedDh";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  HeadConfig cfg_;
+  mx::Dtype out_dtype_;
 };
 
 } // namespace flash_cce

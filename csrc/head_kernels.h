@@ -27,6 +27,10 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum);
 // dh[M, H] in h_dtype; dw[V, H] in w_dtype when not null (dense weights only).
 void backward(const HeadProblem& p, const float* lse, const float* g,
               const float* g_lse, void* dh, void* dw);
+// dh[M, H] (in p.h_dtype) = g dcap_y W_y + (g_lse - g) gsum for each row;
+// p.h is unused.
+void fused_dh(const HeadProblem& p, const float* gsum, const float* logp, const float* lse,
+              const float* g, const float* g_lse, void* dh);
 } // namespace cpu
 
 } // namespace flash_cce

@@ -180,3 +180,87 @@ def test_mixed_dtypes(h_dtype, w_dtype):
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
     assert rel_err(dh, r_dh) < BWD_RTOL[h_dtype]
     assert rel_err(dw, r_dw) < BWD_RTOL[mx.bfloat16]
+
+
+@pytest.fixture(params=["one", "many"])
+def chunks(request, monkeypatch):
+    """The vocabulary in one chunk, or in chunks of 256 columns (the loop of
+    the backward and of the fused forward)."""
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1000000" if request.param == "one" else "256")
+    return request.param
+
+
+def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None,
+           group_size=64):
+    """d/dh of sum(g logp + g_lse lse) through mx.grad: with a softcap and
+    fused=True the GPU forward also emits the gradient state (two GEMMs)."""
+
+    def loss(hid):
+        logp, lse = flash_cce_forward(hid, w, y, scales, biases, group_size=group_size,
+                                      softcap=softcap, stream=stream, fused_backward=fused)
+        return (logp * g).sum() + (lse * g_lse).sum(), (logp, lse)
+
+    (_, (logp, lse)), dh = mx.value_and_grad(loss)(hid)
+    return logp, lse, dh
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("shape", [(130, 96, 1000), (300, 256, 2100)])
+def test_fused_forward_gradient(shape, dtype, kernels, chunks):
+    """The fused GPU forward (softcap: P = exp(s - cap) dcap accumulated
+    against W chunk by chunk) against the CPU kernels and against the GPU's
+    three-GEMM path (fused_backward=False)."""
+    m, h, v = shape
+    hid, w, y = make(m, h, v, dtype, seed=m + v, ignore=3)
+    g = mx.random.normal((m,), key=mx.random.key(1))
+    g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(2))
+    logp, lse, dh = h_grad(hid, w, y, g, g_lse, 30.0, mx.gpu, True)
+    p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, 30.0, mx.gpu, False)
+    ct = compute_type(dtype)
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, ct), rounded(w, ct), y, g, g_lse, 30.0,
+                                 mx.cpu, True)
+    for a in (logp, p_logp):
+        np.testing.assert_allclose(np.array(a), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    for a in (lse, p_lse):
+        np.testing.assert_allclose(np.array(a), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
+    assert rel_err(p_dh, r_dh) < BWD_RTOL[dtype]
+
+
+@pytest.mark.parametrize("bits", [4, 8, 3])
+def test_fused_forward_gradient_quantized(bits, kernels, chunks):
+    m, h, v, gs = 90, 256, 1100, 64
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
+    wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
+    g = mx.random.normal((m,), key=mx.random.key(4))
+    g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(5))
+    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, 30.0, mx.gpu, True, scales, biases, gs)
+    w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
+                                 y, g, g_lse, 30.0, mx.cpu, True)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+def test_fused_forward_extreme_logits():
+    """Rows whose logits all sit near -cap (the smallest exp(s - cap) the
+    fused path keeps, ~e^-60) and rows with one logit near +cap: lse and the
+    gradient stay finite and match the CPU."""
+    m, h, v = 64, 64, 700
+    _, w, y = make(m, h, v, mx.bfloat16, seed=21)
+    w = -mx.abs(w)
+    w[0, :32] = mx.abs(w[0, :32])
+    hid = mx.zeros((m, h))
+    hid[:32, :32] = 10.0  # s_0 ~ +80, the rest ~ -80 before the softcap
+    hid[32:, 32:] = 10.0  # every logit ~ -80
+    hid = hid.astype(mx.bfloat16)
+    g = mx.ones((m,))
+    logp, lse, dh = h_grad(hid, w, y, g, mx.zeros((m,)), 30.0, mx.gpu, True)
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y, g,
+                                 mx.zeros((m,)), 30.0, mx.cpu, True)
+    assert float(r_lse[40]) < -20.0 and float(r_lse[0]) > 20.0  # the regime under test
+    assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]

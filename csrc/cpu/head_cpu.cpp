@@ -373,4 +373,36 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
   }
 }
 
+void fused_dh(const HeadProblem& p, const float* gsum, const float* logp, const float* lse,
+              const float* g, const float* g_lse, void* dh) {
+  const int64_t H = p.H;
+  const Elem h_elem = elem_of(p.h_dtype), w_elem = elem_of(p.w_dtype);
+  const float cap = p.cfg.softcap;
+  std::vector<float> wy(H);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const int32_t y = p.targets[m];
+    const bool ok = y != p.cfg.ignore_index && y >= 0 && y < p.V;
+    const float gm = ok ? g[m] : 0.0f;
+    float coef_y = gm;
+    if (ok && cap > 0) {
+      const float t = (logp[m] + lse[m]) / cap; // s_y / cap = tanh(raw / cap)
+      coef_y *= 1.0f - t * t;
+    }
+    const float coef_rest = g_lse[m] - gm;
+    if (ok) {
+      if (p.cfg.quantized) {
+        dequant_rows(p, y, 1, wy.data());
+      } else {
+        for (int64_t i = 0; i < H; ++i) {
+          wy[i] = load(p.w, w_elem, int64_t(y) * H + i);
+        }
+      }
+    }
+    const float* gs = gsum + m * H;
+    for (int64_t i = 0; i < H; ++i) {
+      store(dh, h_elem, m * H + i, coef_rest * gs[i] + (ok ? coef_y * wy[i] : 0.0f));
+    }
+  }
+}
+
 } // namespace flash_cce::cpu

@@ -242,11 +242,177 @@ int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
   return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
 }
 
-// Width of the backward's vocabulary chunk, a multiple of both tile widths:
-// the [M, width] dS buffer stays under 48 MB.
+// Width of the vocabulary chunk of the backward and the fused forward, a
+// multiple of both tile widths: the [M, width] dS buffer stays under 48 MB.
+// FLASH_CCE_VOCAB_CHUNK asks for narrower chunks (tests of the chunk loop).
 int64_t backward_chunk(int64_t M, int64_t V) {
-  const int64_t cols = (int64_t(48) << 20) / (2 * M);
+  int64_t cols = (int64_t(48) << 20) / (2 * M);
+  if (const char* env = std::getenv("FLASH_CCE_VOCAB_CHUNK")) {
+    cols = std::min<int64_t>(cols, std::atoll(env));
+  }
   return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
+}
+
+// The vocabulary-chunked passes of the backward and of the fused forward: per
+// chunk, one kernel writes dS (or P) of the chunk to an [M, chunk] buffer and
+// a second adds buffer @ W[chunk] into the fp32 [M, H] accumulator.
+class ChunkPasses {
+ public:
+  ChunkPasses(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProblem& p,
+              const std::vector<mx::array>& inputs, mx::array acc)
+      : enc_(enc), launch_{enc, s.device.index}, p_(p), inputs_(inputs), acc_(std::move(acc)) {
+    const auto ct = compute_dtype(p);
+    M_ = p.M;
+    chunk_ = backward_chunk(p.M, p.V);
+    wg_ = use_wgmma(s, p);
+    buf_ = scratch(enc, {static_cast<int>(M_), static_cast<int>(chunk_)}, ct);
+    m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
+    t_ = use_f16(p) ? "f16" : "bf16";
+
+    ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
+    ds_.w = weight(p, ct);
+    ds_.targets = p.targets;
+    ds_.ds = mx::gpu_ptr<void>(buf_);
+    ds_.M = M_;
+    ds_.V = p.V;
+    ds_.H = p.H;
+    ds_.ld_ds = chunk_;
+    ds_.m_tiles = m_tiles_;
+    ds_.ignore_index = p.cfg.ignore_index;
+    ds_.cap = p.cfg.softcap;
+
+    dh_.ds = dense(ds_.ds, ct, M_, 0, chunk_, ct);
+    dh_.w = weight(p, ct);
+    dh_.acc = mx::gpu_ptr<float>(acc_);
+    dh_.M = M_;
+    dh_.H = p.H;
+    dh_.m_tiles = m_tiles_;
+    if (wg_) {
+      wg_ds_.h_map = tensor_map(p.h, p.h_dtype, M_, p.H, kWgTileM);
+      wg_ds_.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+      wg_dh_.b_map = tensor_map(p.w, p.w_dtype, p.V, p.H, 64);
+    }
+  }
+
+  int64_t chunk() const { return chunk_; }
+  const mx::array& buffer() const { return buf_; }
+  DsParams& ds() { return ds_; }
+  DhParams& dh() { return dh_; }
+  Launch& launch() { return launch_; }
+  bool wgmma() const { return wg_; }
+  // Vocabulary tiles of the first kernel in one chunk (its row-sum partials).
+  int64_t tiles(int64_t width) const { return cdiv(width, wg_ ? kWgTileN : kTileN); }
+
+  // The first kernel on chunk [v0, v0 + width): dS, or P in the fused forward.
+  void first(int64_t v0, int64_t width, const std::vector<mx::array>& outs) {
+    ds_.v0 = v0;
+    ds_.width = width;
+    for (auto& a : inputs_) {
+      enc_.set_input_array(a);
+    }
+    enc_.set_output_array(buf_);
+    for (auto& a : outs) {
+      enc_.set_output_array(a);
+    }
+    if (wg_) {
+      wg_ds_.p = ds_;
+      launch_("fcce_ds_wg_" + t_, m_tiles_ * tiles(width), kWgSmemBytes, wg_ds_, kWgThreads);
+    } else {
+      launch_("fcce_ds_" + variant(p_), m_tiles_ * tiles(width), kSmemBytes, ds_);
+    }
+  }
+
+  // acc (+)= buffer @ W[v0 : v0 + width]: the weight rows are the K dimension.
+  void second(int64_t v0, int64_t width, const std::vector<mx::array>& outs) {
+    dh_.ds.cols = width;
+    dh_.w.row0 = v0;
+    dh_.first = v0 == 0;
+    enc_.set_input_array(inputs_[1]);
+    if (p_.cfg.quantized) {
+      enc_.set_input_array(inputs_[inputs_.size() - 2]);
+      enc_.set_input_array(inputs_.back());
+    }
+    // The next chunk overwrites the buffer: mark it written here so that the
+    // graph orders that write after this read.
+    enc_.set_output_array(buf_);
+    enc_.set_output_array(acc_);
+    for (auto& a : outs) {
+      enc_.set_output_array(a);
+    }
+    if (wg_) {
+      wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, kWgTileM, chunk_);
+      wg_dh_.p = dh_;
+      wg_dh_.v0 = v0;
+      wg_dh_.width = width;
+      launch_("fcce_dh_wg_" + t_, int64_t(m_tiles_) * cdiv(p_.H, kWgTileN), kWgSmemBytes,
+              wg_dh_, kWgThreads);
+    } else {
+      launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
+              dh_);
+    }
+  }
+
+ private:
+  mx::cu::CommandEncoder& enc_;
+  Launch launch_;
+  HeadProblem p_;
+  const std::vector<mx::array>& inputs_;
+  mx::array acc_;
+  mx::array buf_{0};
+  int64_t M_ = 0, chunk_ = 0;
+  int m_tiles_ = 0;
+  bool wg_ = false;
+  std::string t_;
+  DsParams ds_{};
+  DhParams dh_{};
+  WgDsParams wg_ds_{};
+  WgDhParams wg_dh_{};
+};
+
+// The fused forward (softcap only): per chunk, P = exp(s - cap) dcap and the
+// row sums of exp(s - cap), then gsum (+)= P @ W[chunk]; fcce_finish turns the
+// sums into lse and logp and rescales gsum to softmax weights. Two GEMMs for
+// forward + backward, where the plain forward + backward takes three.
+void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+                   std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  ChunkPasses passes(s, enc, p, inputs, outputs[2]);
+  const int64_t max_tiles = passes.tiles(passes.chunk());
+  // [max_tiles, M] row-sum partials, then run_sum[M] and target_logit[M].
+  auto sums = scratch(enc, {static_cast<int>(max_tiles + 2), static_cast<int>(p.M)},
+                      mx::float32);
+  float* part_sum = mx::gpu_ptr<float>(sums);
+  float* run_sum = part_sum + max_tiles * p.M;
+  float* target_logit = run_sum + p.M;
+  passes.ds().part_sum = part_sum;
+  passes.ds().target_logit = target_logit;
+  passes.dh().part_sum = part_sum;
+  passes.dh().run_sum = run_sum;
+  for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk()) {
+    const int64_t width = std::min(passes.chunk(), p.V - v0);
+    passes.dh().sum_tiles = static_cast<int>(passes.tiles(width));
+    passes.first(v0, width, {sums});
+    passes.second(v0, width, {sums});
+  }
+
+  FinishParams fp{};
+  fp.run_sum = run_sum;
+  fp.target_logit = target_logit;
+  fp.targets = p.targets;
+  fp.logp = mx::gpu_ptr<float>(outputs[0]);
+  fp.lse = mx::gpu_ptr<float>(outputs[1]);
+  fp.gsum = mx::gpu_ptr<float>(outputs[2]);
+  fp.M = p.M;
+  fp.V = p.V;
+  fp.H = p.H;
+  fp.cap = p.cfg.softcap;
+  fp.ignore_index = p.cfg.ignore_index;
+  enc.set_input_array(sums);
+  enc.set_input_array(inputs[2]);
+  for (auto& o : outputs) {
+    enc.set_output_array(o);
+  }
+  passes.launch()("fcce_finish", p.M, 0, fp);
 }
 
 } // namespace
@@ -258,6 +424,10 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   HeadProblem p = prob;
   set_pointers(p, inputs, 3);
   alloc(outputs);
+  if (outputs.size() == 3) {
+    forward_fused(s, p, inputs, outputs);
+    return;
+  }
   const auto ct = compute_dtype(p);
 
   const bool wg = use_wgmma(s, p);
@@ -325,124 +495,88 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   const bool want_dw = outputs.size() > 1;
   const auto ct = compute_dtype(p);
   const int64_t M = p.M, H = p.H, V = p.V;
-  const int m_tiles = static_cast<int>(cdiv(M, kTileM));
-  const int h_tiles = static_cast<int>(cdiv(H, kTileN));
-  const bool wg = use_wgmma(s, p);
-  const int64_t chunk = backward_chunk(M, V);
-
-  auto ds = scratch(enc, {static_cast<int>(M), static_cast<int>(chunk)}, ct);
   // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer.
   const bool acc_in_out = p.h_dtype == mx::float32;
-  mx::array acc = acc_in_out ? outputs[0] : scratch(enc, {static_cast<int>(M), static_cast<int>(H)}, mx::float32);
-
-  DsParams dp{};
-  dp.h = dense(p.h, p.h_dtype, M, H, H, ct);
-  dp.w = weight(p, ct);
-  dp.targets = p.targets;
-  dp.lse = mx::gpu_ptr<float>(inputs[3]);
-  dp.g = mx::gpu_ptr<float>(inputs[4]);
-  dp.g_lse = mx::gpu_ptr<float>(inputs[5]);
-  dp.ds = mx::gpu_ptr<void>(ds);
-  dp.M = M;
-  dp.V = V;
-  dp.H = H;
-  dp.ld_ds = chunk;
-  dp.m_tiles = m_tiles;
-  dp.ignore_index = p.cfg.ignore_index;
-  dp.cap = p.cfg.softcap;
-
-  DhParams hp{};
-  hp.ds = dense(dp.ds, ct, M, 0, chunk, ct);
-  hp.w = weight(p, ct);
-  hp.acc = mx::gpu_ptr<float>(acc);
-  hp.out = mx::gpu_ptr<void>(outputs[0]);
-  hp.M = M;
-  hp.H = H;
-  hp.m_tiles = m_tiles;
-  hp.out_kind = src_kind(p.h_dtype);
+  mx::array acc = acc_in_out
+      ? outputs[0]
+      : scratch(enc, {static_cast<int>(M), static_cast<int>(H)}, mx::float32);
+  ChunkPasses passes(s, enc, p, inputs, acc);
+  const int64_t chunk = passes.chunk();
+  passes.ds().lse = mx::gpu_ptr<float>(inputs[3]);
+  passes.ds().g = mx::gpu_ptr<float>(inputs[4]);
+  passes.ds().g_lse = mx::gpu_ptr<float>(inputs[5]);
+  passes.dh().out = mx::gpu_ptr<void>(outputs[0]);
+  passes.dh().out_kind = src_kind(p.h_dtype);
 
   DwParams wp{};
+  WgDwParams wwp{};
   if (want_dw) {
-    wp.ds = dense(dp.ds, ct, M, 0, chunk, ct);
+    wp.ds = dense(mx::gpu_ptr<void>(passes.buffer()), ct, M, 0, chunk, ct);
     wp.h = dense(p.h, p.h_dtype, M, H, H, ct);
     wp.out = mx::gpu_ptr<void>(outputs[1]);
     wp.M = M;
     wp.H = H;
     wp.out_kind = src_kind(p.w_dtype);
+    if (passes.wgmma()) {
+      wwp.b_map = tensor_map(p.h, p.h_dtype, M, H, 64);
+    }
   }
-
-  WgDsParams wgp{};
-  WgDhParams whp{};
-  WgDwParams wwp{};
-  if (wg) {
-    wgp.h_map = tensor_map(p.h, p.h_dtype, M, H, kWgTileM);
-    wgp.w_map = tensor_map(p.w, p.w_dtype, V, H, kWgTileN);
-    whp.b_map = tensor_map(p.w, p.w_dtype, V, H, 64);
-    wwp.b_map = tensor_map(p.h, p.h_dtype, M, H, 64);
-  }
-  Launch launch{enc, s.device.index};
-  const std::string v = variant(p);
   const std::string t = use_f16(p) ? "f16" : "bf16";
   for (int64_t v0 = 0; v0 < V; v0 += chunk) {
     const int64_t width = std::min(chunk, V - v0);
+    passes.first(v0, width, {});
+    passes.dh().last = v0 + width >= V;
+    passes.second(v0, width, {outputs[0]});
+    if (!want_dw) {
+      continue;
+    }
+    // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
     const int64_t v_tiles = cdiv(width, kTileN);
-    dp.v0 = v0;
-    dp.width = width;
-    for (auto& a : inputs) {
-      enc.set_input_array(a);
-    }
-    enc.set_output_array(ds);
-    if (wg) {
-      wgp.p = dp;
-      launch("fcce_ds_wg_" + t, m_tiles * cdiv(width, kWgTileN), kWgSmemBytes, wgp, kWgThreads);
+    wp.ds.cols = width;
+    wp.v0 = v0;
+    wp.width = width;
+    wp.v_tiles = static_cast<int>(v_tiles);
+    enc.set_input_array(inputs[0]);
+    enc.set_output_array(passes.buffer());
+    enc.set_output_array(outputs[1]);
+    if (passes.wgmma()) {
+      wwp.a_map = tensor_map(wp.ds.ptr, ct, M, width, 64, chunk);
+      wwp.p = wp;
+      passes.launch()("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
+                      kWgThreads);
     } else {
-      launch("fcce_ds_" + v, m_tiles * v_tiles, kSmemBytes, dp);
-    }
-
-    // dS @ W[v0 : v0 + width]: the weight rows are the K dimension.
-    hp.ds.cols = width;
-    hp.w.row0 = v0;
-    hp.first = v0 == 0;
-    hp.last = v0 + width >= V;
-    enc.set_input_array(inputs[1]);
-    if (p.cfg.quantized) {
-      enc.set_input_array(inputs[6]);
-      enc.set_input_array(inputs[7]);
-    }
-    // The next chunk's dS overwrites the buffer: mark it written here so that
-    // the graph orders that write after this read.
-    enc.set_output_array(ds);
-    enc.set_output_array(acc);
-    enc.set_output_array(outputs[0]);
-    if (wg) {
-      whp.a_map = tensor_map(dp.ds, ct, M, width, kWgTileM, chunk);
-      whp.p = hp;
-      whp.v0 = v0;
-      whp.width = width;
-      launch("fcce_dh_wg_" + t, int64_t(m_tiles) * cdiv(H, kWgTileN), kWgSmemBytes, whp,
-             kWgThreads);
-    } else {
-      launch("fcce_dh_" + v, int64_t(m_tiles) * h_tiles, kSmemBytes, hp);
-    }
-
-    if (want_dw) {
-      // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
-      wp.ds.cols = width;
-      wp.v0 = v0;
-      wp.width = width;
-      wp.v_tiles = static_cast<int>(v_tiles);
-      enc.set_input_array(inputs[0]);
-      enc.set_output_array(ds);
-      enc.set_output_array(outputs[1]);
-      if (wg) {
-        wwp.a_map = tensor_map(dp.ds, ct, M, width, 64, chunk);
-        wwp.p = wp;
-        launch("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp, kWgThreads);
-      } else {
-        launch("fcce_dw_" + t, v_tiles * h_tiles, kSmemBytes, wp);
-      }
+      passes.launch()("fcce_dw_" + t, v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
     }
   }
+}
+
+void fused_dh(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  mx::cu::device(s.device).make_current();
+  HeadProblem p = prob;
+  set_pointers(p, inputs, 7);
+  alloc(outputs);
+  FusedDhParams fp{};
+  fp.w = weight(p, mx::float32); // fp32 compute type: every dense kind reads as itself
+  fp.targets = p.targets;
+  fp.gsum = mx::gpu_ptr<float>(inputs[0]);
+  fp.logp = mx::gpu_ptr<float>(inputs[3]);
+  fp.lse = mx::gpu_ptr<float>(inputs[4]);
+  fp.g = mx::gpu_ptr<float>(inputs[5]);
+  fp.g_lse = mx::gpu_ptr<float>(inputs[6]);
+  fp.out = mx::gpu_ptr<void>(outputs[0]);
+  fp.M = p.M;
+  fp.V = p.V;
+  fp.H = p.H;
+  fp.cap = p.cfg.softcap;
+  fp.ignore_index = p.cfg.ignore_index;
+  fp.out_kind = src_kind(p.h_dtype);
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(outputs[0]);
+  Launch{enc, s.device.index}("fcce_fused_dh", p.M, 0, fp);
 }
 
 } // namespace flash_cce::cuda

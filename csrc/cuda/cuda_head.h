@@ -8,12 +8,17 @@
 
 namespace flash_cce::cuda {
 
-// Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32).
+// Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32),
+// and with three outputs also the gradient state gsum[M, H] (softcap only).
 void forward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
              std::vector<mx::array>& outputs);
 
 // Inputs h, w, targets, lse, g, g_lse (+ scales, biases); outputs dh (+ dw).
 void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs);
+
+// Inputs gsum, w, targets, logp, lse, g, g_lse (+ scales, biases); output dh.
+void fused_dh(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs);
 
 } // namespace flash_cce::cuda

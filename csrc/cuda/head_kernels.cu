@@ -471,6 +471,18 @@ __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t
   }
 }
 
+// The fused forward: run_sum[gm] (+)= the chunk's per-tile row sums.
+__device__ __forceinline__ void add_row_sums(const DhParams& p, int64_t gm) {
+  if (!p.part_sum || gm >= p.M) {
+    return;
+  }
+  float s = p.first ? 0.0f : p.run_sum[gm];
+  for (int t = 0; t < p.sum_tiles; ++t) {
+    s += p.part_sum[int64_t(t) * p.M + gm];
+  }
+  p.run_sum[gm] = s;
+}
+
 // One element of dS = (g onehot + (g_lse - g) softmax) dcap for raw logit s at
 // column v; coef = g_lse - g. Columns at or past V give 0.
 __device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t V, float g,
@@ -486,6 +498,25 @@ __device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t
     x += g;
   }
   return v < V ? x * dcap : 0.0f;
+}
+
+// Fused forward (softcap only): P = exp(s' - cap) dcap for s' = cap tanh(s / cap),
+// with exp(s' - cap) added to the row sum and s' kept as the target logit. The
+// fixed reference cap bounds s' from above, so no running maximum is needed;
+// exp(-2 cap) stays a normal float for the caps this path takes.
+__device__ __forceinline__ float p_value(float s, int64_t v, int32_t y, int64_t V, float cap,
+                                         float inv_cap, float* target, float& sum) {
+  const float t = tanh_fast(s * inv_cap);
+  const float sc = cap * t;
+  if (v >= V) {
+    return 0.0f;
+  }
+  if (v == y) {
+    *target = sc;
+  }
+  const float e = __expf(sc - cap);
+  sum += e;
+  return e * (1.0f - t * t);
 }
 
 // Forward ------------------------------------------------------------------------
@@ -585,15 +616,62 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
 
 // Backward: dS -------------------------------------------------------------------
 
+// The fused forward's epilogue: P tile to ds, row sums to part_sum[vt, M].
+template <class T>
+__device__ __forceinline__ void fwd_p_epilogue(const DsParams& p, float (&acc)[4][4][4],
+                                               int64_t m0, int64_t v0, int vt,
+                                               float (&red)[4][BM]) {
+  const Frag f;
+  T* ds = static_cast<T*>(p.ds);
+  const float inv_cap = 1.0f / p.cap;
+#pragma unroll
+  for (int ri = 0; ri < 8; ++ri) {
+    const int mi = ri >> 1, e0 = (ri & 1) * 2;
+    const int64_t gm = m0 + f.row(mi, e0);
+    const int32_t y = gm < p.M ? p.targets[gm] : -1;
+    float sum = 0.0f;
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      float d[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        d[j] = p_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), y, p.V, p.cap, inv_cap,
+                       p.target_logit + gm, sum);
+      }
+      const int64_t c = v0 - p.v0 + f.col(ni, 0);
+      if (gm < p.M && c < p.width) {
+        *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    if ((f.lane & 3) == 0) {
+      red[f.wn][f.row(mi, e0)] = sum;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < BM) {
+    const int r = threadIdx.x;
+    if (m0 + r < p.M) {
+      p.part_sum[int64_t(vt) * p.M + m0 + r] = red[0][r] + red[1][r] + red[2][r] + red[3][r];
+    }
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void ds_body(const DsParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ float red[4][BM];
   T* smem = reinterpret_cast<T*>(smem_raw);
   const int mt = blockIdx.x % p.m_tiles, vt = blockIdx.x / p.m_tiles;
   const int64_t m0 = int64_t(mt) * BM, v0 = p.v0 + int64_t(vt) * BN;
   const Frag f;
   float acc[4][4][4];
   gemm_tile<T, true, true, QB>(p.h, p.w, m0, v0, p.H, acc, smem);
+  if (p.part_sum) {
+    fwd_p_epilogue<T>(p, acc, m0, v0, vt, red);
+    return;
+  }
 
   T* ds = static_cast<T*>(p.ds);
   const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
@@ -636,6 +714,9 @@ __device__ __forceinline__ void dh_body(const DhParams& p) {
   const Frag f;
   float acc[4][4][4];
   gemm_tile<T, true, false, QB>(p.ds, p.w, m0, n0, p.ds.cols, acc, smem);
+  if (ht == 0 && threadIdx.x < BM) {
+    add_row_sums(p, m0 + threadIdx.x);
+  }
 
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
@@ -705,6 +786,63 @@ extern "C" __global__ void fcce_combine(CombineParams p) {
   p.logp[m] = y == p.ignore_index ? 0.0f
       : (y >= 0 && y < p.V) ? p.target_logit[m] - lse
                             : __int_as_float(0x7fc00000);
+}
+
+// The fused forward's last step, one block per row: lse = cap + log(sum of
+// exp(s - cap)), logp as in fcce_combine, and gsum scaled by exp(cap - lse) so
+// that it holds sum_v softmax_v dcap_v W_v.
+extern "C" __global__ void fcce_finish(FinishParams p) {
+  const int64_t m = blockIdx.x;
+  const float lse = p.cap + logf(p.run_sum[m]);
+  if (threadIdx.x == 0) {
+    p.lse[m] = lse;
+    const int32_t y = p.targets[m];
+    p.logp[m] = y == p.ignore_index ? 0.0f
+        : (y >= 0 && y < p.V) ? p.target_logit[m] - lse
+                              : __int_as_float(0x7fc00000);
+  }
+  const float scale = expf(p.cap - lse);
+  float* row = p.gsum + m * p.H;
+  for (int64_t c = threadIdx.x; c < p.H; c += blockDim.x) {
+    row[c] *= scale;
+  }
+}
+
+// Element (row, col) of the head in fp32: a dense read, or MLX's affine
+// dequantization of the LSB-first packed codes (an element spans at most two
+// bytes for bits <= 8).
+__device__ __forceinline__ float weight_at(const Operand& w, int64_t row, int64_t col) {
+  if (w.kind != kQuant) {
+    return load_as_float(w.ptr, w.kind, row * w.ld + col);
+  }
+  const int64_t row_bytes = w.cols * w.bits / 8;
+  const uint8_t* q = static_cast<const uint8_t*>(w.ptr) + row * row_bytes;
+  const int64_t bit = col * w.bits, byte = bit >> 3;
+  uint32_t two = q[byte];
+  if ((bit & 7) + w.bits > 8) {
+    two |= uint32_t(q[byte + 1]) << 8;
+  }
+  const float code = static_cast<float>((two >> (bit & 7)) & ((1u << w.bits) - 1));
+  const int64_t gi = row * (w.cols / w.group_size) + col / w.group_size;
+  return load_as_float(w.scales, w.sb_kind, gi) * code + load_as_float(w.biases, w.sb_kind, gi);
+}
+
+extern "C" __global__ void fcce_fused_dh(FusedDhParams p) {
+  const int64_t m = blockIdx.x;
+  const int32_t y = p.targets[m];
+  const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
+  const float gm = ok ? p.g[m] : 0.0f;
+  float coef_y = gm;
+  if (ok && p.cap > 0.0f) {
+    const float t = (p.logp[m] + p.lse[m]) / p.cap; // s_y / cap = tanh(raw / cap)
+    coef_y *= 1.0f - t * t;
+  }
+  const float coef_rest = p.g_lse[m] - gm;
+  const float* gs = p.gsum + m * p.H;
+  for (int64_t c = threadIdx.x; c < p.H; c += blockDim.x) {
+    const float wy = ok ? weight_at(p.w, y, c) : 0.0f;
+    store_from_float(p.out, p.out_kind, m * p.H + c, coef_rest * gs[c] + coef_y * wy);
+  }
 }
 
 #define FCCE_GEMM_KERNELS(TNAME, T, QNAME, QB)                                        \

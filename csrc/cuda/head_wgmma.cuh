@@ -317,6 +317,34 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   const int64_t v0 = int64_t(vt) * WBN;
   T* ds = static_cast<T*>(p.ds);
+  if (p.part_sum) {
+    // The fused forward (see p_value): a warp holds whole rows, 4 lanes each.
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int64_t gm = m0 + pipe.row(ri);
+      const int32_t y = gm < p.M ? p.targets[gm] : -1;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        float d[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          d[e] = p_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, p.cap, inv_cap,
+                         p.target_logit + gm, sum);
+        }
+        const int64_t c = v0 - p.v0 + pipe.col(j, 0);
+        if (gm < p.M && c < p.width) {
+          *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
+        }
+      }
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      if ((pipe.tid & 3) == 0 && gm < p.M) {
+        p.part_sum[int64_t(vt_local) * p.M + gm] = sum;
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t gm = m0 + pipe.row(ri);
@@ -369,6 +397,10 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   wg_consumer_regs();
   float acc[128];
   wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
+  const int r = threadIdx.x - 128; // consumer threads only reach here
+  if (nt == 0 && r < WBM) {
+    add_row_sums(p, m0 + r);
+  }
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t gm = m0 + pipe.row(ri);

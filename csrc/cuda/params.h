@@ -54,7 +54,9 @@ struct CombineParams {
 };
 
 // dS for the vocabulary chunk [v0, v0 + width): written to ds[M, ld_ds] in the
-// compute type.
+// compute type. With part_sum set (the fused forward, softcap only) the kernel
+// writes P = exp(s - cap) dcap instead, the per-tile row sums of exp(s - cap)
+// to part_sum[tile, M] and the target logits; lse, g and g_lse are unused.
 struct DsParams {
   Operand h, w;
   const int32_t* targets;
@@ -62,6 +64,8 @@ struct DsParams {
   const float* g;
   const float* g_lse;
   void* ds;
+  float* part_sum;
+  float* target_logit;
   int64_t M, V, H, v0, width, ld_ds;
   int32_t m_tiles, ignore_index;
   float cap;
@@ -69,13 +73,31 @@ struct DsParams {
 };
 
 // dh (+)= dS @ W[v0 : v0 + width]; fp32 accumulation in acc, the last chunk
-// writes out in out_kind.
+// writes out in out_kind. With part_sum set, the blocks of the first column
+// tile also add the chunk's sum_tiles row sums to run_sum (first: assign).
 struct DhParams {
   Operand ds, w;
   float* acc; // [M, H]
   void* out; // [M, H]
+  const float* part_sum; // [sum_tiles, M]
+  float* run_sum; // [M]
   int64_t M, H;
   int32_t m_tiles, out_kind, first, last;
+  int32_t sum_tiles, pad_;
+};
+
+// End of the fused forward: lse = cap + log(run_sum), logp, and the gradient
+// state gsum[M, H] rescaled from exp(s - cap) to softmax weights.
+struct FinishParams {
+  const float* run_sum;
+  const float* target_logit;
+  const int32_t* targets;
+  float* logp;
+  float* lse;
+  float* gsum;
+  int64_t M, V, H;
+  float cap;
+  int32_t ignore_index;
 };
 
 // dW[v0 : v0 + width] = dS^T @ h, written in out_kind.
@@ -84,6 +106,22 @@ struct DwParams {
   void* out; // [V, H]
   int64_t M, H, v0, width;
   int32_t v_tiles, out_kind;
+};
+
+// dh = g dcap_y W_y + (g_lse - g) gsum, one block per row. w: the head as
+// the loaders see it, with kind the source type (never kNative).
+struct FusedDhParams {
+  Operand w;
+  const int32_t* targets;
+  const float* gsum;
+  const float* logp;
+  const float* lse;
+  const float* g;
+  const float* g_lse;
+  void* out;
+  int64_t M, V, H;
+  float cap;
+  int32_t ignore_index, out_kind, pad_;
 };
 
 constexpr int kThreads = 256;
