@@ -22,6 +22,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from . import losses
+from .attention import DEFAULT_BLOCK, routed
 from .batch import Pair
 from .head import linear_logprobs
 from .lm import LM, adapters_off
@@ -44,6 +45,8 @@ class ObjectiveConfig:
     flash_head: bool = True
     segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
+    # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's
+    attention_block: Optional[int] = None
 
     def validate(self):
         losses.get(self.name)
@@ -51,6 +54,8 @@ class ObjectiveConfig:
             raise ValueError(f"segment_size must be None or >= 0, got {self.segment_size}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be None or >= 2, got {self.max_length}")
+        if self.attention_block is not None and self.attention_block < 0:
+            raise ValueError(f"attention_block must be None or >= 0, got {self.attention_block}")
 
 
 def _check(pairs, cfg, vocab):
@@ -85,6 +90,10 @@ def _segment_size(cfg, pair):
         return cfg.segment_size
     tokens = len(pair.chosen) + len(pair.rejected)
     return DEFAULT_SEGMENT_SIZE if tokens >= SEGMENT_FROM_TOKENS else 0
+
+
+def _attention_block(cfg):
+    return DEFAULT_BLOCK if cfg.attention_block is None else cfg.attention_block
 
 
 def _logprobs(lm, h, targets, flash):
@@ -220,7 +229,9 @@ def value_and_grad(model, pairs, cfg, group=None):
             terms, _ = obj.fn(one, cfg, *totals)
             return terms.sum(), stats
 
-        (_, stats), g = nn.value_and_grad(model, pair_loss)()
+        # The backward (and a segment's recomputed forward) is built inside this call.
+        with routed(model, _attention_block(cfg)):
+            (_, stats), g = nn.value_and_grad(model, pair_loss)()
         grads = g if grads is None else tree_map(mx.add, grads, g)
         all_stats.append(tree_map(mx.stop_gradient, stats))
         mx.eval(grads, all_stats[-1])
