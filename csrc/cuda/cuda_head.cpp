@@ -234,6 +234,23 @@ void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scale
   }
 }
 
+// Multiprocessors of the device: the grid of the persistent kernels.
+int sm_count(int ordinal) {
+  static std::mutex mutex;
+  static std::unordered_map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(ordinal);
+  if (it == counts.end()) {
+    CUdevice dev;
+    int n = 0;
+    check(cuDeviceGet(&dev, ordinal), "cuDeviceGet");
+    check(cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+          "multiprocessor count");
+    it = counts.emplace(ordinal, n).first;
+  }
+  return it->second;
+}
+
 // Vocabulary splits of the forward: enough blocks for ~8 waves of one block
 // per multiprocessor, while the [splits, M] partials stay under 32 MB.
 int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
@@ -265,6 +282,7 @@ class ChunkPasses {
     M_ = p.M;
     chunk_ = backward_chunk(p.M, p.V);
     wg_ = use_wgmma(s, p);
+    sms_ = sm_count(s.device.index);
     buf_ = scratch(enc, {static_cast<int>(M_), static_cast<int>(chunk_)}, ct);
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
     t_ = use_f16(p) ? "f16" : "bf16";
@@ -316,7 +334,8 @@ class ChunkPasses {
     }
     if (wg_) {
       wg_ds_.p = ds_;
-      launch_("fcce_ds_wg_" + t_, m_tiles_ * tiles(width), kWgSmemBytes, wg_ds_, kWgThreads);
+      launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + t_, std::min<int64_t>(m_tiles_ * tiles(width), sms_),
+              kWgSmemBytes, wg_ds_, kWgThreads);
     } else {
       launch_("fcce_ds_" + variant(p_), m_tiles_ * tiles(width), kSmemBytes, ds_);
     }
@@ -344,8 +363,8 @@ class ChunkPasses {
       wg_dh_.p = dh_;
       wg_dh_.v0 = v0;
       wg_dh_.width = width;
-      launch_("fcce_dh_wg_" + t_, int64_t(m_tiles_) * cdiv(p_.H, kWgTileN), kWgSmemBytes,
-              wg_dh_, kWgThreads);
+      launch_("fcce_dh_wg_" + t_, std::min<int64_t>(m_tiles_ * cdiv(p_.H, kWgTileN), sms_),
+              kWgSmemBytes, wg_dh_, kWgThreads);
     } else {
       launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
               dh_);
@@ -360,7 +379,7 @@ class ChunkPasses {
   mx::array acc_;
   mx::array buf_{0};
   int64_t M_ = 0, chunk_ = 0;
-  int m_tiles_ = 0;
+  int m_tiles_ = 0, sms_ = 0;
   bool wg_ = false;
   std::string t_;
   DsParams ds_{};

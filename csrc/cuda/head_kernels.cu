@@ -878,7 +878,11 @@ FCCE_ALL_WEIGHTS(f16, __half)
   }                                                                                   \
   extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
       fcce_ds_wg_##TNAME(const __grid_constant__ WgDsParams p) {                      \
-    ds_wg_body<T>(p);                                                                 \
+    ds_wg_body<T, false>(p);                                                          \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_p_wg_##TNAME(const __grid_constant__ WgDsParams p) {                       \
+    ds_wg_body<T, true>(p);                                                           \
   }                                                                                   \
   extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
       fcce_dh_wg_##TNAME(const __grid_constant__ WgDhParams p) {                      \

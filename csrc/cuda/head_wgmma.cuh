@@ -291,87 +291,125 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
 #endif
 }
 
-template <class T>
+#ifdef FLASH_CCE_WGMMA
+// dS (or the fused forward's P) of one 128 x 256 tile from its logits.
+// FWD_P: the fused forward's P (one kernel per epilogue keeps each within the
+// register budget; sharing one kernel spilled).
+template <class T, bool FWD_P>
+__device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& pipe,
+                                               float (&acc)[128], int m0, int vt,
+                                               int vt_local) {
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
+  const int64_t v0 = int64_t(vt) * WBN;
+  T* ds = static_cast<T*>(p.ds);
+  if constexpr (FWD_P) {
+    // The fused forward (see p_value), in 32-bit column arithmetic: a warp
+    // holds whole rows, 4 lanes each. P overwrites the logits in place.
+    const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
+    const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int64_t gm = m0 + pipe.row(ri);
+      const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = acc[j * 4 + ri * 2 + e];
+          const int c = pipe.col(j, e);
+          const float t = tanh_fast(x * inv_cap);
+          if (c == yc) {
+            p.target_logit[gm] = p.cap * t;
+          }
+          const float ex = c < cols ? __expf(p.cap * t - p.cap) : 0.0f;
+          sum += ex;
+          x = ex * (1.0f - t * t);
+        }
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      if ((pipe.tid & 3) == 0 && gm < p.M) {
+        p.part_sum[int64_t(vt_local) * p.M + gm] = sum;
+      }
+      if (gm >= p.M) {
+        continue;
+      }
+      T* row = ds + gm * p.ld_ds + (v0 - p.v0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int c = pipe.col(j, 0);
+        if (c < wcols) {
+          *reinterpret_cast<uint32_t*>(row + c) =
+              pack2<T>(acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int64_t gm = m0 + pipe.row(ri);
+      if (gm >= p.M) {
+        continue;
+      }
+      const int32_t y = p.targets[gm];
+      const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
+      const float g = ok ? p.g[gm] : 0.0f;
+      const float coef = p.g_lse[gm] - g;
+      const float lse = p.lse[gm];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        float d[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, g, coef, lse,
+                          p.cap, inv_cap);
+        }
+        const int64_t c = v0 - p.v0 + pipe.col(j, 0);
+        if (c < p.width) {
+          *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <class T, bool FWD_P>
 __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const DsParams& p = P.p;
   const WgPipe pipe = wg_setup(smem_raw, full, empty);
-  const int mt = blockIdx.x % p.m_tiles, vt_local = blockIdx.x / p.m_tiles;
-  const int m0 = mt * WBM;
-  const int vt = static_cast<int>(p.v0 / WBN) + vt_local;
+  // Persistent: block b takes tiles b, b + grid, ...; the vocabulary tile
+  // varies fastest, so the blocks in flight share a few rows of h and the
+  // chunk of W, both small enough to stay in L2.
+  const int v_tiles = static_cast<int>((p.width + WBN - 1) / WBN);
+  const int tiles = v_tiles * p.m_tiles;
+  const int vt0 = static_cast<int>(p.v0 / WBN);
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
     wg_producer_regs();
     if (pipe.tid == 0) {
-      wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, m0, vt * WBN, 0, kt_count, s,
-                                    phase);
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int mt = t / v_tiles, vl = t % v_tiles;
+        wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, mt * WBM,
+                                      (vt0 + vl) * WBN, 0, kt_count, s, phase);
+      }
     }
     return;
   }
   wg_consumer_regs();
   float acc[128];
-  wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
-  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
-  const int64_t v0 = int64_t(vt) * WBN;
-  T* ds = static_cast<T*>(p.ds);
-  if (p.part_sum) {
-    // The fused forward (see p_value): a warp holds whole rows, 4 lanes each.
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      const int64_t gm = m0 + pipe.row(ri);
-      const int32_t y = gm < p.M ? p.targets[gm] : -1;
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        float d[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          d[e] = p_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, p.cap, inv_cap,
-                         p.target_logit + gm, sum);
-        }
-        const int64_t c = v0 - p.v0 + pipe.col(j, 0);
-        if (gm < p.M && c < p.width) {
-          *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      if ((pipe.tid & 3) == 0 && gm < p.M) {
-        p.part_sum[int64_t(vt_local) * p.M + gm] = sum;
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t gm = m0 + pipe.row(ri);
-    if (gm >= p.M) {
-      continue;
-    }
-    const int32_t y = p.targets[gm];
-    const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
-    const float g = ok ? p.g[gm] : 0.0f;
-    const float coef = p.g_lse[gm] - g;
-    const float lse = p.lse[gm];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      float d[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, g, coef, lse,
-                        p.cap, inv_cap);
-      }
-      const int64_t c = v0 - p.v0 + pipe.col(j, 0);
-      if (c < p.width) {
-        *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
-      }
-    }
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int mt = t / v_tiles, vl = t % v_tiles;
+    wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
+    ds_wg_epilogue<T, FWD_P>(p, pipe, acc, mt * WBM, vt0 + vl, vl);
   }
 #endif
 }
+
 
 // dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
 // [k = v][n = h] (N-major).
@@ -382,38 +420,46 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const DhParams& p = P.p;
   const WgPipe pipe = wg_setup(smem_raw, full, empty);
-  const int mt = blockIdx.x % p.m_tiles, nt = blockIdx.x / p.m_tiles;
-  const int m0 = mt * WBM, n0 = nt * WBN;
+  // Persistent, the row tile fastest: the blocks in flight share a few column
+  // tiles of the chunk of W.
+  const int n_tiles = static_cast<int>((p.H + WBN - 1) / WBN);
+  const int tiles = n_tiles * p.m_tiles;
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
     wg_producer_regs();
     if (pipe.tid == 0) {
-      wg_produce_tile<false, true>(pipe, &P.a_map, &P.b_map, m0, n0, static_cast<int>(P.v0),
-                                   kt_count, s, phase);
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        wg_produce_tile<false, true>(pipe, &P.a_map, &P.b_map, (t % p.m_tiles) * WBM,
+                                     (t / p.m_tiles) * WBN,
+                                     static_cast<int>(P.v0), kt_count, s, phase);
+      }
     }
     return;
   }
   wg_consumer_regs();
   float acc[128];
-  wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
-  const int r = threadIdx.x - 128; // consumer threads only reach here
-  if (nt == 0 && r < WBM) {
-    add_row_sums(p, m0 + r);
-  }
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t gm = m0 + pipe.row(ri);
-    if (gm >= p.M) {
-      continue;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int m0 = (t % p.m_tiles) * WBM, n0 = (t / p.m_tiles) * WBN;
+    wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
+    const int r = threadIdx.x - 128; // consumer threads only reach here
+    if (n0 == 0 && r < WBM) {
+      add_row_sums(p, m0 + r);
     }
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int64_t c = n0 + pipe.col(j, 0);
-      if (c >= p.H) {
+    for (int ri = 0; ri < 2; ++ri) {
+      const int64_t gm = m0 + pipe.row(ri);
+      if (gm >= p.M) {
         continue;
       }
-      dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int64_t c = n0 + pipe.col(j, 0);
+        if (c >= p.H) {
+          continue;
+        }
+        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+      }
     }
   }
 #endif
