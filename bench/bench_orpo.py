@@ -7,13 +7,16 @@ on every linear layer of every block, random weights.
     python bench/bench_orpo.py --full --models A4 --lengths 8192 --json out.json
 
 Providers (each a full step: forward, backward, gradients evaluated):
-  flash_cce             flash head + prefix sharing + segmented backward (defaults)
+  flash_cce             flash head + prefix sharing + segmented backward + blocked
+                        attention (defaults)
   no_flash_head         same with the full-logits head
   no_prefix             same with two forwards instead of one prompt forward
   no_segments           same with the plain backward
+  no_block_attn         same with mlx-lm's attention (scores of a whole layer in memory)
   mlx-lm-lora           mlx-lm-lora 5.10.2 `orpo_loss_from_model`, plain
   mlx-lm-lora ckpt      the same with its `grad_checkpoint` (every block checkpointed)
   seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
+  block=N               flash_cce with N queries per attention block (not in the default set)
 A provider that fails (e.g. out of memory) is reported with its error.
 """
 
@@ -58,8 +61,8 @@ SMALL_MODELS = {  # same architectures, scaled down for a 2-core CPU
 }
 FULL_LENGTHS = (1024, 4096, 8192)
 SMALL_LENGTHS = (128, 256, 512)
-PROVIDERS = ("flash_cce", "no_flash_head", "no_prefix", "no_segments", "mlx-lm-lora",
-             "mlx-lm-lora ckpt")
+PROVIDERS = ("flash_cce", "no_flash_head", "no_prefix", "no_segments", "no_block_attn",
+             "mlx-lm-lora", "mlx-lm-lora ckpt")
 
 
 def build(kind, overrides, bits, dtype, seed=0):
@@ -134,8 +137,12 @@ def make_step(name, model, pair):
         return ours(model, pair, prefix_sharing=False)
     if name == "no_segments":
         return ours(model, pair, segment_size=0)
+    if name == "no_block_attn":
+        return ours(model, pair, attention_block=0)
     if name.startswith("seg="):
         return ours(model, pair, segment_size=int(name[4:]))
+    if name.startswith("block="):
+        return ours(model, pair, attention_block=int(name[6:]))
     return mlx_lm_lora(model, pair, checkpoint=name.endswith("ckpt"))
 
 
@@ -156,7 +163,7 @@ def main():
     ap.add_argument("--full", action="store_true", help="the issue's shapes (needs a big GPU)")
     ap.add_argument("--models", nargs="*", help="subset of A4, Abf16, B4")
     ap.add_argument("--lengths", nargs="*", type=int, help="tokens per sequence")
-    ap.add_argument("--providers", nargs="*", help=f"subset of {PROVIDERS}")
+    ap.add_argument("--providers", nargs="*", help=f"subset of {PROVIDERS}, or seg=K, block=N")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"),
                     help="activations (default: bfloat16 with --full, else float32: "
                          "bfloat16 made this step 5-7x slower on MLX's CPU backend)")
