@@ -263,7 +263,7 @@ std::vector<mx::array> flash_cce_forward(
     return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
   }
   auto stream = mx::to_stream(s);
-  cfg.fused = fused_backward && supports_fused(stream, cfg, h.dtype());
+  cfg.fused = fused_backward && supports_fused(stream, h.dtype());
   auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
   return {out[0], out[1]};
 }
@@ -589,19 +589,17 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 // Whether the forward on this stream can also emit the gradient state (third
-// output). The CUDA kernels do so with a softcap only: they weight the rows by
-// exp(s - cap), a fixed reference that needs no running maximum, so the
-// weights span [e^-2cap, 1]. That must stay within the normal range of the
-// type they are stored in: bf16 (the fp32 exponent range; cap <= 40 gives
-// e^-80 ~ 1.8e-35), not fp16 (whose smallest normal is ~6e-5).
-bool supports_fused(const mx::Stream& s, const HeadConfig& cfg, mx::Dtype h_dtype) {
+// output). The CUDA kernels store the softmax weights relative to a row
+// reference in the operand type (see forward_fused in cuda_head.cpp): bf16
+// has the range of fp32 for that, fp16 (largest value 65504) does not, so fp16
+// heads keep the three-GEMM path.
+bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype) {
   if (s.device == mx::Device::cpu) {
     return true;
   }
 #ifdef FLASH_CCE_CUDA
-  return cfg.softcap > 0.0f && cfg.softcap <= 40.0f && h_dtype != mx::float16;
+  return h_dtype != mx::float16;
 #else
-  (void)cfg;
   (void)h_dtype;
   return false;
 #endif

@@ -85,8 +85,8 @@ std::vector<mx::array> flash_cce_backward(
 // True when eval_gpu has a native kernel in this build (CUDA today).
 bool has_gpu_kernels();
 
-// True when the backend of `s` implements the fused forward outputs for cfg.
-bool supports_fused(const mx::Stream& s, const HeadConfig& cfg, mx::Dtype h_dtype);
+// True when the backend of `s` implements the fused forward outputs for h_dtype.
+bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);
 
 // Primitives ------------------------------------------------------------------
 

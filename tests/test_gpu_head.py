@@ -206,18 +206,20 @@ def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("shape", [(130, 96, 1000), (300, 256, 2100)])
-def test_fused_forward_gradient(shape, dtype, kernels, chunks):
-    """The fused GPU forward (softcap: P = exp(s - cap) dcap accumulated
-    against W chunk by chunk) against the CPU kernels and against the GPU's
-    three-GEMM path (fused_backward=False)."""
+@pytest.mark.parametrize("softcap", [None, 30.0, 50.0])
+def test_fused_forward_gradient(shape, dtype, softcap, kernels, chunks):
+    """The fused GPU forward (P = exp(s - r) dcap accumulated against W chunk
+    by chunk; r = the cap for caps <= 40, else a running row maximum) against
+    the CPU kernels and against the GPU's three-GEMM path
+    (fused_backward=False). fp16 heads take the three-GEMM path either way."""
     m, h, v = shape
     hid, w, y = make(m, h, v, dtype, seed=m + v, ignore=3)
     g = mx.random.normal((m,), key=mx.random.key(1))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(2))
-    logp, lse, dh = h_grad(hid, w, y, g, g_lse, 30.0, mx.gpu, True)
-    p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, 30.0, mx.gpu, False)
+    logp, lse, dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, True)
+    p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, False)
     ct = compute_type(dtype)
-    r_logp, r_lse, r_dh = h_grad(rounded(hid, ct), rounded(w, ct), y, g, g_lse, 30.0,
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, ct), rounded(w, ct), y, g, g_lse, softcap,
                                  mx.cpu, True)
     for a in (logp, p_logp):
         np.testing.assert_allclose(np.array(a), np.array(r_logp), atol=FWD_ATOL, rtol=0)
@@ -228,16 +230,17 @@ def test_fused_forward_gradient(shape, dtype, kernels, chunks):
 
 
 @pytest.mark.parametrize("bits", [4, 8, 3])
-def test_fused_forward_gradient_quantized(bits, kernels, chunks):
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_fused_forward_gradient_quantized(bits, softcap, kernels, chunks):
     m, h, v, gs = 90, 256, 1100, 64
     hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(4))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(5))
-    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, 30.0, mx.gpu, True, scales, biases, gs)
+    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, softcap, mx.gpu, True, scales, biases, gs)
     w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
-                                 y, g, g_lse, 30.0, mx.cpu, True)
+                                 y, g, g_lse, softcap, mx.cpu, True)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
@@ -263,4 +266,31 @@ def test_fused_forward_extreme_logits():
     assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+@pytest.mark.parametrize("late", [40.0, 200.0])
+def test_fused_forward_running_reference(late, kernels, chunks):
+    """No softcap: the first chunk's logits are small and a later column's are
+    `late` larger. 40 stays within the running reference's headroom; 200
+    outruns it, which must send the forward through its exact second pass.
+    Both must match the CPU kernels."""
+    m, h, v = 96, 64, 1300
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=31)
+    hid = mx.abs(hid)
+    w = 0.01 * mx.abs(w)  # every logit ~ +0.2
+    w[900] = late / (0.8 * h) * mx.ones((h,))  # logit ~ late on column 900
+    w = w.astype(mx.bfloat16)
+    g = mx.random.normal((m,), key=mx.random.key(7))
+    g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(8))
+    logp, lse, dh = h_grad(hid, w, y, g, g_lse, None, mx.gpu, True)
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y, g,
+                                 g_lse, None, mx.cpu, True)
+    assert float(r_lse.max()) > late / 2  # the regime under test
+    # Logits of size `late`: fp32 sums of 64 exact products in other orders
+    # differ by up to 64 * 2^-24 * late on top of FWD_ATOL.
+    atol = FWD_ATOL + 64 * 2.0**-24 * late
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=atol, rtol=0)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=atol, rtol=0)
+    assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]

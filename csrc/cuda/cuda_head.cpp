@@ -270,6 +270,52 @@ int64_t backward_chunk(int64_t M, int64_t V) {
   return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
 }
 
+// The forward GEMM over the vocabulary [0, V_used): per-split row partials
+// (max, sum of exp) and the target logits, in parts[2 * splits + 1, M].
+std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
+                                             const std::vector<mx::array>& inputs,
+                                             int64_t V_used) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  const auto ct = compute_dtype(p);
+  const bool wg = use_wgmma(s, p);
+  const int tile_n = wg ? kWgTileN : kTileN;
+  FwdParams fp{};
+  fp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, ct);
+  fp.w = weight(p, ct);
+  fp.targets = p.targets;
+  fp.M = p.M;
+  fp.V = V_used;
+  fp.H = p.H;
+  fp.m_tiles = static_cast<int>(cdiv(p.M, kTileM));
+  fp.v_tiles = static_cast<int>(cdiv(V_used, tile_n));
+  fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
+  fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
+  fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
+  fp.cap = p.cfg.softcap;
+
+  auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
+  fp.part_max = mx::gpu_ptr<float>(parts);
+  fp.part_sum = fp.part_max + int64_t(fp.splits) * p.M;
+  fp.target_logit = fp.part_sum + int64_t(fp.splits) * p.M;
+
+  Launch launch{enc, s.device.index};
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(parts);
+  if (wg) {
+    WgFwdParams wp{};
+    wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
+    wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+    wp.p = fp;
+    launch("fcce_fwd_wg_" + std::string(use_f16(p) ? "f16" : "bf16"),
+           int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
+  } else {
+    launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+  }
+  return {parts, fp};
+}
+
 // The vocabulary-chunked passes of the backward and of the fused forward: per
 // chunk, one kernel writes dS (or P) of the chunk to an [M, chunk] buffer and
 // a second adds buffer @ W[chunk] into the fp32 [M, H] accumulator.
@@ -388,40 +434,100 @@ class ChunkPasses {
   WgDhParams wg_dh_{};
 };
 
-// The fused forward (softcap only): per chunk, P = exp(s - cap) dcap and the
-// row sums of exp(s - cap), then gsum (+)= P @ W[chunk]; fcce_finish turns the
-// sums into lse and logp and rescales gsum to softmax weights. Two GEMMs for
+// The fused forward: per vocabulary chunk, P = exp(s - r) dcap and the row
+// sums of exp(s - r), then gsum (+)= P @ W[chunk]; fcce_finish turns the sums
+// into lse and logp and rescales gsum to softmax weights. Two GEMMs for
 // forward + backward, where the plain forward + backward takes three.
+//
+// The row reference r: with a softcap <= kMaxFixedCap, the cap itself (an
+// upper bound of every logit). Otherwise a running one: the exact row maxima
+// of the first chunk (one extra chunk-wide GEMM), then the maxima of the
+// chunks seen so far, with acc and the sums rescaled whenever it grows. A
+// chunk whose logits outrun their reference by more than kMaxRefGap raises a
+// flag, and a second pass, which does nothing unless the flag is set, redoes
+// the chunks against the exact row maxima.
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
   ChunkPasses passes(s, enc, p, inputs, outputs[2]);
-  const int64_t max_tiles = passes.tiles(passes.chunk());
-  // [max_tiles, M] row-sum partials, then run_sum[M] and target_logit[M].
-  auto sums = scratch(enc, {static_cast<int>(max_tiles + 2), static_cast<int>(p.M)},
-                      mx::float32);
-  float* part_sum = mx::gpu_ptr<float>(sums);
-  float* run_sum = part_sum + max_tiles * p.M;
-  float* target_logit = run_sum + p.M;
-  passes.ds().part_sum = part_sum;
-  passes.ds().target_logit = target_logit;
-  passes.dh().part_sum = part_sum;
-  passes.dh().run_sum = run_sum;
-  for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk()) {
+  const int64_t M = p.M, tiles = passes.tiles(passes.chunk());
+  const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
+  // part_sum[tiles, M], run_sum[M], target_logit[M]; running reference only:
+  // part_max[tiles, M], three rotating ref[M], and the flag.
+  const int64_t rows = tiles + 2 + (fixed ? 0 : tiles + 4);
+  auto sums = scratch(enc, {static_cast<int>(rows), static_cast<int>(M)}, mx::float32);
+  float* base = mx::gpu_ptr<float>(sums);
+  float* part_sum = base;
+  float* run_sum = part_sum + tiles * M;
+  float* target_logit = run_sum + M;
+  float* part_max = fixed ? nullptr : target_logit + M;
+  float* ref[3] = {nullptr, nullptr, nullptr};
+  int32_t* flag = nullptr;
+  if (!fixed) {
+    for (int i = 0; i < 3; ++i) {
+      ref[i] = part_max + (tiles + i) * M;
+    }
+    flag = reinterpret_cast<int32_t*>(part_max + (tiles + 3) * M);
+    // The first chunk's exact row maxima.
+    auto [pre, fp] = lse_partials(s, p, inputs, std::min(passes.chunk(), p.V));
+    RowMaxParams rp{};
+    rp.part_max = fp.part_max;
+    rp.ref = ref[0];
+    rp.flag = flag;
+    rp.M = M;
+    rp.splits = fp.splits;
+    enc.set_input_array(pre);
+    enc.set_output_array(sums);
+    passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
+  }
+  auto& ds = passes.ds();
+  auto& dh = passes.dh();
+  ds.part_sum = part_sum;
+  ds.target_logit = target_logit;
+  ds.part_max = part_max;
+  ds.flag = flag;
+  dh.part_sum = part_sum;
+  dh.run_sum = run_sum;
+  dh.part_max = part_max;
+  int k = 0;
+  for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk(), ++k) {
     const int64_t width = std::min(passes.chunk(), p.V - v0);
-    passes.dh().sum_tiles = static_cast<int>(passes.tiles(width));
+    ds.ref = ref[k % 3];
+    dh.ref_prev = ref[(k + 2) % 3];
+    dh.ref_cur = ref[k % 3];
+    dh.ref_next = ref[(k + 1) % 3];
+    dh.sum_tiles = static_cast<int>(passes.tiles(width));
     passes.first(v0, width, {sums});
     passes.second(v0, width, {sums});
+  }
+  const float* last_ref = ref[(k + 2) % 3];
+  const float* exact = ref[k % 3];
+  if (!fixed) {
+    ds.ref = exact;
+    ds.part_max = nullptr;
+    ds.guard = flag;
+    dh.ref_prev = nullptr;
+    dh.part_max = nullptr;
+    dh.guard = flag;
+    for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk()) {
+      const int64_t width = std::min(passes.chunk(), p.V - v0);
+      dh.sum_tiles = static_cast<int>(passes.tiles(width));
+      passes.first(v0, width, {sums});
+      passes.second(v0, width, {sums});
+    }
   }
 
   FinishParams fp{};
   fp.run_sum = run_sum;
   fp.target_logit = target_logit;
   fp.targets = p.targets;
+  fp.ref = last_ref;
+  fp.ref_exact = exact;
+  fp.flag = flag;
   fp.logp = mx::gpu_ptr<float>(outputs[0]);
   fp.lse = mx::gpu_ptr<float>(outputs[1]);
   fp.gsum = mx::gpu_ptr<float>(outputs[2]);
-  fp.M = p.M;
+  fp.M = M;
   fp.V = p.V;
   fp.H = p.H;
   fp.cap = p.cfg.softcap;
@@ -431,7 +537,7 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
   for (auto& o : outputs) {
     enc.set_output_array(o);
   }
-  passes.launch()("fcce_finish", p.M, 0, fp);
+  passes.launch()("fcce_finish", M, 0, fp);
 }
 
 } // namespace
@@ -447,44 +553,8 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
     forward_fused(s, p, inputs, outputs);
     return;
   }
-  const auto ct = compute_dtype(p);
-
-  const bool wg = use_wgmma(s, p);
-  const int tile_n = wg ? kWgTileN : kTileN;
-  FwdParams fp{};
-  fp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, ct);
-  fp.w = weight(p, ct);
-  fp.targets = p.targets;
-  fp.M = p.M;
-  fp.V = p.V;
-  fp.H = p.H;
-  fp.m_tiles = static_cast<int>(cdiv(p.M, kTileM));
-  fp.v_tiles = static_cast<int>(cdiv(p.V, tile_n));
-  fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
-  fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
-  fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
-  fp.cap = p.cfg.softcap;
-
-  auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
-  fp.part_max = mx::gpu_ptr<float>(parts);
-  fp.part_sum = fp.part_max + int64_t(fp.splits) * p.M;
-  fp.target_logit = fp.part_sum + int64_t(fp.splits) * p.M;
-
+  auto [parts, fp] = lse_partials(s, p, inputs, p.V);
   Launch launch{enc, s.device.index};
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(parts);
-  if (wg) {
-    WgFwdParams wp{};
-    wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
-    wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
-    wp.p = fp;
-    launch("fcce_fwd_wg_" + std::string(use_f16(p) ? "f16" : "bf16"),
-           int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
-  } else {
-    launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
-  }
 
   CombineParams cp{};
   cp.part_max = fp.part_max;

@@ -439,21 +439,27 @@ __device__ __forceinline__ void merge(float& m, float& l, float om, float ol) {
   m = nm;
 }
 
-// dh[gm, c] and dh[gm, c + 1] (when c + 1 < H) (+)= v0, v1: fp32 accumulation
-// in p.acc, and the last vocabulary chunk writes p.out in its dtype.
+// The factor that brings acc and run_sum of row gm from ref_prev to ref_cur.
+__device__ __forceinline__ float row_scale(const DhParams& p, int64_t gm) {
+  return p.ref_prev && !p.first ? __expf(p.ref_prev[gm] - p.ref_cur[gm]) : 1.0f;
+}
+
+// dh[gm, c] and dh[gm, c + 1] (when c + 1 < H) (+)= v0, v1, the old values
+// scaled by f: fp32 accumulation in p.acc, and the last vocabulary chunk
+// writes p.out in its dtype.
 __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t c, float v0,
-                                          float v1) {
+                                          float v1, float f) {
   const bool pairs = (p.H & 1) == 0;
   const int64_t i = gm * p.H + c;
   const bool two = c + 1 < p.H;
   if (!p.first) {
     if (pairs) {
       const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
-      v0 += old.x;
-      v1 += old.y;
+      v0 += f * old.x;
+      v1 += f * old.y;
     } else {
-      v0 += p.acc[i];
-      v1 += two ? p.acc[i + 1] : 0.0f;
+      v0 += f * p.acc[i];
+      v1 += two ? f * p.acc[i + 1] : 0.0f;
     }
   }
   if (p.last) {
@@ -471,16 +477,24 @@ __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t
   }
 }
 
-// The fused forward: run_sum[gm] (+)= the chunk's per-tile row sums.
+// The fused forward: run_sum[gm] (+)= the chunk's per-tile row sums, and the
+// next chunk's reference from the row maxima.
 __device__ __forceinline__ void add_row_sums(const DhParams& p, int64_t gm) {
   if (!p.part_sum || gm >= p.M) {
     return;
   }
-  float s = p.first ? 0.0f : p.run_sum[gm];
+  float s = p.first ? 0.0f : p.run_sum[gm] * row_scale(p, gm);
+  float mx = p.ref_cur ? p.ref_cur[gm] : 0.0f;
   for (int t = 0; t < p.sum_tiles; ++t) {
     s += p.part_sum[int64_t(t) * p.M + gm];
+    if (p.part_max) {
+      mx = fmaxf(mx, p.part_max[int64_t(t) * p.M + gm]);
+    }
   }
   p.run_sum[gm] = s;
+  if (p.part_max) {
+    p.ref_next[gm] = mx;
+  }
 }
 
 // One element of dS = (g onehot + (g_lse - g) softmax) dcap for raw logit s at
@@ -500,23 +514,46 @@ __device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t
   return v < V ? x * dcap : 0.0f;
 }
 
-// Fused forward (softcap only): P = exp(s' - cap) dcap for s' = cap tanh(s / cap),
-// with exp(s' - cap) added to the row sum and s' kept as the target logit. The
-// fixed reference cap bounds s' from above, so no running maximum is needed;
-// exp(-2 cap) stays a normal float for the caps this path takes.
-__device__ __forceinline__ float p_value(float s, int64_t v, int32_t y, int64_t V, float cap,
-                                         float inv_cap, float* target, float& sum) {
-  const float t = tanh_fast(s * inv_cap);
-  const float sc = cap * t;
+// Fused forward: P = exp(s - r) dcap for the logit s (cap tanh(x / cap) with
+// a softcap, else x) against the row reference r, with exp(s - r) added to
+// the row sum, s to the row maximum, and s kept as the target logit.
+__device__ __forceinline__ float p_value(float x, int64_t v, int32_t y, int64_t V, float cap,
+                                         float inv_cap, float ref, float* target, float& sum,
+                                         float& tmax) {
+  float s = x, dcap = 1.0f;
+  if (cap > 0.0f) {
+    const float t = tanh_fast(x * inv_cap);
+    s = cap * t;
+    dcap = 1.0f - t * t;
+  }
   if (v >= V) {
     return 0.0f;
   }
   if (v == y) {
-    *target = sc;
+    *target = s;
   }
-  const float e = __expf(sc - cap);
+  tmax = fmaxf(tmax, s);
+  const float e = __expf(s - ref);
   sum += e;
-  return e * (1.0f - t * t);
+  return e * dcap;
+}
+
+// The row reference of the fused forward: ref[m], or the cap itself (which
+// bounds every softcapped logit from above) when ref is null.
+__device__ __forceinline__ float row_ref(const DsParams& p, int64_t gm) {
+  return p.ref ? (gm < p.M ? p.ref[gm] : 0.0f) : p.cap;
+}
+
+// A tile's row statistics of the fused forward, reduced over the tile.
+__device__ __forceinline__ void put_row_stats(const DsParams& p, int vt, int64_t gm, float sum,
+                                              float tmax) {
+  p.part_sum[int64_t(vt) * p.M + gm] = sum;
+  if (p.part_max) {
+    p.part_max[int64_t(vt) * p.M + gm] = tmax;
+    if (tmax - row_ref(p, gm) > kMaxRefGap) {
+      *p.flag = 1;
+    }
+  }
 }
 
 // Forward ------------------------------------------------------------------------
@@ -616,52 +653,59 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
 
 // Backward: dS -------------------------------------------------------------------
 
-// The fused forward's epilogue: P tile to ds, row sums to part_sum[vt, M].
+// The fused forward's epilogue: P tile to ds, row statistics to part_*[vt, M].
 template <class T>
 __device__ __forceinline__ void fwd_p_epilogue(const DsParams& p, float (&acc)[4][4][4],
                                                int64_t m0, int64_t v0, int vt,
-                                               float (&red)[4][BM]) {
+                                               float (&red)[2][4][BM]) {
   const Frag f;
   T* ds = static_cast<T*>(p.ds);
-  const float inv_cap = 1.0f / p.cap;
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
 #pragma unroll
   for (int ri = 0; ri < 8; ++ri) {
     const int mi = ri >> 1, e0 = (ri & 1) * 2;
     const int64_t gm = m0 + f.row(mi, e0);
     const int32_t y = gm < p.M ? p.targets[gm] : -1;
-    float sum = 0.0f;
+    const float ref = row_ref(p, gm);
+    float sum = 0.0f, tmax = -INFINITY;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni) {
       float d[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        d[j] = p_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), y, p.V, p.cap, inv_cap,
-                       p.target_logit + gm, sum);
+        d[j] = p_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), y, p.V, p.cap, inv_cap, ref,
+                       p.target_logit + gm, sum, tmax);
       }
       const int64_t c = v0 - p.v0 + f.col(ni, 0);
       if (gm < p.M && c < p.width) {
         *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) = pack2<T>(d[0], d[1]);
       }
     }
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      sum += __shfl_xor_sync(0xffffffff, sum, off);
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, off));
+    }
     if ((f.lane & 3) == 0) {
-      red[f.wn][f.row(mi, e0)] = sum;
+      red[0][f.wn][f.row(mi, e0)] = sum;
+      red[1][f.wn][f.row(mi, e0)] = tmax;
     }
   }
   __syncthreads();
-  if (threadIdx.x < BM) {
+  if (threadIdx.x < BM && m0 + threadIdx.x < p.M) {
     const int r = threadIdx.x;
-    if (m0 + r < p.M) {
-      p.part_sum[int64_t(vt) * p.M + m0 + r] = red[0][r] + red[1][r] + red[2][r] + red[3][r];
-    }
+    put_row_stats(p, vt, m0 + r, red[0][0][r] + red[0][1][r] + red[0][2][r] + red[0][3][r],
+                  fmaxf(fmaxf(red[1][0][r], red[1][1][r]), fmaxf(red[1][2][r], red[1][3][r])));
   }
 }
 
 template <class T, int QB>
 __device__ __forceinline__ void ds_body(const DsParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float red[4][BM];
+  __shared__ float red[2][4][BM];
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
   T* smem = reinterpret_cast<T*>(smem_raw);
   const int mt = blockIdx.x % p.m_tiles, vt = blockIdx.x / p.m_tiles;
   const int64_t m0 = int64_t(mt) * BM, v0 = p.v0 + int64_t(vt) * BN;
@@ -708,6 +752,9 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
 template <class T, int QB>
 __device__ __forceinline__ void dh_body(const DhParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
   T* smem = reinterpret_cast<T*>(smem_raw);
   const int mt = blockIdx.x % p.m_tiles, ht = blockIdx.x / p.m_tiles;
   const int64_t m0 = int64_t(mt) * BM, n0 = int64_t(ht) * BN;
@@ -726,13 +773,14 @@ __device__ __forceinline__ void dh_body(const DhParams& p) {
       if (gm >= p.M) {
         continue;
       }
+      const float scale = row_scale(p, gm);
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         const int64_t c = n0 + f.col(ni, 0);
         if (c >= p.H) {
           continue;
         }
-        dh_update(p, gm, c, acc[mi][ni][hf * 2], acc[mi][ni][hf * 2 + 1]);
+        dh_update(p, gm, c, acc[mi][ni][hf * 2], acc[mi][ni][hf * 2 + 1], scale);
       }
     }
 }
@@ -788,12 +836,13 @@ extern "C" __global__ void fcce_combine(CombineParams p) {
                             : __int_as_float(0x7fc00000);
 }
 
-// The fused forward's last step, one block per row: lse = cap + log(sum of
-// exp(s - cap)), logp as in fcce_combine, and gsum scaled by exp(cap - lse) so
+// The fused forward's last step, one block per row: lse = r + log(sum of
+// exp(s - r)), logp as in fcce_combine, and gsum scaled by exp(r - lse) so
 // that it holds sum_v softmax_v dcap_v W_v.
 extern "C" __global__ void fcce_finish(FinishParams p) {
   const int64_t m = blockIdx.x;
-  const float lse = p.cap + logf(p.run_sum[m]);
+  const float ref = !p.ref ? p.cap : *p.flag ? p.ref_exact[m] : p.ref[m];
+  const float lse = ref + logf(p.run_sum[m]);
   if (threadIdx.x == 0) {
     p.lse[m] = lse;
     const int32_t y = p.targets[m];
@@ -801,7 +850,7 @@ extern "C" __global__ void fcce_finish(FinishParams p) {
         : (y >= 0 && y < p.V) ? p.target_logit[m] - lse
                               : __int_as_float(0x7fc00000);
   }
-  const float scale = expf(p.cap - lse);
+  const float scale = expf(ref - lse);
   float* row = p.gsum + m * p.H;
   for (int64_t c = threadIdx.x; c < p.H; c += blockDim.x) {
     row[c] *= scale;
@@ -843,6 +892,21 @@ extern "C" __global__ void fcce_fused_dh(FusedDhParams p) {
     const float wy = ok ? weight_at(p.w, y, c) : 0.0f;
     store_from_float(p.out, p.out_kind, m * p.H + c, coef_rest * gs[c] + coef_y * wy);
   }
+}
+
+extern "C" __global__ void fcce_row_max(RowMaxParams p) {
+  const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (m == 0) {
+    *p.flag = 0;
+  }
+  if (m >= p.M) {
+    return;
+  }
+  float mx = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) {
+    mx = fmaxf(mx, p.part_max[int64_t(s) * p.M + m]);
+  }
+  p.ref[m] = mx;
 }
 
 #define FCCE_GEMM_KERNELS(TNAME, T, QNAME, QB)                                        \

@@ -307,32 +307,44 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
     // holds whole rows, 4 lanes each. P overwrites the logits in place.
     const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
     const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
+    const bool capped = p.cap > 0.0f;
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       const int64_t gm = m0 + pipe.row(ri);
       const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
-      float sum = 0.0f;
+      const float ref = row_ref(p, gm);
+      float sum = 0.0f, tmax = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = acc[j * 4 + ri * 2 + e];
           const int c = pipe.col(j, e);
-          const float t = tanh_fast(x * inv_cap);
-          if (c == yc) {
-            p.target_logit[gm] = p.cap * t;
+          float dcap = 1.0f;
+          if (capped) {
+            const float t = tanh_fast(x * inv_cap);
+            x = p.cap * t;
+            dcap = 1.0f - t * t;
           }
-          const float ex = c < cols ? __expf(p.cap * t - p.cap) : 0.0f;
+          if (c == yc) {
+            p.target_logit[gm] = x;
+          }
+          const bool in = c < cols;
+          tmax = in ? fmaxf(tmax, x) : tmax;
+          const float ex = in ? __expf(x - ref) : 0.0f;
           sum += ex;
-          x = ex * (1.0f - t * t);
+          x = ex * dcap;
         }
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      if ((pipe.tid & 3) == 0 && gm < p.M) {
-        p.part_sum[int64_t(vt_local) * p.M + gm] = sum;
+#pragma unroll
+      for (int off = 1; off < 4; off <<= 1) {
+        sum += __shfl_xor_sync(0xffffffff, sum, off);
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, off));
       }
       if (gm >= p.M) {
         continue;
+      }
+      if ((pipe.tid & 3) == 0) {
+        put_row_stats(p, vt_local, gm, sum, tmax);
       }
       T* row = ds + gm * p.ld_ds + (v0 - p.v0);
 #pragma unroll
@@ -380,6 +392,9 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const DsParams& p = P.p;
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
   const WgPipe pipe = wg_setup(smem_raw, full, empty);
   // Persistent: block b takes tiles b, b + grid, ...; the vocabulary tile
   // varies fastest, so the blocks in flight share a few rows of h and the
@@ -419,6 +434,9 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const DhParams& p = P.p;
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
   const WgPipe pipe = wg_setup(smem_raw, full, empty);
   // Persistent, the row tile fastest: the blocks in flight share a few column
   // tiles of the chunk of W.
@@ -452,13 +470,14 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
       if (gm >= p.M) {
         continue;
       }
+      const float scale = row_scale(p, gm);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int64_t c = n0 + pipe.col(j, 0);
         if (c >= p.H) {
           continue;
         }
-        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale);
       }
     }
   }

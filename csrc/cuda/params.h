@@ -54,9 +54,12 @@ struct CombineParams {
 };
 
 // dS for the vocabulary chunk [v0, v0 + width): written to ds[M, ld_ds] in the
-// compute type. With part_sum set (the fused forward, softcap only) the kernel
-// writes P = exp(s - cap) dcap instead, the per-tile row sums of exp(s - cap)
-// to part_sum[tile, M] and the target logits; lse, g and g_lse are unused.
+// compute type. With part_sum set (the fused forward) the kernel writes
+// P = exp(s - r) dcap instead, with the row reference r = ref[m] (cap when ref
+// is null), the per-tile row sums of exp(s - r) to part_sum[tile, M], the
+// target logits, and with part_max set the per-tile row maxima of s (flag = 1
+// where one exceeds r by more than kMaxRefGap); lse, g and g_lse are unused.
+// A kernel whose guard is set and reads 0 does nothing.
 struct DsParams {
   Operand h, w;
   const int32_t* targets;
@@ -66,38 +69,72 @@ struct DsParams {
   void* ds;
   float* part_sum;
   float* target_logit;
+  const float* ref;
+  float* part_max;
+  int32_t* flag;
+  const int32_t* guard;
   int64_t M, V, H, v0, width, ld_ds;
   int32_t m_tiles, ignore_index;
   float cap;
   int32_t pad_;
 };
 
+// Softcaps up to this use the cap as the fixed row reference: the weights
+// exp(s - cap) then span [e^-2cap, 1], normal floats in bf16 and fp32.
+constexpr float kMaxFixedCap = 40.0f;
+
+// exp(s - r) stays below e^64 in P (bf16 holds up to ~e^88, and the fp32 sums
+// over a chunk keep the headroom).
+constexpr float kMaxRefGap = 64.0f;
+
 // dh (+)= dS @ W[v0 : v0 + width]; fp32 accumulation in acc, the last chunk
-// writes out in out_kind. With part_sum set, the blocks of the first column
-// tile also add the chunk's sum_tiles row sums to run_sum (first: assign).
+// writes out in out_kind. With part_sum set (the fused forward), the blocks of
+// the first column tile also add the chunk's sum_tiles row sums to run_sum
+// (first: assign). With ref_prev set, acc and run_sum were relative to
+// ref_prev and are rescaled to ref_cur before adding; with part_max set those
+// blocks also write ref_next = max(ref_cur, the chunk's row maxima).
 struct DhParams {
   Operand ds, w;
   float* acc; // [M, H]
   void* out; // [M, H]
   const float* part_sum; // [sum_tiles, M]
   float* run_sum; // [M]
+  const float* ref_prev;
+  const float* ref_cur;
+  float* ref_next;
+  const float* part_max; // [sum_tiles, M]
+  const int32_t* guard;
   int64_t M, H;
   int32_t m_tiles, out_kind, first, last;
   int32_t sum_tiles, pad_;
 };
 
-// End of the fused forward: lse = cap + log(run_sum), logp, and the gradient
-// state gsum[M, H] rescaled from exp(s - cap) to softmax weights.
+// End of the fused forward: lse = r + log(run_sum), logp, and the gradient
+// state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
+// ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
+// was redone against the exact row maxima).
 struct FinishParams {
   const float* run_sum;
   const float* target_logit;
   const int32_t* targets;
+  const float* ref;
+  const float* ref_exact;
+  const int32_t* flag;
   float* logp;
   float* lse;
   float* gsum;
   int64_t M, V, H;
   float cap;
   int32_t ignore_index;
+};
+
+// ref[m] = max over splits of part_max[split, m]; block 0 clears the flag.
+struct RowMaxParams {
+  const float* part_max;
+  float* ref;
+  int32_t* flag;
+  int64_t M;
+  int32_t splits, pad_;
 };
 
 // dW[v0 : v0 + width] = dS^T @ h, written in out_kind.
