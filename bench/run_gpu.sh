@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
     test)
       timeout 150 python3 -m pytest -q tests/test_gpu_head.py 2>&1 | tee "$out/test_gpu.log" | tail -15 || status=1 ;;
     suite)
-      FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q tests 2>&1 | tee "$out/suite_gpu.log" | tail -15 || status=1 ;;
+      FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q -rfE tests 2>&1 | tee "$out/suite_gpu.log" | tail -40 || status=1 ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/sanitize_head.py \

@@ -1,6 +1,10 @@
 """A small flash-CCE forward + backward on the GPU for compute-sanitizer:
 dense bf16 with dW, fp32 and fp16 operands, and 4-bit and 3-bit weights, all
-on ragged shapes (partial tiles in every dimension)."""
+on ragged shapes (partial tiles in every dimension); then the fused forward
+with its gradient (softcap and running reference, 256-column chunks, and a
+late logit that sends it through its exact second pass)."""
+
+import os
 
 import mlx.core as mx
 
@@ -20,9 +24,34 @@ def run(m, h, v, dtype, bits=None, softcap=30.0):
     print(m, h, v, dtype, bits, float(logp.sum()))
 
 
+def run_fused(m, h, v, softcap, late=0.0, bits=None):
+    k1, k2, k3 = mx.random.split(mx.random.key(m + v), 3)
+    hid = mx.random.normal((m, h), key=k1).astype(mx.bfloat16)
+    w = 0.2 * mx.random.normal((v, h), key=k2)
+    if late:
+        hid = mx.abs(hid)
+        w[v - 5] = late / h
+    w = w.astype(mx.bfloat16)
+    y = mx.random.randint(0, v, (m,), key=k3).astype(mx.int32)
+    q = mx.quantize(w, group_size=64, bits=bits) if bits else (w, None, None)
+
+    def loss(hid):
+        logp, lse = flash_cce_forward(hid, q[0], y, q[1], q[2], softcap=softcap, stream=mx.gpu)
+        return logp.sum() + 0.1 * lse.sum()
+
+    val, dh = mx.value_and_grad(loss)(hid)
+    mx.eval(val, dh)
+    print("fused", m, h, v, softcap, late, bits, float(val))
+
+
 if __name__ == "__main__":
     run(150, 136, 700, mx.bfloat16)
     run(70, 64, 300, mx.float32)
     run(70, 72, 300, mx.float16)
     run(150, 128, 700, mx.bfloat16, bits=4)
     run(40, 128, 260, mx.bfloat16, bits=3)
+    os.environ["FLASH_CCE_VOCAB_CHUNK"] = "256"
+    run_fused(150, 136, 700, 30.0)
+    run_fused(150, 136, 700, None)
+    run_fused(70, 128, 600, None, late=300.0)
+    run_fused(70, 128, 600, 30.0, bits=4)

@@ -1,7 +1,6 @@
 #include "flash_cce.h"
 
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 
 #include "head_kernels.h"
@@ -20,20 +19,29 @@ namespace {
   throw std::invalid_argument("[flash_cce] " + msg);
 }
 
+// Messages are built without iostreams: formatting an integer through an
+// ostringstream crashed in one build environment (a C++ runtime mismatch).
 std::string shape_str(const mx::Shape& s) {
-  std::ostringstream os;
-  os << "(";
+  std::string out = "(";
   for (size_t i = 0; i < s.size(); ++i) {
-    os << s[i] << (i + 1 < s.size() ? ", " : "");
+    out += std::to_string(s[i]) + (i + 1 < s.size() ? ", " : "");
   }
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
+  return out + (s.size() == 1 ? ",)" : ")");
 }
 
 std::string dtype_str(mx::Dtype t) {
-  std::ostringstream os;
-  os << t;
-  return os.str();
+  static const std::pair<mx::Dtype, const char*> names[] = {
+      {mx::bool_, "bool"},       {mx::uint8, "uint8"},     {mx::uint16, "uint16"},
+      {mx::uint32, "uint32"},    {mx::uint64, "uint64"},   {mx::int8, "int8"},
+      {mx::int16, "int16"},      {mx::int32, "int32"},     {mx::int64, "int64"},
+      {mx::float16, "float16"},  {mx::float32, "float32"}, {mx::float64, "float64"},
+      {mx::bfloat16, "bfloat16"}, {mx::complex64, "complex64"}};
+  for (const auto& [dtype, name] : names) {
+    if (dtype == t) {
+      return name;
+    }
+  }
+  return "an unknown dtype";
 }
 
 bool is_float(mx::Dtype t) {

@@ -25,10 +25,15 @@ RTOL = 1e-5
 
 
 def launcher():
+    """mlx.launch: the script beside this Python, on PATH, or (an MLX installed
+    without its scripts) its module run through this Python."""
     local = Path(sys.executable).parent / "mlx.launch"
     found = str(local) if local.exists() else shutil.which("mlx.launch")
-    assert found, "mlx.launch (from mlx) is not on PATH"
-    return found
+    if found:
+        return [found]
+    code = ("import sys; from mlx._distributed_utils.launch import main; "
+            "sys.argv[0] = 'mlx.launch'; main()")
+    return [sys.executable, "-c", code]
 
 
 def vary_lengths(data_dir):
@@ -56,7 +61,7 @@ def train_cmd(model_dir, data_dir, run_dir, *extra):
 
 def run(cmd, ranks=1):
     if ranks > 1:
-        cmd = [launcher(), "-n", str(ranks), "--backend", "ring", "--", *cmd]
+        cmd = [*launcher(), "-n", str(ranks), "--backend", "ring", "--", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     # mlx.launch exits 0 even when a rank fails: require a clean report too.
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -122,7 +127,7 @@ def test_batch_must_divide_over_ranks(runs, tmp_path):
     model_dir, data_dir, _, _ = runs
     cmd = train_cmd(model_dir, data_dir, tmp_path / "odd")
     cmd[cmd.index("--batch-size") + 1] = "3"
-    proc = subprocess.run([launcher(), "-n", "2", "--backend", "ring", "--", *cmd],
+    proc = subprocess.run([*launcher(), "-n", "2", "--backend", "ring", "--", *cmd],
                           capture_output=True, text=True, timeout=300)
     # mlx.launch itself exits 0 here; each rank's own exit code is in its report.
     out = proc.stdout + proc.stderr

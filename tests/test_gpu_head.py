@@ -294,3 +294,30 @@ def test_fused_forward_running_reference(late, kernels, chunks):
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=atol, rtol=0)
     assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_extra_memory_is_bounded(softcap):
+    """Forward + gradient for h at V = 131072: extra device memory beyond the
+    inputs, the outputs and the [M, H] fp32 gradient state stays within the
+    64 MB budget (the [M, chunk] P/dS buffer is capped at 48 MB), a sixteenth
+    of the [M, V] fp32 logits this shape would take."""
+    m, h, v = 2048, 256, 131072
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=41)
+    mx.eval(hid, w, y)
+
+    def loss(hid):
+        return flash_cce_forward(hid, w, y, softcap=softcap, stream=mx.gpu)[0].sum()
+
+    mx.eval(mx.grad(loss)(hid))  # warm-up: kernels loaded, graph built
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    dh = mx.grad(loss)(hid)
+    mx.eval(dh)
+    extra = mx.get_peak_memory() - base
+    allowed = (64 << 20) + m * h * 4 + dh.nbytes + 2 * m * 4 * 4
+    logits = m * v * 4
+    assert extra <= allowed, (extra, allowed)
+    assert extra < logits / 16, (extra, logits)

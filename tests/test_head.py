@@ -11,6 +11,13 @@ the rounding of outputs to the input dtype. With u = 2^-24:
     (softmax) plus fp32 accumulation, then round once to the output dtype:
     |d dh| <= u_out |dh| + ((V + 4) u + 4 ds) (|dS| @ |W|).
 These are worst-case bounds, not fitted constants.
+
+On the GPU (FLASH_CCE_TEST_DEVICE=gpu) the native kernels multiply bf16 (fp16
+for fp16 h) operands. The inputs are then drawn bf16-exact where the test
+allows it, the reference multiplies the operands the kernels see, and the
+gradients gain one rounding of dS to the operand type: + u_op (|dS| @ |W|).
+The epilogue's exp/log/tanh approximations (~2^-22 relative) are within the
+(V + 16) u term above.
 """
 
 import mlx.core as mx
@@ -19,16 +26,47 @@ import numpy as np
 import pytest
 
 import flash_cce as fc
+from conftest import DEVICE
 from reference import forward_backward, head_weight, to64
 
 U32 = 2.0**-24
 UNIT = {mx.float32: 2.0**-24, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
 BACKENDS = ["native", "fallback"]
+GPU = DEVICE == "gpu" and fc._ext.has_gpu_kernels()
+
+
+def gpu_native(backend=None):
+    """Whether the head runs on the GPU kernels (bf16/fp16 operands)."""
+    return GPU and backend != "fallback"
+
+
+def operand_type(h_dtype):
+    return mx.float16 if h_dtype == mx.float16 else mx.bfloat16
+
+
+def as_seen(a, h_dtype, backend=None):
+    """An operand (mx or float64 numpy) as the head's multiplier sees it, in
+    float64: on the GPU rounded to fp32 (the dequantizer's fma) and then to
+    the operand type."""
+    if not gpu_native(backend):
+        return a if isinstance(a, np.ndarray) else to64(a)
+    a = mx.array(np.asarray(a, np.float32)) if isinstance(a, np.ndarray) else a
+    return to64(a.astype(operand_type(h_dtype)))
+
+
+def op_unit(h_dtype, backend=None):
+    """Relative rounding of dS (or P) to the operand type: 0 on the CPU."""
+    return UNIT[operand_type(h_dtype)] if gpu_native(backend) else 0.0
+
+
+def bf16_exact(a):
+    """On the GPU, values the bf16 multiplier takes unrounded (dtype kept)."""
+    return a.astype(mx.bfloat16).astype(a.dtype) if GPU and a.dtype == mx.float32 else a
 
 
 def make_inputs(M, H, V, dtype=mx.float32, w_dtype=None, ignore=(), scale=1.0):
-    h = (mx.random.normal((M, H)) * scale).astype(dtype)
-    w = (mx.random.normal((V, H)) / np.sqrt(H)).astype(w_dtype or dtype)
+    h = bf16_exact((mx.random.normal((M, H)) * scale).astype(dtype))
+    w = bf16_exact((mx.random.normal((V, H)) / np.sqrt(H)).astype(w_dtype or dtype))
     y = mx.random.randint(0, V, (M,)).astype(mx.int32)
     if ignore:
         y[mx.array(list(ignore))] = -100
@@ -45,8 +83,9 @@ def check(h, w, y, scales=None, biases=None, group_size=64, bits=None,
     """Runs forward + backward and compares everything with the reference."""
     M, H = h.shape
     V = w.shape[0]
-    W = head_weight(w, scales, biases, group_size)
-    H64, y64 = to64(h), np.array(y)
+    W = as_seen(head_weight(w, scales, biases, group_size), h.dtype, backend)
+    H64, y64 = as_seen(h, h.dtype, backend), np.array(y)
+    uop = op_unit(h.dtype, backend)
     g = mx.random.normal((M,))
     ref_logp, ref_lse, ref_dh, ref_dw, B = forward_backward(
         H64, W, y64, to64(g), None if g_lse is None else to64(g_lse), softcap
@@ -65,15 +104,26 @@ def check(h, w, y, scales=None, biases=None, group_size=64, bits=None,
     assert dh.shape == h.shape and dh.dtype == h.dtype
     dS = _ref_ds(H64, W, y64, to64(g), g_lse, softcap)
     bound_dh = np.abs(dS) @ np.abs(W)
-    tol_dh = UNIT[h.dtype] * np.abs(ref_dh) + ((V + 4) * U32 + 4 * ds) * bound_dh
+    tol_dh = UNIT[h.dtype] * np.abs(ref_dh) + ((V + 4) * U32 + 4 * ds + uop) * bound_dh
     # 1e-12 lets exact zeros (ignored rows) compare with "less than".
     np.testing.assert_array_less(np.abs(to64(dh) - ref_dh), tol_dh + 1e-12)
     if want_dw:
         assert dw.shape == w.shape and dw.dtype == w.dtype
         bound_dw = np.abs(dS).T @ np.abs(H64)
-        tol_dw = UNIT[w.dtype] * np.abs(ref_dw) + ((M + 4) * U32 + 4 * ds) * bound_dw
+        tol_dw = UNIT[w.dtype] * np.abs(ref_dw) + ((M + 4) * U32 + 4 * ds + uop) * bound_dw
         np.testing.assert_array_less(np.abs(to64(dw) - ref_dw), tol_dw + 1e-12)
     return logp, lse
+
+
+def grad_slack(h, w, y, g, g_lse=None, softcap=None, backend=None):
+    """Two roundings of dS (or the fused forward's P) to the operand type, as
+    an absolute bound per dh element: 2 u_op (|dS| @ |W|); 0 on the CPU."""
+    uop = op_unit(h.dtype, backend)
+    if not uop:
+        return 0.0
+    W = as_seen(w, h.dtype, backend)
+    dS = _ref_ds(as_seen(h, h.dtype, backend), W, np.array(y), to64(g), g_lse, softcap)
+    return 2 * uop * (np.abs(dS) @ np.abs(W))
 
 
 def _ref_ds(H64, W, y, g, g_lse, softcap, ignore_index=-100):
@@ -185,7 +235,9 @@ def test_lse_cotangent(backend):
     dh = mx.grad(f)(h)
     lse = fc.flash_cce_forward(h, w, y)[1]
     ref = fc.flash_cce_backward(h, w, y, lse, mx.ones((12,)), g_lse=-0.2 * lse)
-    np.testing.assert_allclose(np.array(dh), np.array(ref), rtol=1e-5, atol=1e-6)
+    slack = grad_slack(h, w, y, mx.ones((12,)), -0.2 * lse)  # ref: the default backend
+    np.testing.assert_array_less(np.abs(to64(dh) - to64(ref)),
+                                 1e-5 * np.abs(to64(ref)) + 1e-6 + slack)
 
 
 # Closed forms ---------------------------------------------------------------
@@ -199,26 +251,34 @@ def test_zero_weight_is_uniform(softcap):
     w = mx.zeros((V, 16))
     y = mx.array([0, 5, 36, 2, 9])
     logp, lse = fc.flash_cce_forward(h, w, y, softcap=softcap)
-    np.testing.assert_allclose(np.array(lse), np.log(V), rtol=2e-7)
-    np.testing.assert_allclose(np.array(logp), -np.log(V), rtol=2e-7)
+    # A few ulp; on the GPU, log(sum exp(s - cap)) + cap goes through the fast
+    # exp/log approximations (~2^-22 relative each).
+    rtol = 2e-6 if GPU else 2e-7
+    np.testing.assert_allclose(np.array(lse), np.log(V), rtol=rtol)
+    np.testing.assert_allclose(np.array(logp), -np.log(V), rtol=rtol)
     dh = fc.flash_cce_backward(h, w, y, lse, mx.ones((5,)), softcap=softcap)
     assert not np.array(dh).any()
 
 
 def test_two_token_vocabulary_is_logsigmoid():
-    """V = 2 with W = [[a], [0]] on H = 1: logp(y=0) = log sigmoid(a h), d/dh = a (1 - sigmoid(a h))."""
-    a = 1.7
+    """V = 2 with W = [[a], [0]] on H = 1: logp(y=0) = log sigmoid(a h), d/dh = a (1 - sigmoid(a h)).
+
+    a and h are exact in bf16, so the GPU's multiplier sees them unrounded."""
+    a = 1.6875
     h = mx.array([[-3.0], [-0.5], [0.0], [0.25], [4.0]])
     w = mx.array([[a], [0.0]])
     y = mx.zeros((5,), mx.int32)
     logp, lse = fc.flash_cce_forward(h, w, y)
     x = a * np.array(h)[:, 0].astype(np.float64)
-    # logp = s_y - lse cancels: its absolute error is a few ulp of lse.
-    atol = 4 * U32 * (1 + np.abs(np.array(lse)).max())
+    # logp = s_y - lse cancels: its absolute error is a few ulp of lse (on the
+    # GPU a few 2^-22 from the fast exp/log).
+    atol = 4 * (2.0**-21 if GPU else U32) * (1 + np.abs(np.array(lse)).max())
     np.testing.assert_allclose(np.array(logp), -np.log1p(np.exp(-x)), rtol=0, atol=atol)
     dh = fc.flash_cce_backward(h, w, y, lse, mx.ones((5,)))
-    # dh = a (1 - p_y): the same absolute error through p_y = exp(logp).
-    np.testing.assert_allclose(np.array(dh)[:, 0], a / (1 + np.exp(x)), rtol=0, atol=2 * a * atol)
+    # dh = a (1 - p_y): the same absolute error through p_y = exp(logp), plus
+    # on the GPU the rounding of dS (|dS| <= 1) to bf16.
+    atol_dh = 2 * a * atol + (a * 2.0**-8 if GPU else 0.0)
+    np.testing.assert_allclose(np.array(dh)[:, 0], a / (1 + np.exp(x)), rtol=0, atol=atol_dh)
 
 
 def test_softcap_bounds_logits():
@@ -245,6 +305,9 @@ def test_finite_differences(softcap, quantized):
 
     In fp32 with step e = 1e-2 the truncation error is O(e^2 |L'''|) ~ 1e-4 and
     the rounding error is ~ u |L| / e ~ 1e-5 for |L| ~ 10: we allow 2e-3 of |dh . d|.
+    Differences need a smooth L: the GPU kernels round h to bf16 (steps of
+    2^-8 |h|, larger than e |d|), so these run on the CPU kernels there; the
+    GPU's gradients are checked against the CPU's in test_gpu_head.py.
     """
     M, H, V = 6, 64, 100
     h, w, y = make_inputs(M, H, V)
@@ -255,7 +318,8 @@ def test_finite_differences(softcap, quantized):
     g = mx.random.normal((M,))
 
     def L(h):
-        return (g * fc.flash_cce_forward(h, w, y, softcap=softcap, **extra)[0]).sum()
+        return (g * fc.flash_cce_forward(h, w, y, softcap=softcap, stream=mx.cpu,
+                                         **extra)[0]).sum()
 
     dh = mx.grad(L)(h)
     for _ in range(3):
@@ -271,8 +335,8 @@ def test_dw_finite_differences():
     M, H, V = 5, 8, 12
     h, w, y = make_inputs(M, H, V)
 
-    def L(w):
-        return fc.flash_cce_forward(h, w, y, softcap=4.0)[0].sum()
+    def L(w):  # on the CPU kernels: see test_finite_differences
+        return fc.flash_cce_forward(h, w, y, softcap=4.0, stream=mx.cpu)[0].sum()
 
     dw = mx.grad(L)(w)
     d = mx.random.normal(w.shape)
@@ -396,11 +460,13 @@ def _dense_ce(h, W, y, softcap=None):
 )
 def test_nn_heads(make):
     head = make()
-    h = mx.random.normal((2, 4, 32))
+    h = bf16_exact(mx.random.normal((2, 4, 32)))
     y = mx.random.randint(0, 50, (2, 4))
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         W = mx.dequantize(head.weight, head.scales, head.biases, head.group_size, head.bits)
+        W = bf16_exact(W.astype(mx.float32))  # what the GPU's multiplier sees
     else:
+        head.weight = bf16_exact(head.weight)
         W = head.weight
     ref = _dense_ce(h, W, y, softcap=30.0)
     for reduction, expect in (("none", ref), ("sum", ref.sum()), ("mean", ref.mean())):
@@ -409,8 +475,8 @@ def test_nn_heads(make):
 
 
 def test_mean_skips_ignored_tokens():
-    h = mx.random.normal((6, 8))
-    w = mx.random.normal((12, 8))
+    h = bf16_exact(mx.random.normal((6, 8)))
+    w = bf16_exact(mx.random.normal((12, 8)))
     y = mx.array([1, -100, 3, 4, -100, 5])
     keep = np.array(y) != -100
     ref = _dense_ce(h[mx.array(np.where(keep)[0])], w, y[mx.array(np.where(keep)[0])]).mean()
@@ -485,8 +551,14 @@ def test_fused_backward_matches_recompute(dtype, quant, softcap):
     # Both are fp32 sums over V of the same terms in another order (error up to
     # (V + H) u of the largest term), each rounded once to the output dtype: they
     # may differ by two output roundings.
+    # On the GPU each also rounds its dS (or P) to the operand type once.
     ref = np.abs(to64(plain))
     tol = 2 * UNIT[dtype] * ref + (700 + 64) * U32 * ref.max()
+    if quant is None:
+        tol = tol + grad_slack(h, w, y, g, g_lse, softcap)
+    else:
+        W = mx.dequantize(w, s, b, group_size=quant[0], bits=quant[1])
+        tol = tol + grad_slack(h, W, y, g, g_lse, softcap)
     np.testing.assert_array_less(np.abs(to64(fused) - to64(plain)), tol + 1e-12)
     assert not to64(fused)[4].any()
 
@@ -502,6 +574,16 @@ def test_backend_routing():
     if not fc._ext.has_gpu_kernels():
         with pytest.raises(ValueError, match="has no flash-CCE kernel"):
             ops._use_native("native", gpu)
+
+
+def test_backend_from_environment(monkeypatch):
+    h, w, y = make_inputs(4, 16, 30)
+    monkeypatch.setenv("FLASH_CCE_BACKEND", "fallback")
+    assert not fc.ops._use_native(None, mx.cpu)
+    assert fc.ops._use_native("native", mx.cpu)  # an explicit backend wins
+    monkeypatch.setenv("FLASH_CCE_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FLASH_CCE_BACKEND"):
+        fc.flash_cce_forward(h, w, y)
 
 
 def test_explicit_cpu_stream():

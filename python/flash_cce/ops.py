@@ -1,4 +1,10 @@
-"""The flash-CCE head ops: validation, backend choice, and the two primitives."""
+"""The flash-CCE head ops: validation, backend choice, and the two primitives.
+
+The backend of a call that names none comes from the environment variable
+FLASH_CCE_BACKEND ("auto", "native" or "fallback"; unset means "auto").
+"""
+
+import os
 
 import mlx.core as mx
 
@@ -22,6 +28,11 @@ def has_native_kernel(device=None):
 
 
 def _use_native(backend, stream):
+    if backend is None:
+        backend = os.environ.get("FLASH_CCE_BACKEND") or None
+        if backend not in _BACKENDS:
+            raise ValueError(
+                f"FLASH_CCE_BACKEND must be one of {_BACKENDS[1:]}, got {backend!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS[1:]}, got {backend!r}")
     if backend == "fallback":
