@@ -7,7 +7,7 @@ from mlx_lm.models import base, gemma3_text
 from mlx_lm.models.base import create_causal_mask
 
 import flash_cce.attention as attn
-from flash_cce.attention import attention, routed
+from flash_cce.attention import WindowMask, attention, routed, spans, window_mask
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
@@ -108,6 +108,120 @@ def test_block_larger_than_queries_and_errors():
         ObjectiveConfig(attention_block=-1).validate()
 
 
+# (batch, query heads, KV heads, queries, keys, window, block): sliding windows.
+WINDOWS = {
+    "window_lt_block": (1, 2, 1, 40, 40, 5, 16),
+    "window_gt_block": (2, 4, 2, 45, 45, 20, 8),  # GQA, 20 = 2.5 blocks
+    "window_multiple_of_block": (1, 4, 4, 48, 48, 16, 8),
+    "window_continuation": (2, 4, 1, 19, 60, 7, 8),  # queries at positions 41..59
+    "window_continuation_gt_block": (1, 4, 2, 30, 70, 25, 8),
+    "window_covers_all_keys": (1, 2, 1, 20, 30, 40, 8),  # nothing to skip
+}
+
+
+def _window_inputs(case, seed=0):
+    b, hq, hkv, lq, lk, w, block = WINDOWS[case]
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))
+    d = 16
+    q, k, v, c = normal(b, hq, lq, d), normal(b, hkv, lk, d), normal(b, hkv, lk, d), normal(b, hq, lq, d)
+    return q, k, v, c, lq, lk, w, block
+
+
+@pytest.mark.parametrize("case", sorted(WINDOWS))
+def test_window_restriction_is_exact(case):
+    """Blocks that compute only their window's keys give what blocks over every
+    key give (the same mask as a plain array) and the textbook attention."""
+    q, k, v, c, lq, lk, w, block = _window_inputs(case)
+    plain = create_causal_mask(lq, lk - lq, window_size=w)  # a plain array: every key
+    tagged = window_mask(lq, lk - lq, w)
+    assert isinstance(tagged, WindowMask) and mx.array_equal(tagged, plain)
+    full = _value_and_grads(lambda q, k, v: attention(q, k, v, scale=0.3, mask=plain, block=block), q, k, v, c)
+    want = _value_and_grads(lambda q, k, v: composed(q, k, v, 0.3, plain), q, k, v, c)
+    for mask, window in ((tagged, None), ("causal", w), (plain, w)):
+        got = _value_and_grads(
+            lambda q, k, v: attention(q, k, v, scale=0.3, mask=mask, block=block, window=window),
+            q, k, v, c,
+        )
+        # The restricted and the unrestricted blocks add the same nonzero terms (a
+        # masked score's exp is exactly 0), only over shorter rows: measured equal
+        # bit for bit on the CPU; 2e-6 (~17 float32 epsilons) leaves room for
+        # reductions grouped by row length. Against the textbook attention the
+        # bound of test_float32_equals_composed holds (measured <= 4.5e-7).
+        for name, g, f, x in zip(("out", "dq", "dk", "dv"), got, full, want):
+            assert _rel_err(g, f) <= 2e-6, (name, window, _rel_err(g, f))
+            assert _rel_err(g, x) <= 2e-5, (name, window, _rel_err(g, x))
+
+
+@pytest.mark.parametrize("additive", (False, True))
+def test_window_with_other_masks(additive):
+    """`window` adds its band to any mask: None, boolean or additive arrays."""
+    q, k, v, c, lq, lk, w, block = _window_inputs("window_continuation_gt_block")
+    rng = np.random.default_rng(3)
+    if additive:
+        mask = mx.array(rng.standard_normal((1, 4, lq, lk)).astype(np.float32))
+    else:  # random, but every row keeps its own key so no row is fully masked
+        mask = mx.array(rng.random((1, 1, lq, lk)) < 0.5) | create_causal_mask(lq, lk - lq, window_size=1)
+    band = create_causal_mask(lq, lk - lq, window_size=w) | (mx.arange(lk)[None] > mx.arange(lk - lq, lk)[:, None])
+    both = mx.where(band, mask, -mx.inf) if additive else mask & band
+    for m in (mask, None):
+        ref = both if m is not None else band
+        got = _value_and_grads(lambda q, k, v: attention(q, k, v, scale=0.3, mask=m, block=block, window=w), q, k, v, c)
+        want = _value_and_grads(lambda q, k, v: composed(q, k, v, 0.3, ref), q, k, v, c)
+        for name, g, x in zip(("out", "dq", "dk", "dv"), got, want):
+            assert _rel_err(g, x) <= 2e-5, (name, m is None, _rel_err(g, x))
+
+
+def test_window_mask_only_where_it_fits():
+    """A WindowMask for another shape or offset is used as a plain array (all keys)."""
+    q, k, v, c, lq, lk, w, block = _window_inputs("window_continuation")
+    seen = []
+    real = attn._scores
+    try:
+        attn._scores = lambda qb, kb, m: seen.append(kb.shape[-2]) or real(qb, kb, m)
+        wrong = window_mask(lq, lk - lq, w)
+        wrong.offset = lk - lq - 1  # says another offset than the call's
+        attention(q, k, v, scale=0.3, mask=wrong, block=block)
+        assert set(seen) == {lk}
+        seen.clear()
+        attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block)
+        assert max(seen) <= w + block - 1
+    finally:
+        attn._scores = real
+    with pytest.raises(ValueError, match="window"):
+        attention(q, k, v, scale=0.3, window=0)
+
+
+def test_window_key_columns():
+    """The work saved, counted: the key columns of the scores the blocks compute
+    (forward and backward) at model A/B's window 512 and block 512 on 8192 tokens.
+    Each block sees at most window + block - 1 keys, whatever the length."""
+    n, w, block = 8192, 512, 512
+    windowed = spans(n, n, block, "causal", w)
+    causal = spans(n, n, block, "causal")
+    assert all(k1 - k0 <= w + block - 1 for _, _, k0, k1 in windowed)
+    cols = lambda s: sum((b1 - b0) * (k1 - k0) for b0, b1, k0, k1 in s)
+    # 16 blocks of 512 queries over 512, then 15 x 1023 keys, against 512 x
+    # (1 + 2 + ... + 16) for causal blocks over every earlier key: 4.4x fewer
+    # (and the gap grows with the length: the windowed count is linear in it).
+    assert cols(windowed) == 512 * (512 + 15 * 1023)
+    assert cols(causal) == 512 * 512 * 136
+    assert cols(causal) / cols(windowed) > 4.3
+
+    # The same count from the computation itself (small sizes: 8 blocks of 8).
+    q, k, v, c, *_ = _window_inputs("window_lt_block")
+    seen = []
+    real = attn._scores
+    try:
+        attn._scores = lambda qb, kb, m: seen.append(kb.shape[-2]) or real(qb, kb, m)
+        mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8) * c).sum())(q))
+    finally:
+        attn._scores = real
+    expect = [k1 - k0 for *_, k0, k1 in spans(40, 40, 8, "causal", 5)]
+    assert seen == expect * 2  # forward, then backward
+    assert expect == [8, 12, 12, 12, 12]
+
+
 def _grad_peak(fn, n, heads=4, d=16):
     rng = np.random.default_rng(1)
     q, c = (mx.array(rng.standard_normal((1, heads, n, d)).astype(np.float32)) for _ in range(2))
@@ -142,6 +256,25 @@ def test_gradient_memory_grows_linearly():
     assert p2 > 4 * b2, (p2, b2)
 
 
+def test_window_gradient_memory_independent_of_keys():
+    """With a window the gradient keeps a few [1, 4, 128, window + 127] block
+    scores, whatever the length, plus q/k/v-sized arrays: from 2048 to 4096 tokens
+    its peak grows by a few q-sized arrays (measured ~5 of 4096 x 64 floats);
+    blocks over every earlier key grow by their scores (measured ~69)."""
+    w, block = 64, 128
+    windowed = lambda q, k, v: attention(q, k, v, scale=0.25, mask=window_mask(q.shape[2], 0, w), block=block)
+    causal = lambda q, k, v: attention(q, k, v, scale=0.25, mask="causal", block=block)
+    w2, w4 = _grad_peak(windowed, 2048), _grad_peak(windowed, 4096)
+    c4 = _grad_peak(causal, 4096)
+    q_bytes = lambda n: 4 * n * 16 * 4
+    assert w4 - w2 <= 8 * (q_bytes(4096) - q_bytes(2048)), (w2, w4)
+    window_scores = 4 * block * (w + block - 1) * 4
+    # measured 7.3 MB at 4096 against this bound's 14.6 MB; the causal blocks: 69 MB
+    bound = 8 * q_bytes(4096) + 16 * window_scores
+    assert w4 <= bound, (w4, bound)
+    assert c4 > 2 * bound, (c4, bound)  # the measurement tells them apart
+
+
 # The blocked backward forms softmax's row sum as rowsum(dO * O) instead of
 # rowsum(P * dP); the softmax gradient P * (dP - rowsum) then cancels two nearly
 # equal numbers, so the two roundings differ by more than in a plain reordering,
@@ -157,7 +290,7 @@ def test_objective_with_blocked_attention_equals_mlx_attention(arch, monkeypatch
     counted = attn.attention
 
     def counting(*args, **kw):
-        calls.append(args[0].shape)
+        calls.append(isinstance(kw.get("mask"), attn.WindowMask))
         return counted(*args, **kw)
 
     monkeypatch.setattr(attn, "attention", counting)
@@ -172,6 +305,8 @@ def test_objective_with_blocked_attention_equals_mlx_attention(arch, monkeypatch
             # Block 3 < every query count here (>= 4): every layer is routed.
             got = value_and_grad(model, pairs, ObjectiveConfig(attention_block=3, **kw))
             assert len(calls) >= len(model.layers), kw
+            # Sliding layers (window 4, prompts longer) skip keys outside it.
+            assert any(calls) == (arch in ("gemma3_text", "gemma4_text")), kw
             calls.clear()
             assert abs(got[0].item() - plain[0].item()) <= REL * abs(plain[0].item()) + ABS
             diff, scale = max_diff(got[1], plain[1])

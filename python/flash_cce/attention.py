@@ -9,6 +9,10 @@ block's scores at a time from q, k, v, the output and the logsumexp, the way
 flash attention does. So at most one block's `[B, heads, block, Lk]` scores and
 their gradient are alive at once.
 
+Sliding-window layers: a query at position p sees only keys p - window + 1 .. p,
+so with `window` each block computes scores over those keys only (at most
+`window + block - 1` of them) instead of all keys; see `attention` and `WindowMask`.
+
 `routed(model, block)` sends a model's attention calls through `attention` while
 it is active (see `objectives.value_and_grad`).
 """
@@ -16,6 +20,7 @@ it is active (see `objectives.value_and_grad`).
 import sys
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
 
 # Queries per block. Larger blocks mean fewer, larger matmuls; the gradient's
 # extra memory is that of about 8 float32 block-score arrays [B, heads, block, Lk]
@@ -41,21 +46,31 @@ def _mask5(mask, heads, groups):
     return mask[:, :, None]
 
 
-def _key_end(mask, lq, lk, b1):
-    """Keys past this index are masked for every query before `b1` (causal)."""
-    if isinstance(mask, str):
-        return min(lk, b1 + lk - lq)
-    return lk
-
-
-def _block_mask(mask, lq, lk, b0, b1, kend):
-    if mask is None:
-        return None
-    if isinstance(mask, str):  # "causal", aligned at the last key as in MLX
-        q = mx.arange(b0 + lk - lq, b1 + lk - lq)
-        return q[:, None] >= mx.arange(kend)[None]
+def _block_mask(mask, window, lq, lk, b0, b1, k0, k1):
+    """The mask of queries [b0, b1) over keys [k0, k1): boolean (True: attend),
+    additive, or None. `window` adds the band "key > position - window"."""
+    off = lk - lq
+    # Key positions; the band is needed only where some query of the block sees
+    # fewer keys than [k0, k1) (its first visible key lies past k0).
+    band = window is not None and b1 - 1 + off - window + 1 > k0
+    causal = isinstance(mask, str)  # "causal", aligned at the last key as in MLX
+    if not (causal or band):
+        if mask is None:
+            return None
+        rows = mask[..., b0:b1, :] if mask.shape[-2] == lq else mask
+        return rows[..., k0:k1] if mask.shape[-1] == lk else rows
+    q = mx.arange(b0 + off, b1 + off)[:, None]
+    k = mx.arange(k0, k1)[None]
+    m = q >= k if causal else None
+    if band:
+        m = (q - k < window) if m is None else m & (q - k < window)
+    if mask is None or causal:
+        return m
     rows = mask[..., b0:b1, :] if mask.shape[-2] == lq else mask
-    return rows[..., :kend]
+    rows = rows[..., k0:k1] if mask.shape[-1] == lk else rows
+    if rows.dtype == mx.bool_:
+        return rows & m
+    return mx.where(m, rows.astype(mx.float32), _NEG)
 
 
 def _scores(qb, k, m):
@@ -68,37 +83,51 @@ def _scores(qb, k, m):
     return s + m.astype(mx.float32)
 
 
-def _blocks(lq, block):
-    return [(b0, min(lq, b0 + block)) for b0 in range(0, lq, block)]
+def spans(lq, lk, block, mask=None, window=None):
+    """`(b0, b1, k0, k1)` per block: queries [b0, b1) and the keys [k0, k1) whose
+    scores the block computes. Keys outside are masked for every query of the
+    block: past the last query's position (causal) or at or before the first
+    query's position minus `window`."""
+    off = lk - lq
+    out = []
+    for b0 in range(0, lq, block):
+        b1 = min(lq, b0 + block)
+        k1 = min(lk, max(1, b1 + off)) if isinstance(mask, str) else lk
+        k0 = 0 if window is None else min(k1 - 1, max(0, b0 + off - window + 1))
+        out.append((b0, b1, k0, k1))
+    return out
 
 
-def _forward(q, k, v, mask, scale, block):
+def _forward(q, k, v, mask, window, scale, block):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
     qs = _grouped(q * scale, groups)
     k5, v5 = k[:, :, None], v[:, :, None]
     outs, lses = [], []
-    for b0, b1 in _blocks(lq, block):
+    for b0, b1, k0, k1 in spans(lq, lk, block, mask, window):
         qb = qs[:, :, :, b0:b1]
         if outs:  # one block at a time: the next starts after the last is done
             qb = mx.depends(qb, outs[-1])
-        kend = _key_end(mask, lq, lk, b1)
-        s = _scores(qb, k5[:, :, :, :kend], _block_mask(mask, lq, lk, b0, b1, kend))
+        m = _block_mask(mask, window, lq, lk, b0, b1, k0, k1)
+        s = _scores(qb, k5[:, :, :, k0:k1], m)
         lse = mx.logsumexp(s, axis=-1, keepdims=True)
         p = mx.exp(s - lse).astype(v.dtype)
-        outs.append(p @ v5[:, :, :, :kend])
+        outs.append(p @ v5[:, :, :, k0:k1])
         lses.append(lse)
     o = mx.concatenate(outs, axis=3).reshape(b, heads, lq, v.shape[-1])
     return o, mx.concatenate(lses, axis=3)
 
 
-def _pad_keys(x, lk):
-    """Zero rows for the keys a block skipped, so the block adds into `[.., Lk, D]`."""
+def _add_keys(acc, x, k0):
+    """`acc[:, :, k0:k0 + n] += x`: a block's gradient for the keys it saw."""
     n = x.shape[2]
-    return x if n == lk else mx.pad(x, [(0, 0), (0, 0), (0, lk - n), (0, 0)])
+    if n == acc.shape[2]:
+        return acc + x
+    part = acc[:, :, k0:k0 + n] + x
+    return mx.slice_update(acc, part, mx.array([k0]), (2,))
 
 
-def _backward(q, k, v, mask, scale, block, o, lse, do):
+def _backward(q, k, v, mask, window, scale, block, o, lse, do):
     b, heads, lq, d = q.shape
     groups, lk = k.shape[1], k.shape[2]
     g = heads // groups
@@ -109,56 +138,100 @@ def _backward(q, k, v, mask, scale, block, o, lse, do):
     dk = mx.zeros(k.shape, mx.float32)
     dv = mx.zeros(v.shape, mx.float32)
     dqs = []
-    for b0, b1 in _blocks(lq, block):
-        n = b1 - b0
+    for b0, b1, k0, k1 in spans(lq, lk, block, mask, window):
+        n, kn = b1 - b0, k1 - k0
         qb, dob = qs[:, :, :, b0:b1], do5[:, :, :, b0:b1]
         if dqs:  # one block at a time, or the evaluation may keep every block alive
             qb = mx.depends(qb, [dqs[-1], dk, dv])
-        kend = _key_end(mask, lq, lk, b1)
-        kb, vb = k5[:, :, :, :kend], v5[:, :, :, :kend]
-        s = _scores(qb, kb, _block_mask(mask, lq, lk, b0, b1, kend))
+        kb, vb = k5[:, :, :, k0:k1], v5[:, :, :, k0:k1]
+        s = _scores(qb, kb, _block_mask(mask, window, lq, lk, b0, b1, k0, k1))
         p = mx.exp(s - lse[:, :, :, b0:b1])
         dp = (dob @ vb.swapaxes(-1, -2)).astype(mx.float32)
         ds = (p * (dp - delta[:, :, :, b0:b1])).astype(q.dtype)
         dqs.append(ds @ kb)
         # The query heads of one KV head share its keys: sum over them in the matmul.
-        p2 = p.astype(q.dtype).reshape(b, groups, g * n, kend).swapaxes(-1, -2)
-        ds2 = ds.reshape(b, groups, g * n, kend).swapaxes(-1, -2)
-        dv = dv + _pad_keys(p2 @ dob.reshape(b, groups, g * n, -1), lk)
-        dk = dk + _pad_keys(ds2 @ qb.reshape(b, groups, g * n, d), lk)
+        p2 = p.astype(q.dtype).reshape(b, groups, g * n, kn).swapaxes(-1, -2)
+        ds2 = ds.reshape(b, groups, g * n, kn).swapaxes(-1, -2)
+        dv = _add_keys(dv, p2 @ dob.reshape(b, groups, g * n, -1), k0)
+        dk = _add_keys(dk, ds2 @ qb.reshape(b, groups, g * n, d), k0)
     dq = mx.concatenate(dqs, axis=3).reshape(b, heads, lq, d) * scale
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK):
+def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
     """`mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)` in
     blocks of `block` queries, with a gradient that recomputes the scores.
 
     q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (Hq a multiple of Hkv); mask None,
     "causal" (query i sees keys up to i + Lk - Lq) or an array broadcastable to
     `[B, Hq, Lq, Lk]`, boolean (True: attend) or additive. The mask gets no gradient.
+    `window` (optional) masks in addition every key at or before the query's
+    position (i + Lk - Lq) minus `window`, as mlx-lm's sliding-window masks do:
+    `mask="causal", window=w` is `mask=create_causal_mask(Lq, Lk - Lq, window_size=w)`,
+    and each block then computes the scores of at most `w + block - 1` keys. A
+    `WindowMask` mask (`window_mask`) is taken that way.
     Scores and softmax are float32 whatever the input dtype; the matmuls run in it.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k.shape[1]}")
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be None or >= 1, got {window}")
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"mask: unknown {mask!r}")
+    if window is None:
+        mask, window = _as_window(mask, q.shape[2], k.shape[2])
     if isinstance(mask, mx.array):
         mask = _mask5(mask, q.shape[1], k.shape[1])
 
     @mx.custom_function
     def fn(q, k, v):
-        return _forward(q, k, v, mask, scale, block)
+        return _forward(q, k, v, mask, window, scale, block)
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         q, k, v = primals
         o, lse = outputs
-        return _backward(q, k, v, mask, scale, block, o, lse, cotangents[0])
+        return _backward(q, k, v, mask, window, scale, block, o, lse, cotangents[0])
 
     return fn(q, k, v)[0]
+
+
+class WindowMask(mx.array):
+    """mlx-lm's sliding-window causal mask that also says how it was built.
+
+    An ordinary boolean array (mlx-lm's layers and attention use it as such) with
+    `offset` and `window`: `create_causal_mask(n, offset, window_size=window)`.
+    `attention` takes such a mask as `mask="causal", window=window`, which is the
+    same mask, so each block skips the keys outside its window.
+
+    Why not read the key range off the mask array itself: that needs its values
+    on the host (an evaluation per layer call, and none at all inside
+    `mx.compile`); the window is known in Python where the mask is built, and
+    carrying it costs nothing. A mask that is not a `WindowMask` (or whose shape
+    does not match the call) keeps every key, so this is exact by construction.
+    """
+
+
+def window_mask(n, offset, window):
+    """`create_causal_mask(n, offset, window_size=window)` as a `WindowMask`."""
+    m = WindowMask(create_causal_mask(n, offset, window_size=window))
+    m.offset, m.window = offset, window
+    return m
+
+
+def _as_window(mask, lq, lk):
+    """`("causal", window)` for a `WindowMask` built for `lq` queries over `lk`
+    keys; `(mask, None)` for anything else."""
+    if (
+        isinstance(mask, WindowMask)
+        and tuple(mask.shape) == (lq, lk)
+        and getattr(mask, "offset", None) == lk - lq
+        and getattr(mask, "window", None)
+    ):
+        return "causal", mask.window
+    return mask, None
 
 
 class routed:
@@ -167,8 +240,10 @@ class routed:
 
     mlx-lm's attention modules call the `scaled_dot_product_attention` their
     module imported from `mlx_lm.models.base`; that name is swapped for the
-    duration and restored after. Calls it cannot serve the same way (quantized KV
-    caches, attention sinks) and short ones go to the original. `block=0` does nothing.
+    duration and restored after. Sliding-window layers get a `WindowMask` (see
+    `lm.attention_mask`), so they compute only the scores inside their window.
+    Calls it cannot serve the same way (quantized KV caches, attention
+    sinks) and short ones go to the original. `block=0` does nothing.
     """
 
     def __init__(self, model, block):

@@ -9,7 +9,8 @@ update in mlx-lm changes nothing here unless the loop itself changes.
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_causal_mask
+
+from .attention import window_mask
 
 SUPPORTED = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 
@@ -20,10 +21,11 @@ def model_type(model):
 
 
 def attention_mask(n, offset, window):
-    """Mask for `n` queries at positions offset.. over `offset + n` keys (mlx-lm's)."""
+    """Mask for `n` queries at positions offset.. over `offset + n` keys (mlx-lm's;
+    a sliding window's is a `WindowMask`, which the blocked attention can skip by)."""
     if window is None or offset + n <= window:
         return "causal" if n > 1 else None
-    return create_causal_mask(n, offset, window_size=window)
+    return window_mask(n, offset, window)
 
 
 class LM:
