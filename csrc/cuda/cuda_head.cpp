@@ -234,6 +234,17 @@ void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scale
   }
 }
 
+// The encoder of s with its device current; fills p's device pointers and
+// allocates the outputs.
+mx::cu::CommandEncoder& begin(mx::Stream s, HeadProblem& p, const std::vector<mx::array>& inputs,
+                              std::vector<mx::array>& outputs, size_t scales_at) {
+  auto& enc = mx::cu::get_command_encoder(s);
+  mx::cu::device(s.device).make_current();
+  set_pointers(p, inputs, scales_at);
+  alloc(outputs);
+  return enc;
+}
+
 // Multiprocessors of the device: the grid of the persistent kernels.
 int sm_count(int ordinal) {
   static std::mutex mutex;
@@ -544,11 +555,8 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
 
 void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
              std::vector<mx::array>& outputs) {
-  auto& enc = mx::cu::get_command_encoder(s);
-  mx::cu::device(s.device).make_current();
   HeadProblem p = prob;
-  set_pointers(p, inputs, 3);
-  alloc(outputs);
+  auto& enc = begin(s, p, inputs, outputs, 3);
   if (outputs.size() == 3) {
     forward_fused(s, p, inputs, outputs);
     return;
@@ -576,11 +584,8 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
 
 void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs) {
-  auto& enc = mx::cu::get_command_encoder(s);
-  mx::cu::device(s.device).make_current();
   HeadProblem p = prob;
-  set_pointers(p, inputs, 6);
-  alloc(outputs);
+  auto& enc = begin(s, p, inputs, outputs, 6);
   const bool want_dw = outputs.size() > 1;
   const auto ct = compute_dtype(p);
   const int64_t M = p.M, H = p.H, V = p.V;
@@ -641,11 +646,8 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
 
 void fused_dh(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs) {
-  auto& enc = mx::cu::get_command_encoder(s);
-  mx::cu::device(s.device).make_current();
   HeadProblem p = prob;
-  set_pointers(p, inputs, 7);
-  alloc(outputs);
+  auto& enc = begin(s, p, inputs, outputs, 7);
   FusedDhParams fp{};
   fp.w = weight(p, mx::float32); // fp32 compute type: every dense kind reads as itself
   fp.targets = p.targets;

@@ -497,6 +497,20 @@ __device__ __forceinline__ void add_row_sums(const DhParams& p, int64_t gm) {
   }
 }
 
+// The per-row factors of dS: g (0 for ignored and out-of-range targets),
+// coef = g_lse - g, and lse.
+struct DsRow {
+  int32_t y;
+  float g, coef, lse;
+};
+
+__device__ __forceinline__ DsRow ds_row(const DsParams& p, int64_t gm) {
+  const int32_t y = p.targets[gm];
+  const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
+  const float g = ok ? p.g[gm] : 0.0f;
+  return {y, g, p.g_lse[gm] - g, p.lse[gm]};
+}
+
 // One element of dS = (g onehot + (g_lse - g) softmax) dcap for raw logit s at
 // column v; coef = g_lse - g. Columns at or past V give 0.
 __device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t V, float g,
@@ -726,18 +740,14 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
     if (gm >= p.M) {
       continue;
     }
-    const int32_t y = p.targets[gm];
-    const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
-    const float g = ok ? p.g[gm] : 0.0f;
-    const float coef = p.g_lse[gm] - g;
-    const float lse = p.lse[gm];
+    const DsRow r = ds_row(p, gm);
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni) {
       float d[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        d[j] = ds_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), y, p.V, g, coef, lse, p.cap,
-                        inv_cap);
+        d[j] = ds_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), r.y, p.V, r.g, r.coef, r.lse,
+                        p.cap, inv_cap);
       }
       const int64_t c = v0 - p.v0 + f.col(ni, 0);
       if (c < p.width) {

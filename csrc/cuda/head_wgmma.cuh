@@ -363,18 +363,14 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
       if (gm >= p.M) {
         continue;
       }
-      const int32_t y = p.targets[gm];
-      const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
-      const float g = ok ? p.g[gm] : 0.0f;
-      const float coef = p.g_lse[gm] - g;
-      const float lse = p.lse[gm];
+      const DsRow r = ds_row(p, gm);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         float d[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), y, p.V, g, coef, lse,
-                          p.cap, inv_cap);
+          d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), r.y, p.V, r.g, r.coef,
+                          r.lse, p.cap, inv_cap);
         }
         const int64_t c = v0 - p.v0 + pipe.col(j, 0);
         if (c < p.width) {
