@@ -298,8 +298,8 @@ def table(rate, results):
         key = (r["M"], r["H"], r["V"], r["mode"], r["softcap"])
         rows.setdefault(key, {})[f"{r['provider']}/{r['variant']}"] = r
     lines = ["| M,H,V | mode | cap | cuBLAS logits GEMM | " + " | ".join(cols)
-             + " | ours bf16 TFLOP/s |",
-             "|" + "---|" * (len(cols) + 5)]
+             + " | ours bf16 TFLOP/s | ours bf16 / fastest peer |",
+             "|" + "---|" * (len(cols) + 6)]
     for key, row in rows.items():
         m, h, v, mode, cap = key
         cells = []
@@ -315,8 +315,10 @@ def table(rate, results):
         gemms = {"fwd": 2, "fwd_bwd": 4, "fwd_bwd_dw": 6}[mode]
         tf = (f"{gemms * m * v * h / (ours['ms'] * 1e-3) / 1e12:.0f}"
               if ours and ours["ms"] else "")
+        peers = [row[k]["ms"] for k in ("liger/bf16", "cce/bf16") if row.get(k, {}).get("ms")]
+        vs = f"{ours['ms'] / min(peers):.2f}" if ours and ours["ms"] and peers else ""
         lines.append(f"| {m},{h},{v} | {mode} | {cap or '-'} | {gemm[(m, h, v)]:.1f} | "
-                     + " | ".join(cells) + f" | {tf} |")
+                     + " | ".join(cells) + f" | {tf} | {vs} |")
     return "\n".join(lines)
 
 
