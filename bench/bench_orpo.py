@@ -17,6 +17,10 @@ Providers (each a full step: forward, backward, gradients evaluated):
   mlx-lm-lora ckpt      the same with its `grad_checkpoint` (every block checkpointed)
   seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
   block=N               flash_cce with N queries per attention block (not in the default set)
+  no_window             flash_cce with sliding-window layers computing the scores of every
+                        key, as before they skipped those outside the window (not in the
+                        default set)
+  X+Y                   switches combined, e.g. block=64+no_window
 A provider that fails (e.g. out of memory) is reported with its error.
 """
 
@@ -31,8 +35,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import gemma3_text, gemma4_text
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
+import flash_cce.lm
 from flash_cce.batch import Pair
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 
@@ -90,12 +96,23 @@ def make_pair(length, vocab, seed=0):
     return Pair(chosen, rejected, half, half)
 
 
-def ours(model, pair, **switches):
+def _plain_window_mask(n, offset, window):
+    # The mask as an ordinary array: the blocked attention computes every key.
+    return create_causal_mask(n, offset, window_size=window)
+
+
+def ours(model, pair, no_window=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
 
     def step():
-        loss, grads, metrics = value_and_grad(model, [pair], cfg)
-        mx.eval(loss, grads, metrics)
+        saved = flash_cce.lm.window_mask
+        if no_window:
+            flash_cce.lm.window_mask = _plain_window_mask
+        try:
+            loss, grads, metrics = value_and_grad(model, [pair], cfg)
+            mx.eval(loss, grads, metrics)
+        finally:
+            flash_cce.lm.window_mask = saved
 
     return step
 
@@ -128,22 +145,30 @@ def mlx_lm_lora(model, pair, checkpoint):
     return step
 
 
+SWITCHES = {
+    "flash_cce": {},
+    "no_flash_head": dict(flash_head=False),
+    "no_prefix": dict(prefix_sharing=False),
+    "no_segments": dict(segment_size=0),
+    "no_block_attn": dict(attention_block=0),
+    "no_window": dict(no_window=True),
+}
+
+
 def make_step(name, model, pair):
-    if name == "flash_cce":
-        return ours(model, pair)
-    if name == "no_flash_head":
-        return ours(model, pair, flash_head=False)
-    if name == "no_prefix":
-        return ours(model, pair, prefix_sharing=False)
-    if name == "no_segments":
-        return ours(model, pair, segment_size=0)
-    if name == "no_block_attn":
-        return ours(model, pair, attention_block=0)
-    if name.startswith("seg="):
-        return ours(model, pair, segment_size=int(name[4:]))
-    if name.startswith("block="):
-        return ours(model, pair, attention_block=int(name[6:]))
-    return mlx_lm_lora(model, pair, checkpoint=name.endswith("ckpt"))
+    if name.startswith("mlx-lm-lora"):
+        return mlx_lm_lora(model, pair, checkpoint=name.endswith("ckpt"))
+    switches = {}
+    for part in name.split("+"):
+        if part.startswith("seg="):
+            switches["segment_size"] = int(part[4:])
+        elif part.startswith("block="):
+            switches["attention_block"] = int(part[6:])
+        elif part in SWITCHES:
+            switches.update(SWITCHES[part])
+        else:
+            raise ValueError(f"provider: unknown {part!r}")
+    return ours(model, pair, **switches)
 
 
 def measure(step, repeats):
