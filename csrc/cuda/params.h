@@ -145,8 +145,8 @@ struct DwParams {
   int32_t v_tiles, out_kind;
 };
 
-// dh = g dcap_y W_y + (g_lse - g) gsum, one block per row. w: the head as
-// the loaders see it, with kind the source type (never kNative).
+// dh = g dcap_y W_y + (g_lse - g) gsum, one block per row. w: the head, dense
+// rows read as their own type (kNative only for fp32) or dequantized.
 struct FusedDhParams {
   Operand w;
   const int32_t* targets;
