@@ -188,13 +188,24 @@ __device__ __forceinline__ void wg_consume(const WgPipe& pipe, float* acc, int k
 // Registers: the producer warpgroup gives registers to the consumers, whose
 // 128 accumulators and epilogue need more than the 168 a thread gets at launch.
 // setmaxnreg.inc waits until the pool holds what it asks for, so the two
-// counts must balance: (168 - 56) x 128 = (224 - 168) x 256.
+// counts must balance: (168 - 56) x 128 = (224 - 168) x 256. A producer that
+// dequantizes (QB) keeps more: (168 - 104) x 128 = (200 - 168) x 256.
+template <int QB>
 __device__ __forceinline__ void wg_producer_regs() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+  if constexpr (QB == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
+  }
 }
 
+template <int QB>
 __device__ __forceinline__ void wg_consumer_regs() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  if constexpr (QB == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+  }
 }
 
 // A quantized head's B tile, dequantized by the 128 producer threads into the
@@ -305,7 +316,7 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
   const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<QB>();
     int s = 0, phase = 0;
     for (int vt = t_begin; vt < t_end; ++vt) {
       wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, m0, vt * WBN, 0, kt_count, s,
@@ -313,7 +324,7 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   int32_t y[2];
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
@@ -494,7 +505,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<QB>();
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const int mt = t / v_tiles, vl = t % v_tiles;
       wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, mt * WBM, (vt0 + vl) * WBN, 0,
@@ -502,7 +513,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   float acc[128];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int mt = t / v_tiles, vl = t % v_tiles;
@@ -532,7 +543,7 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<QB>();
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       wg_produce<T, QB, true>(pipe, &P.a_map, &P.b_map, p.w, (t % p.m_tiles) * WBM,
                               (t / p.m_tiles) * WBN, static_cast<int>(P.v0), kt_count, s,
@@ -540,7 +551,7 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   float acc[128];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int m0 = (t % p.m_tiles) * WBM, n0 = (t / p.m_tiles) * WBN;
@@ -583,13 +594,13 @@ __device__ __forceinline__ void dw_wg_body(const WgDwParams& P) {
   const int kt_count = static_cast<int>((p.M + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<0>();
     if (pipe.tid == 0) {
       wg_produce_tile<true, true>(pipe, &P.a_map, &P.b_map, r0, n0, 0, kt_count, s, phase);
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<0>();
   float acc[128];
   wg_consume<T, true, true>(pipe, acc, kt_count, s, phase);
 #pragma unroll
