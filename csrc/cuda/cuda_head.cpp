@@ -190,18 +190,26 @@ struct Launch {
   }
 };
 
-// The Hopper path takes a 16-bit h and a dense W of the same type, both with
-// 16-byte rows. Quantized heads use the mma.sync kernels, whose loaders
-// dequantize (see the CUDA section of the README for the measurements).
+// The Hopper path takes a 16-bit h with 16-byte rows and either a dense W of
+// the same type or a 4- or 8-bit one (dequantized by the producer warpgroup).
+// Other heads use the mma.sync kernels.
 bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
   // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
   const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
   const bool off = env && env[0] == '1';
   const auto& dev = mx::cu::device(s.device);
-  return !off && dev.compute_capability_major() == 9 && !p.cfg.quantized &&
-      p.w_dtype == p.h_dtype && (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) &&
-      p.H % 8 == 0 && reinterpret_cast<uintptr_t>(p.h) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+  const bool weight_ok = p.cfg.quantized
+      ? (p.cfg.bits == 4 || p.cfg.bits == 8)
+      : p.w_dtype == p.h_dtype && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+  return !off && dev.compute_capability_major() == 9 && weight_ok &&
+      (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(p.h) % 16 == 0;
+}
+
+// Suffix of a Hopper GEMM kernel: compute type and how B reaches shared memory.
+std::string wg_variant(const HeadProblem& p) {
+  std::string t = use_f16(p) ? "f16" : "bf16";
+  return t + (p.cfg.quantized ? "_q" + std::to_string(p.cfg.bits) : "_dense");
 }
 
 // TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
@@ -317,9 +325,11 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   if (wg) {
     WgFwdParams wp{};
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
-    wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+    if (!p.cfg.quantized) {
+      wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+    }
     wp.p = fp;
-    launch("fcce_fwd_wg_" + std::string(use_f16(p) ? "f16" : "bf16"),
+    launch("fcce_fwd_wg_" + wg_variant(p),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
     launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
@@ -366,7 +376,6 @@ class ChunkPasses {
     wg_ = use_wgmma(s, p);
     sms_ = sm_count(s.device.index);
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
-    t_ = use_f16(p) ? "f16" : "bf16";
 
     ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
     ds_.w = weight(p, ct);
@@ -388,8 +397,10 @@ class ChunkPasses {
     dh_.m_tiles = m_tiles_;
     if (wg_) {
       wg_ds_.h_map = tensor_map(p.h, p.h_dtype, M_, p.H, kWgTileM);
-      wg_ds_.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
-      wg_dh_.b_map = tensor_map(p.w, p.w_dtype, p.V, p.H, 64);
+      if (!p.cfg.quantized) {  // else the producers dequantize W
+        wg_ds_.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
+        wg_dh_.b_map = tensor_map(p.w, p.w_dtype, p.V, p.H, 64);
+      }
     }
   }
 
@@ -415,7 +426,7 @@ class ChunkPasses {
     }
     if (wg_) {
       wg_ds_.p = ds_;
-      launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + t_, std::min<int64_t>(m_tiles_ * tiles(width), sms_),
+      launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + wg_variant(p_), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
               kWgSmemBytes, wg_ds_, kWgThreads);
     } else {
       launch_("fcce_ds_" + variant(p_), m_tiles_ * tiles(width), kSmemBytes, ds_);
@@ -444,7 +455,7 @@ class ChunkPasses {
       wg_dh_.p = dh_;
       wg_dh_.v0 = v0;
       wg_dh_.width = width;
-      launch_("fcce_dh_wg_" + t_, std::min<int64_t>(m_tiles_ * cdiv(p_.H, kWgTileN), sms_),
+      launch_("fcce_dh_wg_" + wg_variant(p_), std::min<int64_t>(m_tiles_ * cdiv(p_.H, kWgTileN), sms_),
               kWgSmemBytes, wg_dh_, kWgThreads);
     } else {
       launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
@@ -462,7 +473,6 @@ class ChunkPasses {
   int64_t M_ = 0, chunk_ = 0;
   int m_tiles_ = 0, sms_ = 0;
   bool wg_ = false;
-  std::string t_;
   DsParams ds_{};
   DhParams dh_{};
   WgDsParams wg_ds_{};

@@ -945,23 +945,30 @@ extern "C" __global__ void fcce_row_max(RowMaxParams p) {
 FCCE_ALL_WEIGHTS(bf16, __nv_bfloat16)
 FCCE_ALL_WEIGHTS(f16, __half)
 
+// Hopper kernels: QNAME dense (TMA for both operands) or q4/q8 (B dequantized
+// by the producer warpgroup).
+#define FCCE_WG_GEMM_KERNELS(TNAME, T, QNAME, QB)                                     \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_fwd_wg_##TNAME##_##QNAME(const __grid_constant__ WgFwdParams p) {          \
+    fwd_wg_body<T, QB>(p);                                                            \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_ds_wg_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {            \
+    ds_wg_body<T, false, QB>(p);                                                      \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_p_wg_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {             \
+    ds_wg_body<T, true, QB>(p);                                                       \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_dh_wg_##TNAME##_##QNAME(const __grid_constant__ WgDhParams p) {            \
+    dh_wg_body<T, QB>(p);                                                             \
+  }
+
 #define FCCE_WG_KERNELS(TNAME, T)                                                     \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_fwd_wg_##TNAME(const __grid_constant__ WgFwdParams p) {                    \
-    fwd_wg_body<T>(p);                                                                \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_ds_wg_##TNAME(const __grid_constant__ WgDsParams p) {                      \
-    ds_wg_body<T, false>(p);                                                          \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_p_wg_##TNAME(const __grid_constant__ WgDsParams p) {                       \
-    ds_wg_body<T, true>(p);                                                           \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_dh_wg_##TNAME(const __grid_constant__ WgDhParams p) {                      \
-    dh_wg_body<T>(p);                                                                 \
-  }                                                                                   \
+  FCCE_WG_GEMM_KERNELS(TNAME, T, dense, 0)                                            \
+  FCCE_WG_GEMM_KERNELS(TNAME, T, q4, 4)                                               \
+  FCCE_WG_GEMM_KERNELS(TNAME, T, q8, 8)                                               \
   extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
       fcce_dw_wg_##TNAME(const __grid_constant__ WgDwParams p) {                      \
     dw_wg_body<T>(p);                                                                 \

@@ -97,8 +97,10 @@ struct WgPipe {
   }
 };
 
+// full_arrivals: 1 (the TMA thread's expect_tx) plus, for a quantized head,
+// one per producer thread that writes dequantized weights.
 __device__ __forceinline__ WgPipe wg_setup(unsigned char* smem_raw, uint64_t* full,
-                                           uint64_t* empty) {
+                                           uint64_t* empty, int full_arrivals = 1) {
   WgPipe pipe;
   const uintptr_t addr = reinterpret_cast<uintptr_t>(smem_raw);
   pipe.base = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -109,7 +111,7 @@ __device__ __forceinline__ WgPipe wg_setup(unsigned char* smem_raw, uint64_t* fu
   pipe.tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < WST; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], full_arrivals);
       mbar_init(&empty[s], 8); // one arrival per consumer warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -186,41 +188,143 @@ __device__ __forceinline__ void wg_consume(const WgPipe& pipe, float* acc, int k
 // Registers: the producer warpgroup gives registers to the consumers, whose
 // 128 accumulators and epilogue need more than the 168 a thread gets at launch.
 // setmaxnreg.inc waits until the pool holds what it asks for, so the two
-// counts must balance: (168 - 56) x 128 = (224 - 168) x 256.
+// counts must balance: (168 - 56) x 128 = (224 - 168) x 256. A producer that
+// dequantizes (QB) keeps more: (168 - 104) x 128 = (200 - 168) x 256.
+template <int QB>
 __device__ __forceinline__ void wg_producer_regs() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+  if constexpr (QB == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
+  }
 }
 
+template <int QB>
 __device__ __forceinline__ void wg_consumer_regs() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  if constexpr (QB == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+  }
+}
+
+// A quantized head's B tile, dequantized by the 128 producer threads into the
+// layout TMA writes: R rows of W from row r0, NB blocks of 64 columns from
+// column c0, the 16-byte chunk c of row r of block b at
+// b * R * 128 + r * 128 + ((c ^ (r & 7)) << 4) (the 128-byte swizzle).
+// Rows past V and columns past H are zeros.
+template <class T, int QB, int R, int NB>
+__device__ __forceinline__ void dequant_tile(const Operand& w, int64_t r0, int64_t c0,
+                                             unsigned char* dst, int tid) {
+  constexpr int kChunks = R * NB * 8 / 128;
+  const int64_t row_words = w.cols * QB / 32, groups = w.cols / w.group_size;
+#pragma unroll 4
+  for (int i = 0; i < kChunks; ++i) {
+    const int q = tid + i * 128;
+    const int r = q / (NB * 8), b = (q % (NB * 8)) / 8, c = q % 8;
+    const int64_t row = r0 + r, col = c0 + b * 64 + c * 8;
+    uint4 out = make_uint4(0, 0, 0, 0);
+    if (row < w.rows && col < w.cols) {
+      const uint32_t* src =
+          static_cast<const uint32_t*>(w.ptr) + row * row_words + col * QB / 32;
+      const int64_t g = row * groups + col / w.group_size;
+      const float scale = load_as_float(w.scales, w.sb_kind, g);
+      const float bias = load_as_float(w.biases, w.sb_kind, g);
+      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+      if constexpr (QB == 4) {
+        const uint32_t v = __ldg(src);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          o[j] = pack2<T>(fmaf(scale, float((v >> (8 * j)) & 0xf), bias),
+                          fmaf(scale, float((v >> (8 * j + 4)) & 0xf), bias));
+        }
+      } else {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = j < 2 ? v.x : v.y;
+          const int sh = (j & 1) * 16;
+          o[j] = pack2<T>(fmaf(scale, float((word >> sh) & 0xff), bias),
+                          fmaf(scale, float((word >> (sh + 8)) & 0xff), bias));
+        }
+      }
+    }
+    *reinterpret_cast<uint4*>(dst + b * (R * 128) + r * 128 + ((c ^ (r & 7)) << 4)) = out;
+  }
+}
+
+// Producer of one output tile whose B operand is a quantized W: thread 0
+// streams A with TMA, all 128 producer threads dequantize B, make their
+// shared-memory writes visible to the tensor cores' (async) proxy and arrive.
+// TB: B is W read as [k = v][n = h] (the dh GEMM), else [n = v][k = h].
+template <class T, int QB, bool TB>
+__device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUtensorMap* a_map,
+                                                  const Operand& w, int a0, int b0, int k_row0,
+                                                  int kt_count, int& s, int& phase) {
+  for (int kt = 0; kt < kt_count; ++kt) {
+    mbar_wait(&pipe.empty[s], phase ^ 1);
+    if (pipe.tid == 0) {
+      mbar_expect_tx(&pipe.full[s], kWgABytes);
+      tma_load(pipe.a(s), a_map, &pipe.full[s], kt * WBK, a0);
+    }
+    if constexpr (TB) {
+      dequant_tile<T, QB, WBK, WBN / 64>(w, k_row0 + kt * WBK, b0, pipe.b(s), pipe.tid);
+    } else {
+      dequant_tile<T, QB, WBN, 1>(w, b0, kt * WBK, pipe.b(s), pipe.tid);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    mbar_arrive(&pipe.full[s]);
+    if (++s == WST) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// The producer warpgroup's work on one output tile: TMA for both operands
+// from thread 0 (QB = 0), or TMA for A and dequantization of B (QB = 4, 8).
+template <class T, int QB, bool TB>
+__device__ __forceinline__ void wg_produce(const WgPipe& pipe, const CUtensorMap* a_map,
+                                           const CUtensorMap* b_map, const Operand& w, int a0,
+                                           int b0, int k_row0, int kt_count, int& s,
+                                           int& phase) {
+  if constexpr (QB == 0) {
+    if (pipe.tid == 0) {
+      wg_produce_tile<false, TB>(pipe, a_map, b_map, a0, b0, k_row0, kt_count, s, phase);
+    }
+  } else {
+    wg_produce_tile_q<T, QB, TB>(pipe, a_map, w, a0, b0, k_row0, kt_count, s, phase);
+  }
+}
+
+__host__ __device__ constexpr int full_arrivals(int qb) {
+  return qb ? 1 + 128 : 1;
 }
 
 #endif // FLASH_CCE_WGMMA
 
-template <class T>
+template <class T, int QB>
 __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const FwdParams& p = P.p;
-  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const WgPipe pipe = wg_setup(smem_raw, full, empty, full_arrivals(QB));
   const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
   const int m0 = mt * WBM;
   const int t_begin = split * p.tiles_per_split;
   const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<QB>();
     int s = 0, phase = 0;
-    if (pipe.tid == 0) {
-      for (int vt = t_begin; vt < t_end; ++vt) {
-        wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, m0, vt * WBN, 0, kt_count, s,
-                                      phase);
-      }
+    for (int vt = t_begin; vt < t_end; ++vt) {
+      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, m0, vt * WBN, 0, kt_count, s,
+                               phase);
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   int32_t y[2];
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
@@ -382,7 +486,7 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
 }
 #endif
 
-template <class T, bool FWD_P>
+template <class T, bool FWD_P, int QB>
 __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -391,7 +495,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   if (p.guard && *p.guard == 0) {
     return;
   }
-  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const WgPipe pipe = wg_setup(smem_raw, full, empty, full_arrivals(QB));
   // Persistent: block b takes tiles b, b + grid, ...; the vocabulary tile
   // varies fastest, so the blocks in flight share a few rows of h and the
   // chunk of W, both small enough to stay in L2.
@@ -401,17 +505,15 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
-    if (pipe.tid == 0) {
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int mt = t / v_tiles, vl = t % v_tiles;
-        wg_produce_tile<false, false>(pipe, &P.h_map, &P.w_map, mt * WBM,
-                                      (vt0 + vl) * WBN, 0, kt_count, s, phase);
-      }
+    wg_producer_regs<QB>();
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int mt = t / v_tiles, vl = t % v_tiles;
+      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, mt * WBM, (vt0 + vl) * WBN, 0,
+                               kt_count, s, phase);
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   float acc[128];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int mt = t / v_tiles, vl = t % v_tiles;
@@ -424,7 +526,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 
 // dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
 // [k = v][n = h] (N-major).
-template <class T>
+template <class T, int QB>
 __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -433,7 +535,7 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   if (p.guard && *p.guard == 0) {
     return;
   }
-  const WgPipe pipe = wg_setup(smem_raw, full, empty);
+  const WgPipe pipe = wg_setup(smem_raw, full, empty, full_arrivals(QB));
   // Persistent, the row tile fastest: the blocks in flight share a few column
   // tiles of the chunk of W.
   const int n_tiles = static_cast<int>((p.H + WBN - 1) / WBN);
@@ -441,17 +543,15 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
-    if (pipe.tid == 0) {
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        wg_produce_tile<false, true>(pipe, &P.a_map, &P.b_map, (t % p.m_tiles) * WBM,
-                                     (t / p.m_tiles) * WBN,
-                                     static_cast<int>(P.v0), kt_count, s, phase);
-      }
+    wg_producer_regs<QB>();
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      wg_produce<T, QB, true>(pipe, &P.a_map, &P.b_map, p.w, (t % p.m_tiles) * WBM,
+                              (t / p.m_tiles) * WBN, static_cast<int>(P.v0), kt_count, s,
+                              phase);
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<QB>();
   float acc[128];
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int m0 = (t % p.m_tiles) * WBM, n0 = (t / p.m_tiles) * WBN;
@@ -494,13 +594,13 @@ __device__ __forceinline__ void dw_wg_body(const WgDwParams& P) {
   const int kt_count = static_cast<int>((p.M + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
-    wg_producer_regs();
+    wg_producer_regs<0>();
     if (pipe.tid == 0) {
       wg_produce_tile<true, true>(pipe, &P.a_map, &P.b_map, r0, n0, 0, kt_count, s, phase);
     }
     return;
   }
-  wg_consumer_regs();
+  wg_consumer_regs<0>();
   float acc[128];
   wg_consume<T, true, true>(pipe, acc, kt_count, s, phase);
 #pragma unroll
