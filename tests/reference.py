@@ -8,6 +8,11 @@ import mlx.core as mx
 import numpy as np
 
 
+def operand_type(h_dtype):
+    """The type the GPU kernels multiply in: fp16 for fp16 h, else bf16."""
+    return mx.float16 if h_dtype == mx.float16 else mx.bfloat16
+
+
 def to64(a):
     return np.array(a.astype(mx.float32), dtype=np.float64)
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from flash_cce import _ext, flash_cce_backward, flash_cce_forward
+from reference import operand_type
 
 pytestmark = pytest.mark.skipif(
     not (mx.is_available(mx.gpu) and _ext.has_gpu_kernels()),
@@ -29,13 +30,9 @@ FWD_ATOL = 2e-4
 BWD_RTOL = {mx.float32: 6e-3, mx.bfloat16: 1.2e-2, mx.float16: 6e-3}
 
 
-def compute_type(dtype):
-    return mx.float16 if dtype == mx.float16 else mx.bfloat16
-
-
 def rounded(a, dtype):
     """a as the GPU's tensor cores see it, in float32."""
-    return a.astype(compute_type(dtype)).astype(mx.float32)
+    return a.astype(operand_type(dtype)).astype(mx.float32)
 
 
 def make(m, h, v, dtype, seed, ignore=0):
@@ -56,7 +53,7 @@ def rel_err(a, b):
 
 def cpu_ref(hid, w, y, dtype, g, g_lse, softcap, compute_dw):
     """CPU kernels on the operands the GPU sees, float32."""
-    ct = compute_type(dtype)
+    ct = operand_type(dtype)
     h32 = rounded(hid, ct)
     w32 = rounded(w, ct)
     logp, lse = flash_cce_forward(h32, w32, y, softcap=softcap, stream=mx.cpu)
@@ -183,7 +180,7 @@ def test_mixed_dtypes(h_dtype, w_dtype):
     logp, lse = flash_cce_forward(hid, w, y, softcap=30.0, stream=mx.gpu)
     dh, dw = flash_cce_backward(hid, w, y, lse, g, softcap=30.0, compute_dw=True,
                                 stream=mx.gpu)
-    ct = compute_type(h_dtype)
+    ct = operand_type(h_dtype)
     h32, w32 = rounded(hid, ct), rounded(w, ct)
     r_logp, r_lse = flash_cce_forward(h32, w32, y, softcap=30.0, stream=mx.cpu)
     r_dh, r_dw = flash_cce_backward(h32, w32, y, r_lse, g, softcap=30.0, compute_dw=True,
@@ -223,7 +220,7 @@ def test_fused_forward_gradient(shape, dtype, softcap, kernels, chunks):
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(2))
     logp, lse, dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, True)
     p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, False)
-    ct = compute_type(dtype)
+    ct = operand_type(dtype)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, ct), rounded(w, ct), y, g, g_lse, softcap,
                                  mx.cpu, True)
     for a in (logp, p_logp):

@@ -27,7 +27,7 @@ import pytest
 
 import flash_cce as fc
 from conftest import DEVICE
-from reference import forward_backward, head_weight, to64
+from reference import forward_backward, head_weight, operand_type, to64
 
 U32 = 2.0**-24
 UNIT = {mx.float32: 2.0**-24, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
@@ -38,10 +38,6 @@ GPU = DEVICE == "gpu" and fc._ext.has_gpu_kernels()
 def gpu_native(backend=None):
     """Whether the head runs on the GPU kernels (bf16/fp16 operands)."""
     return GPU and backend != "fallback"
-
-
-def operand_type(h_dtype):
-    return mx.float16 if h_dtype == mx.float16 else mx.bfloat16
 
 
 def as_seen(a, h_dtype, backend=None):
