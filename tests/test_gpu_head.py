@@ -73,10 +73,21 @@ def kernels(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["one", "many"])
+def chunks(request, monkeypatch):
+    """The vocabulary in one chunk and the rows in one block, or chunks of 256
+    columns over blocks of 100 rows (the loops of the backward and of the
+    fused forward)."""
+    many = request.param == "many"
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "256" if many else "1000000")
+    monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "100" if many else "1000000")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_dense_matches_cpu(shape, dtype, softcap, kernels):
+def test_dense_matches_cpu(shape, dtype, softcap, kernels, chunks):
     m, h, v = shape
     hid, w, y = make(m, h, v, dtype, seed=m + h + v, ignore=3)
     g = mx.random.normal((m,))
@@ -179,12 +190,6 @@ def test_mixed_dtypes(h_dtype, w_dtype):
     assert rel_err(dw, r_dw) < BWD_RTOL[mx.bfloat16]
 
 
-@pytest.fixture(params=["one", "many"])
-def chunks(request, monkeypatch):
-    """The vocabulary in one chunk, or in chunks of 256 columns (the loop of
-    the backward and of the fused forward)."""
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1000000" if request.param == "one" else "256")
-    return request.param
 
 
 def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None,

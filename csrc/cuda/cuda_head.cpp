@@ -327,20 +327,44 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   return {parts, fp};
 }
 
+// Rows per block of the chunked passes. The fp32 [rows, H] accumulator is read
+// and written once per vocabulary chunk, and a chunk holds 48 MB / (2 rows)
+// columns, so that traffic grows with rows^2: blocks of at most 4096 rows keep
+// it linear in M. FLASH_CCE_ROW_BLOCK sets another size (tests of the loop).
+int64_t row_block(int64_t M) {
+  int64_t rows = 4096;
+  if (const char* env = std::getenv("FLASH_CCE_ROW_BLOCK")) {
+    rows = std::max<int64_t>(1, std::atoll(env));
+  }
+  return std::min(M, rows);
+}
+
+// Rows [r0, r0 + rows) of p as a problem of their own.
+HeadProblem row_slice(const HeadProblem& p, int64_t r0, int64_t rows) {
+  HeadProblem q = p;
+  q.M = rows;
+  q.h = static_cast<const char*>(p.h) + r0 * p.H * mx::size_of(p.h_dtype);
+  q.targets = p.targets + r0;
+  return q;
+}
+
 // The vocabulary-chunked passes of the backward and of the fused forward: per
 // chunk, one kernel writes dS (or P) of the chunk to an [M, chunk] buffer and
 // a second adds buffer @ W[chunk] into the fp32 [M, H] accumulator.
 class ChunkPasses {
  public:
+  // p: the rows of this block; acc: the fp32 accumulator, whose row 0 for this
+  // block is at float acc_at; buf: an [at least p.M, chunk] buffer.
   ChunkPasses(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProblem& p,
-              const std::vector<mx::array>& inputs, mx::array acc)
-      : enc_(enc), launch_{enc, s.device.index}, p_(p), inputs_(inputs), acc_(std::move(acc)) {
+              const std::vector<mx::array>& inputs, mx::array acc, int64_t acc_at,
+              mx::array buf, int64_t chunk)
+      : enc_(enc), launch_{enc, s.device.index}, p_(p), inputs_(inputs), acc_(std::move(acc)),
+        buf_(std::move(buf)) {
     const auto ct = compute_dtype(p);
     M_ = p.M;
-    chunk_ = backward_chunk(p.M, p.V);
+    chunk_ = chunk;
     wg_ = use_wgmma(s, p);
     sms_ = sm_count(s.device.index);
-    buf_ = scratch(enc, {static_cast<int>(M_), static_cast<int>(chunk_)}, ct);
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
     t_ = use_f16(p) ? "f16" : "bf16";
 
@@ -358,7 +382,7 @@ class ChunkPasses {
 
     dh_.ds = dense(ds_.ds, ct, M_, 0, chunk_, ct);
     dh_.w = weight(p, ct);
-    dh_.acc = mx::gpu_ptr<float>(acc_);
+    dh_.acc = mx::gpu_ptr<float>(acc_) + acc_at;
     dh_.M = M_;
     dh_.H = p.H;
     dh_.m_tiles = m_tiles_;
@@ -434,7 +458,7 @@ class ChunkPasses {
   HeadProblem p_;
   const std::vector<mx::array>& inputs_;
   mx::array acc_;
-  mx::array buf_{0};
+  mx::array buf_;
   int64_t M_ = 0, chunk_ = 0;
   int m_tiles_ = 0, sms_ = 0;
   bool wg_ = false;
@@ -460,95 +484,102 @@ class ChunkPasses {
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
-  ChunkPasses passes(s, enc, p, inputs, outputs[2]);
-  const int64_t M = p.M, tiles = passes.tiles(passes.chunk());
+  const int64_t H = p.H, block = row_block(p.M), chunk = backward_chunk(block, p.V);
+  const int64_t tiles = cdiv(chunk, use_wgmma(s, p) ? kWgTileN : kTileN);
   const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
-  // part_sum[tiles, M], run_sum[M], target_logit[M]; running reference only:
-  // part_max[tiles, M], three rotating ref[M], and the flag.
-  const int64_t rows = tiles + 2 + (fixed ? 0 : tiles + 4);
-  auto sums = scratch(enc, {static_cast<int>(rows), static_cast<int>(M)}, mx::float32);
-  float* base = mx::gpu_ptr<float>(sums);
-  float* part_sum = base;
-  float* run_sum = part_sum + tiles * M;
-  float* target_logit = run_sum + M;
-  float* part_max = fixed ? nullptr : target_logit + M;
-  float* ref[3] = {nullptr, nullptr, nullptr};
-  int32_t* flag = nullptr;
-  if (!fixed) {
-    for (int i = 0; i < 3; ++i) {
-      ref[i] = part_max + (tiles + i) * M;
+  auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, compute_dtype(p));
+  // Per row block: part_sum[tiles, rows], run_sum[rows], target_logit[rows];
+  // running reference only: part_max[tiles, rows], three rotating ref[rows]
+  // and the flag.
+  const int64_t stats = tiles + 2 + (fixed ? 0 : tiles + 4);
+  auto sums = scratch(enc, {static_cast<int>(stats), static_cast<int>(block)}, mx::float32);
+  for (int64_t r0 = 0; r0 < p.M; r0 += block) {
+    const int64_t M = std::min(block, p.M - r0);
+    const HeadProblem pr = row_slice(p, r0, M);
+    ChunkPasses passes(s, enc, pr, inputs, outputs[2], r0 * H, buf, chunk);
+    float* part_sum = mx::gpu_ptr<float>(sums);
+    float* run_sum = part_sum + tiles * M;
+    float* target_logit = run_sum + M;
+    float* part_max = fixed ? nullptr : target_logit + M;
+    float* ref[3] = {nullptr, nullptr, nullptr};
+    int32_t* flag = nullptr;
+    if (!fixed) {
+      for (int i = 0; i < 3; ++i) {
+        ref[i] = part_max + (tiles + i) * M;
+      }
+      flag = reinterpret_cast<int32_t*>(part_max + (tiles + 3) * M);
+      // The first chunk's exact row maxima.
+      auto [pre, fp] = lse_partials(s, pr, inputs, std::min(chunk, p.V));
+      RowMaxParams rp{};
+      rp.part_max = fp.part_max;
+      rp.ref = ref[0];
+      rp.flag = flag;
+      rp.M = M;
+      rp.splits = fp.splits;
+      enc.set_input_array(pre);
+      enc.set_output_array(sums);
+      passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
     }
-    flag = reinterpret_cast<int32_t*>(part_max + (tiles + 3) * M);
-    // The first chunk's exact row maxima.
-    auto [pre, fp] = lse_partials(s, p, inputs, std::min(passes.chunk(), p.V));
-    RowMaxParams rp{};
-    rp.part_max = fp.part_max;
-    rp.ref = ref[0];
-    rp.flag = flag;
-    rp.M = M;
-    rp.splits = fp.splits;
-    enc.set_input_array(pre);
-    enc.set_output_array(sums);
-    passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
-  }
-  auto& ds = passes.ds();
-  auto& dh = passes.dh();
-  ds.part_sum = part_sum;
-  ds.target_logit = target_logit;
-  ds.part_max = part_max;
-  ds.flag = flag;
-  dh.part_sum = part_sum;
-  dh.run_sum = run_sum;
-  dh.part_max = part_max;
-  int k = 0;
-  for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk(), ++k) {
-    const int64_t width = std::min(passes.chunk(), p.V - v0);
-    ds.ref = ref[k % 3];
-    dh.ref_prev = ref[(k + 2) % 3];
-    dh.ref_cur = ref[k % 3];
-    dh.ref_next = ref[(k + 1) % 3];
-    dh.sum_tiles = static_cast<int>(passes.tiles(width));
-    passes.first(v0, width, {sums});
-    passes.second(v0, width, {sums});
-  }
-  const float* last_ref = ref[(k + 2) % 3];
-  const float* exact = ref[k % 3];
-  if (!fixed) {
-    ds.ref = exact;
-    ds.part_max = nullptr;
-    ds.guard = flag;
-    dh.ref_prev = nullptr;
-    dh.part_max = nullptr;
-    dh.guard = flag;
-    for (int64_t v0 = 0; v0 < p.V; v0 += passes.chunk()) {
-      const int64_t width = std::min(passes.chunk(), p.V - v0);
+    auto& ds = passes.ds();
+    auto& dh = passes.dh();
+    ds.part_sum = part_sum;
+    ds.target_logit = target_logit;
+    ds.part_max = part_max;
+    ds.flag = flag;
+    dh.part_sum = part_sum;
+    dh.run_sum = run_sum;
+    dh.part_max = part_max;
+    int k = 0;
+    for (int64_t v0 = 0; v0 < p.V; v0 += chunk, ++k) {
+      const int64_t width = std::min(chunk, p.V - v0);
+      ds.ref = ref[k % 3];
+      dh.ref_prev = ref[(k + 2) % 3];
+      dh.ref_cur = ref[k % 3];
+      dh.ref_next = ref[(k + 1) % 3];
       dh.sum_tiles = static_cast<int>(passes.tiles(width));
       passes.first(v0, width, {sums});
       passes.second(v0, width, {sums});
     }
-  }
+    const float* last_ref = ref[(k + 2) % 3];
+    const float* exact = ref[k % 3];
+    if (!fixed) {
+      ds.ref = exact;
+      ds.part_max = nullptr;
+      ds.guard = flag;
+      dh.ref_prev = nullptr;
+      dh.part_max = nullptr;
+      dh.guard = flag;
+      for (int64_t v0 = 0; v0 < p.V; v0 += chunk) {
+        const int64_t width = std::min(chunk, p.V - v0);
+        dh.sum_tiles = static_cast<int>(passes.tiles(width));
+        passes.first(v0, width, {sums});
+        passes.second(v0, width, {sums});
+      }
+    }
 
-  FinishParams fp{};
-  fp.run_sum = run_sum;
-  fp.target_logit = target_logit;
-  fp.targets = p.targets;
-  fp.ref = last_ref;
-  fp.ref_exact = exact;
-  fp.flag = flag;
-  fp.logp = mx::gpu_ptr<float>(outputs[0]);
-  fp.lse = mx::gpu_ptr<float>(outputs[1]);
-  fp.gsum = mx::gpu_ptr<float>(outputs[2]);
-  fp.M = M;
-  fp.V = p.V;
-  fp.H = p.H;
-  fp.cap = p.cfg.softcap;
-  fp.ignore_index = p.cfg.ignore_index;
-  enc.set_input_array(sums);
-  enc.set_input_array(inputs[2]);
-  for (auto& o : outputs) {
-    enc.set_output_array(o);
+    FinishParams fp{};
+    fp.run_sum = run_sum;
+    fp.target_logit = target_logit;
+    fp.targets = pr.targets;
+    fp.ref = last_ref;
+    fp.ref_exact = exact;
+    fp.flag = flag;
+    fp.logp = mx::gpu_ptr<float>(outputs[0]) + r0;
+    fp.lse = mx::gpu_ptr<float>(outputs[1]) + r0;
+    fp.gsum = mx::gpu_ptr<float>(outputs[2]) + r0 * H;
+    fp.M = M;
+    fp.V = p.V;
+    fp.H = H;
+    fp.cap = p.cfg.softcap;
+    fp.ignore_index = p.cfg.ignore_index;
+    enc.set_input_array(sums);
+    enc.set_input_array(inputs[2]);
+    enc.set_output_array(sums);  // the next row block reuses it
+    for (auto& o : outputs) {
+      enc.set_output_array(o);
+    }
+    passes.launch()("fcce_finish", M, 0, fp);
   }
-  passes.launch()("fcce_finish", M, 0, fp);
 }
 
 } // namespace
@@ -588,58 +619,66 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   auto& enc = begin(s, p, inputs, outputs, 6);
   const bool want_dw = outputs.size() > 1;
   const auto ct = compute_dtype(p);
-  const int64_t M = p.M, H = p.H, V = p.V;
-  // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer.
+  const int64_t H = p.H, V = p.V;
+  // dW sums over every row per chunk: one block of all rows then.
+  const int64_t block = want_dw ? p.M : row_block(p.M), chunk = backward_chunk(block, V);
+  auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, ct);
+  // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer
+  // (one row block's, reused).
   const bool acc_in_out = p.h_dtype == mx::float32;
   mx::array acc = acc_in_out
       ? outputs[0]
-      : scratch(enc, {static_cast<int>(M), static_cast<int>(H)}, mx::float32);
-  ChunkPasses passes(s, enc, p, inputs, acc);
-  const int64_t chunk = passes.chunk();
-  passes.ds().lse = mx::gpu_ptr<float>(inputs[3]);
-  passes.ds().g = mx::gpu_ptr<float>(inputs[4]);
-  passes.ds().g_lse = mx::gpu_ptr<float>(inputs[5]);
-  passes.dh().out = mx::gpu_ptr<void>(outputs[0]);
-  passes.dh().out_kind = src_kind(p.h_dtype);
-
-  DwParams wp{};
-  WgDwParams wwp{};
-  if (want_dw) {
-    wp.ds = dense(mx::gpu_ptr<void>(passes.buffer()), ct, M, 0, chunk, ct);
-    wp.h = dense(p.h, p.h_dtype, M, H, H, ct);
-    wp.out = mx::gpu_ptr<void>(outputs[1]);
-    wp.M = M;
-    wp.H = H;
-    wp.out_kind = src_kind(p.w_dtype);
-    if (passes.wgmma()) {
-      wwp.b_map = tensor_map(p.h, p.h_dtype, M, H, 64);
-    }
-  }
+      : scratch(enc, {static_cast<int>(block), static_cast<int>(H)}, mx::float32);
   const std::string t = use_f16(p) ? "f16" : "bf16";
-  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
-    const int64_t width = std::min(chunk, V - v0);
-    passes.first(v0, width, {});
-    passes.dh().last = v0 + width >= V;
-    passes.second(v0, width, {outputs[0]});
-    if (!want_dw) {
-      continue;
+  for (int64_t r0 = 0; r0 < p.M; r0 += block) {
+    const int64_t M = std::min(block, p.M - r0);
+    const HeadProblem pr = row_slice(p, r0, M);
+    ChunkPasses passes(s, enc, pr, inputs, acc, acc_in_out ? r0 * H : 0, buf, chunk);
+    passes.ds().lse = mx::gpu_ptr<float>(inputs[3]) + r0;
+    passes.ds().g = mx::gpu_ptr<float>(inputs[4]) + r0;
+    passes.ds().g_lse = mx::gpu_ptr<float>(inputs[5]) + r0;
+    passes.dh().out =
+        static_cast<char*>(mx::gpu_ptr<void>(outputs[0])) + r0 * H * mx::size_of(p.h_dtype);
+    passes.dh().out_kind = src_kind(p.h_dtype);
+
+    DwParams wp{};
+    WgDwParams wwp{};
+    if (want_dw) {
+      wp.ds = dense(mx::gpu_ptr<void>(buf), ct, M, 0, chunk, ct);
+      wp.h = dense(pr.h, p.h_dtype, M, H, H, ct);
+      wp.out = mx::gpu_ptr<void>(outputs[1]);
+      wp.M = M;
+      wp.H = H;
+      wp.out_kind = src_kind(p.w_dtype);
+      if (passes.wgmma()) {
+        wwp.b_map = tensor_map(pr.h, p.h_dtype, M, H, 64);
+      }
     }
-    // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
-    const int64_t v_tiles = cdiv(width, kTileN);
-    wp.ds.cols = width;
-    wp.v0 = v0;
-    wp.width = width;
-    wp.v_tiles = static_cast<int>(v_tiles);
-    enc.set_input_array(inputs[0]);
-    enc.set_output_array(passes.buffer());
-    enc.set_output_array(outputs[1]);
-    if (passes.wgmma()) {
-      wwp.a_map = tensor_map(wp.ds.ptr, ct, M, width, 64, chunk);
-      wwp.p = wp;
-      passes.launch()("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
-                      kWgThreads);
-    } else {
-      passes.launch()("fcce_dw_" + t, v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
+    for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+      const int64_t width = std::min(chunk, V - v0);
+      passes.first(v0, width, {});
+      passes.dh().last = v0 + width >= V;
+      passes.second(v0, width, {outputs[0]});
+      if (!want_dw) {
+        continue;
+      }
+      // dS^T: the dS buffer read as [k = m][v], h as [k = m][h].
+      const int64_t v_tiles = cdiv(width, kTileN);
+      wp.ds.cols = width;
+      wp.v0 = v0;
+      wp.width = width;
+      wp.v_tiles = static_cast<int>(v_tiles);
+      enc.set_input_array(inputs[0]);
+      enc.set_output_array(buf);
+      enc.set_output_array(outputs[1]);
+      if (passes.wgmma()) {
+        wwp.a_map = tensor_map(wp.ds.ptr, ct, M, width, 64, chunk);
+        wwp.p = wp;
+        passes.launch()("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
+                        kWgThreads);
+      } else {
+        passes.launch()("fcce_dw_" + t, v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
+      }
     }
   }
 }
