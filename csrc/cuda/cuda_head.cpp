@@ -198,9 +198,12 @@ bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
   const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
   const bool off = env && env[0] == '1';
   const auto& dev = mx::cu::device(s.device);
-  const bool weight_ok = p.cfg.quantized
-      ? (p.cfg.bits == 4 || p.cfg.bits == 8)
-      : p.w_dtype == p.h_dtype && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+  // The dequantizing producer reads packed rows as 16-byte vectors and finds
+  // a column's group with a shift.
+  const int gs = p.cfg.group_size;
+  const bool weight_ok = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
+      (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 && (gs & (gs - 1)) == 0
+                       : p.w_dtype == p.h_dtype);
   return !off && dev.compute_capability_major() == 9 && weight_ok &&
       (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
       reinterpret_cast<uintptr_t>(p.h) % 16 == 0;

@@ -208,50 +208,144 @@ __device__ __forceinline__ void wg_consumer_regs() {
   }
 }
 
-// A quantized head's B tile, dequantized by the 128 producer threads into the
-// layout TMA writes: R rows of W from row r0, NB blocks of 64 columns from
-// column c0, the 16-byte chunk c of row r of block b at
-// b * R * 128 + r * 128 + ((c ^ (r & 7)) << 4) (the 128-byte swizzle).
-// Rows past V and columns past H are zeros.
-template <class T, int QB, int R, int NB>
-__device__ __forceinline__ void dequant_tile(const Operand& w, int64_t r0, int64_t c0,
-                                             unsigned char* dst, int tid) {
-  constexpr int kChunks = R * NB * 8 / 128;
-  const int64_t row_words = w.cols * QB / 32, groups = w.cols / w.group_size;
-#pragma unroll 4
-  for (int i = 0; i < kChunks; ++i) {
-    const int q = tid + i * 128;
-    const int r = q / (NB * 8), b = (q % (NB * 8)) / 8, c = q % 8;
-    const int64_t row = r0 + r, col = c0 + b * 64 + c * 8;
-    uint4 out = make_uint4(0, 0, 0, 0);
-    if (row < w.rows && col < w.cols) {
-      const uint32_t* src =
-          static_cast<const uint32_t*>(w.ptr) + row * row_words + col * QB / 32;
-      const int64_t g = row * groups + col / w.group_size;
-      const float scale = load_as_float(w.scales, w.sb_kind, g);
-      const float bias = load_as_float(w.biases, w.sb_kind, g);
-      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-      if constexpr (QB == 4) {
-        const uint32_t v = __ldg(src);
+// A quantized head's B tile: R rows of W from row r0 and NB blocks of 64
+// columns from column c0, dequantized by the 128 producer threads into the
+// layout TMA writes (chunk c of row r of block b at b * R * 128 + r * 128 +
+// ((c ^ (r & 7)) << 4), the 128-byte swizzle). Each thread owns kSegs row
+// segments of kSeg 8-element chunks; consecutive threads take consecutive rows,
+// so a quarter-warp's 16-byte stores fall in distinct banks.
+// The thread holds one tile's packed words in registers and refills each
+// 16-byte vector from the next tile as soon as it is converted: the loads have
+// a whole pipeline step to land, and only one tile's words are live. Rows past
+// V and columns past H load zero scales and biases, so they store zeros.
+template <int QB, int R, int NB>
+struct QTile {
+  static constexpr int kRowChunks = NB * 8;
+  static constexpr int kSeg = kRowChunks < 16 ? kRowChunks : 16;
+  static constexpr int kSegs = 16 / kSeg;
+  static constexpr int kVecs = kSeg * 8 * QB / 128; // uint4 per segment
+  static constexpr int kVecChunks = kSeg / kVecs;   // 8-element chunks per uint4
+  static constexpr int kGroups = kSeg * 8 / 32;     // groups a segment spans (size >= 32)
+  static_assert(R * (kRowChunks / kSeg) == 128 * kSegs, "tile must split over 128 threads");
+
+  uint4 v[kSegs][kVecs];
+  float scale[kSegs][kGroups], bias[kSegs][kGroups];
+
+  // Where segment j of thread tid starts: tile row r, absolute row and column.
+  __device__ __forceinline__ static void place(int tid, int j, int64_t r0, int64_t c0, int& r,
+                                               int64_t& row, int64_t& col) {
+    const int g = tid + j * 128;
+    r = g % R;
+    row = r0 + r;
+    col = c0 + (g / R) * kSeg * 8;
+  }
+
+  __device__ __forceinline__ static uint4 load_vec(const Operand& w, int64_t row, int64_t col,
+                                                   int k) {
+    const int64_t c = col + k * (128 / QB);
+    if (row >= w.rows || c >= w.cols) {
+      return make_uint4(0, 0, 0, 0);
+    }
+    return __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(w.ptr) +
+                                                row * (w.cols * QB / 32) + c * QB / 32));
+  }
+
+  __device__ __forceinline__ static void load_groups(const Operand& w, int64_t r0, int64_t c0,
+                                                     int tid, int lg, float (&sc)[kSegs][kGroups],
+                                                     float (&bi)[kSegs][kGroups]) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          o[j] = pack2<T>(fmaf(scale, float((v >> (8 * j)) & 0xf), bias),
-                          fmaf(scale, float((v >> (8 * j + 4)) & 0xf), bias));
+    for (int j = 0; j < kSegs; ++j) {
+      int r;
+      int64_t row, col;
+      place(tid, j, r0, c0, r, row, col);
+#pragma unroll
+      for (int k = 0; k < kGroups; ++k) {
+        const int64_t gcol = col + (int64_t(k) << lg);
+        const bool ok = row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
+        const int64_t gi = row * (w.cols >> lg) + (gcol >> lg);
+        sc[j][k] = ok ? load_as_float(w.scales, w.sb_kind, gi) : 0.0f;
+        bi[j][k] = ok ? load_as_float(w.biases, w.sb_kind, gi) : 0.0f;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void load(const Operand& w, int64_t r0, int64_t c0, int tid, int lg) {
+    load_groups(w, r0, c0, tid, lg, scale, bias);
+#pragma unroll
+    for (int j = 0; j < kSegs; ++j) {
+      int r;
+      int64_t row, col;
+      place(tid, j, r0, c0, r, row, col);
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        v[j][k] = load_vec(w, row, col, k);
+      }
+    }
+  }
+
+  // Stores the held tile, dequantized, at dst; with `more`, loads the tile at
+  // (r0n, c0n) in its place.
+  template <class T>
+  __device__ __forceinline__ void cycle(unsigned char* dst, int tid, int lg, const Operand& w,
+                                        bool more, int64_t r0n, int64_t c0n) {
+    float nsc[kSegs][kGroups], nbi[kSegs][kGroups];
+    if (more) {
+      load_groups(w, r0n, c0n, tid, lg, nsc, nbi);
+    }
+#pragma unroll
+    for (int j = 0; j < kSegs; ++j) {
+      int r;
+      int64_t row, col;
+      place(tid, j, r0n, c0n, r, row, col);
+      const int seg = (tid + j * 128) / R;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(&v[j][k]);
+#pragma unroll
+        for (int ci = 0; ci < kVecChunks; ++ci) {
+          const int i = k * kVecChunks + ci; // chunk within the segment
+          const int g = (i * 8) >> lg;
+          float sc = scale[j][0], bi = bias[j][0];
+#pragma unroll
+          for (int q = 1; q < kGroups; ++q) {
+            sc = g == q ? scale[j][q] : sc;
+            bi = g == q ? bias[j][q] : bi;
+          }
+          uint4 out;
+          uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            uint32_t lo, hi;
+            if constexpr (QB == 4) {
+              lo = (words[ci] >> (8 * e)) & 0xf;
+              hi = (words[ci] >> (8 * e + 4)) & 0xf;
+            } else {
+              const uint32_t word = words[2 * ci + (e >> 1)];
+              lo = (word >> (16 * (e & 1))) & 0xff;
+              hi = (word >> (16 * (e & 1) + 8)) & 0xff;
+            }
+            o[e] = pack2<T>(fmaf(sc, float(lo), bi), fmaf(sc, float(hi), bi));
+          }
+          const int cr = seg * kSeg + i, b = cr / 8, c = cr % 8;
+          *reinterpret_cast<uint4*>(dst + b * (R * 128) + r * 128 + ((c ^ (r & 7)) << 4)) = out;
         }
-      } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t word = j < 2 ? v.x : v.y;
-          const int sh = (j & 1) * 16;
-          o[j] = pack2<T>(fmaf(scale, float((word >> sh) & 0xff), bias),
-                          fmaf(scale, float((word >> (sh + 8)) & 0xff), bias));
+        if (more) {
+          v[j][k] = load_vec(w, row, col, k);
         }
       }
     }
-    *reinterpret_cast<uint4*>(dst + b * (R * 128) + r * 128 + ((c ^ (r & 7)) << 4)) = out;
+    if (more) {
+#pragma unroll
+      for (int j = 0; j < kSegs; ++j) {
+#pragma unroll
+        for (int k = 0; k < kGroups; ++k) {
+          scale[j][k] = nsc[j][k];
+          bias[j][k] = nbi[j][k];
+        }
+      }
+    }
   }
-}
+};
 
 // Producer of one output tile whose B operand is a quantized W: thread 0
 // streams A with TMA, all 128 producer threads dequantize B, make their
@@ -261,17 +355,19 @@ template <class T, int QB, bool TB>
 __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUtensorMap* a_map,
                                                   const Operand& w, int a0, int b0, int k_row0,
                                                   int kt_count, int& s, int& phase) {
+  QTile<QB, TB ? WBK : WBN, TB ? WBN / 64 : 1> tile;
+  const int lg = __ffs(w.group_size) - 1;
+  // Origin of k-step kt's tile of W.
+  auto r0 = [&](int kt) { return TB ? k_row0 + int64_t(kt) * WBK : int64_t(b0); };
+  auto c0 = [&](int kt) { return TB ? int64_t(b0) : int64_t(kt) * WBK; };
+  tile.load(w, r0(0), c0(0), pipe.tid, lg);
   for (int kt = 0; kt < kt_count; ++kt) {
     mbar_wait(&pipe.empty[s], phase ^ 1);
     if (pipe.tid == 0) {
       mbar_expect_tx(&pipe.full[s], kWgABytes);
       tma_load(pipe.a(s), a_map, &pipe.full[s], kt * WBK, a0);
     }
-    if constexpr (TB) {
-      dequant_tile<T, QB, WBK, WBN / 64>(w, k_row0 + kt * WBK, b0, pipe.b(s), pipe.tid);
-    } else {
-      dequant_tile<T, QB, WBN, 1>(w, b0, kt * WBK, pipe.b(s), pipe.tid);
-    }
+    tile.template cycle<T>(pipe.b(s), pipe.tid, lg, w, kt + 1 < kt_count, r0(kt + 1), c0(kt + 1));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     mbar_arrive(&pipe.full[s]);
     if (++s == WST) {
