@@ -1,5 +1,6 @@
 """A small flash-CCE forward + backward on the GPU for compute-sanitizer:
-dense bf16 with dW, fp32 and fp16 operands, and 4-bit and 3-bit weights, all
+dense bf16 with dW, fp32 and fp16 operands, and 4-, 8- (a partial 64-column
+block of H) and 3-bit weights, all
 on ragged shapes (partial tiles in every dimension); then the fused forward
 with its gradient (softcap and running reference, 256-column chunks, and a
 late logit that sends it through its exact second pass)."""
@@ -11,15 +12,16 @@ import mlx.core as mx
 from flash_cce import flash_cce_backward, flash_cce_forward
 
 
-def run(m, h, v, dtype, bits=None, softcap=30.0):
+def run(m, h, v, dtype, bits=None, softcap=30.0, group_size=64):
     k1, k2, k3 = mx.random.split(mx.random.key(m + h + v), 3)
     hid = mx.random.normal((m, h), key=k1).astype(dtype)
     w = (0.2 * mx.random.normal((v, h), key=k2)).astype(dtype)
     y = mx.random.randint(0, v, (m,), key=k3).astype(mx.int32)
-    q = mx.quantize(w, group_size=64, bits=bits) if bits else (w, None, None)
-    logp, lse = flash_cce_forward(hid, q[0], y, q[1], q[2], softcap=softcap, stream=mx.gpu)
-    out = flash_cce_backward(hid, q[0], y, lse, mx.ones((m,)), q[1], q[2], softcap=softcap,
-                             compute_dw=bits is None, stream=mx.gpu)
+    q = mx.quantize(w, group_size=group_size, bits=bits) if bits else (w, None, None)
+    logp, lse = flash_cce_forward(hid, q[0], y, q[1], q[2], group_size=group_size,
+                                  softcap=softcap, stream=mx.gpu)
+    out = flash_cce_backward(hid, q[0], y, lse, mx.ones((m,)), q[1], q[2], group_size=group_size,
+                             softcap=softcap, compute_dw=bits is None, stream=mx.gpu)
     mx.eval(logp, lse, out)
     print(m, h, v, dtype, bits, float(logp.sum()))
 
@@ -49,6 +51,7 @@ if __name__ == "__main__":
     run(70, 64, 300, mx.float32)
     run(70, 72, 300, mx.float16)
     run(150, 128, 700, mx.bfloat16, bits=4)
+    run(150, 96, 700, mx.bfloat16, bits=8, group_size=32)
     run(40, 128, 260, mx.bfloat16, bits=3)
     os.environ["FLASH_CCE_VOCAB_CHUNK"] = "256"
     run_fused(150, 136, 700, 30.0)

@@ -194,8 +194,10 @@ template <int QB>
 __device__ __forceinline__ void wg_producer_regs() {
   if constexpr (QB == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
-  } else {
+  } else if constexpr (QB == 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 104;\n");
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
   }
 }
 
@@ -203,8 +205,10 @@ template <int QB>
 __device__ __forceinline__ void wg_consumer_regs() {
   if constexpr (QB == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
-  } else {
+  } else if constexpr (QB == 4) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
   }
 }
 
@@ -218,6 +222,16 @@ __device__ __forceinline__ void wg_consumer_regs() {
 // 16-byte vector from the next tile as soon as it is converted: the loads have
 // a whole pipeline step to land, and only one tile's words are live. Rows past
 // V and columns past H load zero scales and biases, so they store zeros.
+// A code q < 2^23 as a float, exactly, from the bits of 2^23 + q (the code in
+// the mantissa of 2^23): full-rate integer ops and one add, where a conversion
+// (I2F) runs at a quarter of the rate and the producer converts 128 elements
+// per thread for every k-step of the consumers.
+constexpr uint32_t kTwo23 = 0x4b000000u;
+
+__device__ __forceinline__ float code_f32(uint32_t bits) {
+  return __uint_as_float(bits) - 8388608.0f;
+}
+
 template <int QB, int R, int NB>
 struct QTile {
   static constexpr int kRowChunks = NB * 8;
@@ -229,15 +243,18 @@ struct QTile {
   static_assert(R * (kRowChunks / kSeg) == 128 * kSegs, "tile must split over 128 threads");
 
   uint4 v[kSegs][kVecs];
-  float scale[kSegs][kGroups], bias[kSegs][kGroups];
+  // Two sets, by k-step parity: copying a just-loaded set into the one in use
+  // would wait for the load, so each k-step reads one and fills the other.
+  float scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
 
   // Where segment j of thread tid starts: tile row r, absolute row and column.
-  __device__ __forceinline__ static void place(int tid, int j, int64_t r0, int64_t c0, int& r,
-                                               int64_t& row, int64_t& col) {
+  struct Seg {
+    int r;
+    int64_t row, col;
+  };
+  __device__ __forceinline__ static Seg place(int tid, int j, int64_t r0, int64_t c0) {
     const int g = tid + j * 128;
-    r = g % R;
-    row = r0 + r;
-    col = c0 + (g / R) * kSeg * 8;
+    return {g % R, r0 + g % R, c0 + (g / R) * kSeg * 8};
   }
 
   __device__ __forceinline__ static uint4 load_vec(const Operand& w, int64_t row, int64_t col,
@@ -255,14 +272,12 @@ struct QTile {
                                                      float (&bi)[kSegs][kGroups]) {
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
-      int r;
-      int64_t row, col;
-      place(tid, j, r0, c0, r, row, col);
+      const Seg at = place(tid, j, r0, c0);
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {
-        const int64_t gcol = col + (int64_t(k) << lg);
-        const bool ok = row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
-        const int64_t gi = row * (w.cols >> lg) + (gcol >> lg);
+        const int64_t gcol = at.col + (int64_t(k) << lg);
+        const bool ok = at.row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
+        const int64_t gi = at.row * (w.cols >> lg) + (gcol >> lg);
         sc[j][k] = ok ? load_as_float(w.scales, w.sb_kind, gi) : 0.0f;
         bi[j][k] = ok ? load_as_float(w.biases, w.sb_kind, gi) : 0.0f;
       }
@@ -270,34 +285,29 @@ struct QTile {
   }
 
   __device__ __forceinline__ void load(const Operand& w, int64_t r0, int64_t c0, int tid, int lg) {
-    load_groups(w, r0, c0, tid, lg, scale, bias);
+    load_groups(w, r0, c0, tid, lg, scale[0], bias[0]);
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
-      int r;
-      int64_t row, col;
-      place(tid, j, r0, c0, r, row, col);
+      const Seg at = place(tid, j, r0, c0);
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
-        v[j][k] = load_vec(w, row, col, k);
+        v[j][k] = load_vec(w, at.row, at.col, k);
       }
     }
   }
 
-  // Stores the held tile, dequantized, at dst; with `more`, loads the tile at
-  // (r0n, c0n) in its place.
-  template <class T>
+  // Stores the held tile (scale set P), dequantized, at dst; with `more`,
+  // loads the tile at (r0n, c0n) in its place (set P ^ 1).
+  template <class T, int P>
   __device__ __forceinline__ void cycle(unsigned char* dst, int tid, int lg, const Operand& w,
                                         bool more, int64_t r0n, int64_t c0n) {
-    float nsc[kSegs][kGroups], nbi[kSegs][kGroups];
     if (more) {
-      load_groups(w, r0n, c0n, tid, lg, nsc, nbi);
+      load_groups(w, r0n, c0n, tid, lg, scale[P ^ 1], bias[P ^ 1]);
     }
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
-      int r;
-      int64_t row, col;
-      place(tid, j, r0n, c0n, r, row, col);
-      const int seg = (tid + j * 128) / R;
+      const Seg next = place(tid, j, r0n, c0n);
+      const int r = next.r, seg = (tid + j * 128) / R;
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
         const uint32_t* words = reinterpret_cast<const uint32_t*>(&v[j][k]);
@@ -305,42 +315,33 @@ struct QTile {
         for (int ci = 0; ci < kVecChunks; ++ci) {
           const int i = k * kVecChunks + ci; // chunk within the segment
           const int g = (i * 8) >> lg;
-          float sc = scale[j][0], bi = bias[j][0];
+          float sc = scale[P][j][0], bi = bias[P][j][0];
 #pragma unroll
           for (int q = 1; q < kGroups; ++q) {
-            sc = g == q ? scale[j][q] : sc;
-            bi = g == q ? bias[j][q] : bi;
+            sc = g == q ? scale[P][j][q] : sc;
+            bi = g == q ? bias[P][j][q] : bi;
           }
           uint4 out;
           uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            uint32_t lo, hi;
+            float lo, hi;
             if constexpr (QB == 4) {
-              lo = (words[ci] >> (8 * e)) & 0xf;
-              hi = (words[ci] >> (8 * e + 4)) & 0xf;
+              lo = code_f32(((words[ci] >> (8 * e)) & 0xf) | kTwo23);
+              hi = code_f32(((words[ci] >> (8 * e + 4)) & 0xf) | kTwo23);
             } else {
               const uint32_t word = words[2 * ci + (e >> 1)];
-              lo = (word >> (16 * (e & 1))) & 0xff;
-              hi = (word >> (16 * (e & 1) + 8)) & 0xff;
+              // One byte permute: the code byte under the exponent byte of 2^23.
+              lo = code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * (e & 1)));
+              hi = code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * (e & 1)));
             }
-            o[e] = pack2<T>(fmaf(sc, float(lo), bi), fmaf(sc, float(hi), bi));
+            o[e] = pack2<T>(fmaf(sc, lo, bi), fmaf(sc, hi, bi));
           }
           const int cr = seg * kSeg + i, b = cr / 8, c = cr % 8;
           *reinterpret_cast<uint4*>(dst + b * (R * 128) + r * 128 + ((c ^ (r & 7)) << 4)) = out;
         }
         if (more) {
-          v[j][k] = load_vec(w, row, col, k);
-        }
-      }
-    }
-    if (more) {
-#pragma unroll
-      for (int j = 0; j < kSegs; ++j) {
-#pragma unroll
-        for (int k = 0; k < kGroups; ++k) {
-          scale[j][k] = nsc[j][k];
-          bias[j][k] = nbi[j][k];
+          v[j][k] = load_vec(w, next.row, next.col, k);
         }
       }
     }
@@ -360,19 +361,26 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
   // Origin of k-step kt's tile of W.
   auto r0 = [&](int kt) { return TB ? k_row0 + int64_t(kt) * WBK : int64_t(b0); };
   auto c0 = [&](int kt) { return TB ? int64_t(b0) : int64_t(kt) * WBK; };
-  tile.load(w, r0(0), c0(0), pipe.tid, lg);
-  for (int kt = 0; kt < kt_count; ++kt) {
+  auto step = [&](auto parity, int kt) {
     mbar_wait(&pipe.empty[s], phase ^ 1);
     if (pipe.tid == 0) {
       mbar_expect_tx(&pipe.full[s], kWgABytes);
       tma_load(pipe.a(s), a_map, &pipe.full[s], kt * WBK, a0);
     }
-    tile.template cycle<T>(pipe.b(s), pipe.tid, lg, w, kt + 1 < kt_count, r0(kt + 1), c0(kt + 1));
+    tile.template cycle<T, decltype(parity)::value>(pipe.b(s), pipe.tid, lg, w,
+                                                    kt + 1 < kt_count, r0(kt + 1), c0(kt + 1));
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     mbar_arrive(&pipe.full[s]);
     if (++s == WST) {
       s = 0;
       phase ^= 1;
+    }
+  };
+  tile.load(w, r0(0), c0(0), pipe.tid, lg);
+  for (int kt = 0; kt < kt_count; kt += 2) {
+    step(std::integral_constant<int, 0>{}, kt);
+    if (kt + 1 < kt_count) {
+      step(std::integral_constant<int, 1>{}, kt + 1);
     }
   }
 }
