@@ -28,13 +28,11 @@ def has_native_kernel(device=None):
 
 
 def _use_native(backend, stream):
+    source = "backend"
     if backend is None:
-        backend = os.environ.get("FLASH_CCE_BACKEND") or None
-        if backend not in _BACKENDS:
-            raise ValueError(
-                f"FLASH_CCE_BACKEND must be one of {_BACKENDS[1:]}, got {backend!r}")
+        backend, source = os.environ.get("FLASH_CCE_BACKEND") or None, "FLASH_CCE_BACKEND"
     if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS[1:]}, got {backend!r}")
+        raise ValueError(f"{source} must be one of {_BACKENDS[1:]}, got {backend!r}")
     if backend == "fallback":
         return False
     native = has_native_kernel(_device(stream))
