@@ -1,14 +1,15 @@
 """The decoder stack, run plainly or checkpointed over segments of layers.
 
-With `segment_size = k > 0` the layers run in segments of k under
-`mx.checkpoint`: the forward keeps only each segment's input (hidden states, the
-prompt keys/values it reads, Gemma 4's shared keys/values and per-layer inputs)
-and the backward recomputes one segment at a time. The trainable parameters of a
+With `segment_size = k > 0` the layers run in segments of k under `checkpoint`
+(an ordered `mx.checkpoint`): the forward keeps only each segment's input
+(hidden states, the prompt keys/values it reads, Gemma 4's shared keys/values
+and per-layer inputs) and the backward recomputes one segment at a time. The trainable parameters of a
 segment's layers are explicit inputs of its checkpointed function, as in
 mlx-lm's `grad_checkpoint`, so their gradients flow; everything else is frozen.
 """
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 
 from .lm import attention_mask
 from .prefix import PrefixCache, RecordCache
@@ -53,6 +54,56 @@ def _body(lm, lo, hi, offset, keep_kv):
     return run
 
 
+def _arrays(tree):
+    return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
+
+
+def _refill(tree, arrays):
+    it = iter(arrays)
+    return tree_map(lambda x: next(it) if isinstance(x, mx.array) else x, tree)
+
+
+def checkpoint(fn):
+    """`mx.checkpoint(fn)` for `fn(params, *inputs)`, with the backward ordered so
+    that one segment's recomputed activations are alive at a time.
+
+    `mx.checkpoint`'s recomputation waits only for the forward's outputs, so the
+    scheduler may recompute several segments before their cotangents exist, and
+    a segment's weight gradients may wait while the next segment runs. Here the
+    recomputation waits for the output cotangents, and the input cotangents (what
+    the segment before needs) wait for this segment's parameter gradients.
+    """
+
+    def call(params, *inputs):
+        # A copy of the containers: the caller may add to them (shared kv) later.
+        tree = tree_map(lambda x: x, (params, inputs))
+        n_params = len(_arrays(params))
+        out_tree = {}
+
+        def flat(*xs):
+            p, ins = _refill(tree, xs)
+            out = fn(p, *ins)
+            out_tree["out"] = out
+            return _arrays(out)
+
+        f = mx.custom_function(flat)
+
+        @f.vjp
+        def backward(primals, cotangents, outputs):
+            cotangents = list(cotangents)
+            xs = mx.depends(list(primals), cotangents)
+            _, grads = mx.vjp(flat, xs, cotangents)
+            pg, ig = list(grads[:n_params]), list(grads[n_params:])
+            if pg and ig:
+                ig = mx.depends(ig, pg)
+            return tuple(pg + ig)
+
+        outs = f(*_arrays(tree))
+        return _refill(out_tree["out"], outs)
+
+    return call
+
+
 def _checkpointed(lm, lo, hi, run):
     layers = lm.layers[lo:hi]
 
@@ -61,7 +112,7 @@ def _checkpointed(lm, lo, hi, run):
             layer.update(p)
         return run(h, aux, prompt_kv, shared_in)
 
-    ckpt = mx.checkpoint(fn)
+    ckpt = checkpoint(fn)
 
     def call(h, aux, prompt_kv, shared_in):
         params = [layer.trainable_parameters() for layer in layers]
