@@ -20,11 +20,14 @@ Providers (each a full step: forward, backward, gradients evaluated):
   no_window             flash_cce with sliding-window layers computing the scores of every
                         key, as before they skipped those outside the window (not in the
                         default set)
+  mlx_linears           flash_cce with quantized and LoRA layers computing as mlx-lm
+                        defines them, as before `flash_cce.layers` (not in the default set)
   X+Y                   switches combined, e.g. block=64+no_window
 A provider that fails (e.g. out of memory) is reported with its error.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -39,6 +42,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import flash_cce.lm
+import flash_cce.objectives
 from flash_cce.batch import Pair
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 
@@ -101,18 +105,20 @@ def _plain_window_mask(n, offset, window):
     return create_causal_mask(n, offset, window_size=window)
 
 
-def ours(model, pair, no_window=False, **switches):
+def ours(model, pair, no_window=False, mlx_linears=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
 
     def step():
-        saved = flash_cce.lm.window_mask
+        saved = flash_cce.lm.window_mask, flash_cce.objectives.training_layers
         if no_window:
             flash_cce.lm.window_mask = _plain_window_mask
+        if mlx_linears:
+            flash_cce.objectives.training_layers = contextlib.nullcontext
         try:
             loss, grads, metrics = value_and_grad(model, [pair], cfg)
             mx.eval(loss, grads, metrics)
         finally:
-            flash_cce.lm.window_mask = saved
+            flash_cce.lm.window_mask, flash_cce.objectives.training_layers = saved
 
     return step
 
@@ -152,6 +158,7 @@ SWITCHES = {
     "no_segments": dict(segment_size=0),
     "no_block_attn": dict(attention_block=0),
     "no_window": dict(no_window=True),
+    "mlx_linears": dict(mlx_linears=True),
 }
 
 

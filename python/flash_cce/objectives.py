@@ -25,6 +25,7 @@ from . import losses
 from .attention import DEFAULT_BLOCK, routed
 from .batch import Pair
 from .head import linear_logprobs
+from .layers import training_layers
 from .lm import LM, adapters_off
 from .prefix import sequence_hidden
 
@@ -230,7 +231,7 @@ def value_and_grad(model, pairs, cfg, group=None):
             return terms.sum(), stats
 
         # The backward (and a segment's recomputed forward) is built inside this call.
-        with routed(model, _attention_block(cfg)):
+        with routed(model, _attention_block(cfg)), training_layers():
             (_, stats), g = nn.value_and_grad(model, pair_loss)()
         grads = g if grads is None else tree_map(mx.add, grads, g)
         all_stats.append(tree_map(mx.stop_gradient, stats))
