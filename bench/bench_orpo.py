@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -208,7 +209,10 @@ def main():
     repeats = args.repeats or (3 if args.full else 2)
     dtype = getattr(mx, args.dtype or ("bfloat16" if args.full else "float32"))
     results = []
+    env = {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "FLASH_CCE_"))}
     print(f"device: {mx.default_device()}, {platform.machine()}, {dtype}; ms / peak GB; one pair")
+    if env:  # settings that change the measurement (MLX's graph size, scheduling, ...)
+        print("environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
     print(f"| model | tokens | " + " | ".join(providers) + " |")
     print("|---|---|" + "---|" * len(providers))
     for key in args.models or models:
@@ -234,7 +238,7 @@ def main():
         mx.clear_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=str(mx.default_device()), machine=platform.machine(),
-                       dtype=str(dtype), full=args.full, repeats=repeats,
+                       dtype=str(dtype), full=args.full, repeats=repeats, environment=env,
                        results=results), f, indent=1)
     print(f"wrote {args.json}")
 
