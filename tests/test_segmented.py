@@ -34,6 +34,22 @@ def test_segmented_equals_plain(arch, share):
         assert diff <= REL * max(1.0, scale) + ABS, (seg, diff)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_segment_without_trainable_parameters(arch):
+    """A frozen middle layer makes a segment whose only input may be the hidden
+    states (MLX then hands its gradient one array, not a list); the layers before
+    it still get their gradients through it."""
+    model = tiny_model(arch, lora=True)
+    model.layers[1].freeze()
+    pairs = _pairs(4)
+    for share in (True, False):
+        plain = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, prefix_sharing=share))
+        seg = value_and_grad(model, pairs, ObjectiveConfig(segment_size=1, prefix_sharing=share))
+        diff, scale = max_diff(seg[1], plain[1])
+        assert diff <= REL * max(1.0, scale) + ABS, (share, diff)
+        assert abs(seg[1]["model"]["layers"][0]["self_attn"]["q_proj"]["lora_a"]).max() > 0
+
+
 def test_segmented_full_fine_tuning():
     """Without adapters the layers' own weights must get their gradients too."""
     model = tiny_model("gemma4_text")

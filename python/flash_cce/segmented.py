@@ -58,6 +58,10 @@ def _arrays(tree):
     return [x for _, x in tree_flatten(tree) if isinstance(x, mx.array)]
 
 
+def _as_list(x):
+    return [x] if isinstance(x, mx.array) else list(x)
+
+
 def _refill(tree, arrays):
     it = iter(arrays)
     return tree_map(lambda x: next(it) if isinstance(x, mx.array) else x, tree)
@@ -90,13 +94,14 @@ def checkpoint(fn):
 
         @f.vjp
         def backward(primals, cotangents, outputs):
-            cotangents = list(cotangents)
-            xs = mx.depends(list(primals), cotangents)
+            single = isinstance(primals, mx.array)  # one input: an array, not a list
+            cotangents = _as_list(cotangents)
+            xs = mx.depends(_as_list(primals), cotangents)
             _, grads = mx.vjp(flat, xs, cotangents)
             pg, ig = list(grads[:n_params]), list(grads[n_params:])
             if pg and ig:
                 ig = mx.depends(ig, pg)
-            return tuple(pg + ig)
+            return grads[0] if single else tuple(pg + ig)
 
         outs = f(*_arrays(tree))
         return _refill(out_tree["out"], outs)
