@@ -22,8 +22,8 @@ if DEVICE == "gpu":
     # the processes the tests start inherit it).
     os.environ.setdefault("MLX_ENABLE_TF32", "0")
     # MLX's CUDA backend frees a kernel's inputs only once the CUDA graph that
-    # holds the kernel has run, and closes a graph after ~1000 MB of arrays by
-    # default: the memory tests would measure that batching, not the
+    # holds the kernel has run, and on Hopper closes a graph after 100 kernels or
+    # 1000 MB of arrays by default: the memory tests would measure that batching, not the
     # algorithms. 1 MB closes graphs about as often as the CPU backend frees.
     os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1")
     if not mx.is_available(mx.gpu):

@@ -68,26 +68,23 @@ def test_bfloat16_dequantized_linear_error():
     assert _rel(g, g_true) <= 2**-7
 
 
-def test_few_rows_keep_quantized_matmul():
+def test_few_rows_keep_quantized_matmul(monkeypatch):
     layer = _quantized(256, 96, 4, 64)
     calls = []
     real = layers.dequantized_linear
-    layers.dequantized_linear = lambda *a: calls.append(1) or real(*a)
-    try:
-        with training_layers():
-            layer(mx.zeros((DENSE_FROM_ROWS - 1, 256)))
-            assert not calls
-            layer(mx.zeros((DENSE_FROM_ROWS, 256)))
-            assert calls
-    finally:
-        layers.dequantized_linear = real
+    monkeypatch.setattr(layers, "dequantized_linear", lambda *a: calls.append(1) or real(*a))
+    with training_layers():
+        layer(mx.zeros((DENSE_FROM_ROWS - 1, 256)))
+        assert not calls
+        layer(mx.zeros((DENSE_FROM_ROWS, 256)))
+        assert calls
 
 
 def test_backward_keeps_packed_weights_only():
-    """Eight 1024 x 1024 layers: beyond the activations, the gradient's peak holds
-    a few float32 dense weights at a time (4 MB each; measured 2.6 on the CPU,
-    4 on an H200), not all eight (32 MB; x @ dequantize(w).T differentiated by
-    MLX: 49 MB in all on the CPU)."""
+    """Eight 1024 x 1024 layers: beyond the activations (36 MB), the gradient's
+    peak holds a few float32 dense weights at a time (4 MB each), not all eight.
+    Measured: 28.5 MB in all on the CPU, activations + 4 dense weights on an
+    H200; x @ dequantize(w).T differentiated by MLX: 76 MB on the CPU."""
     stack = [_quantized(1024, 1024, 4, 64, bias=False, seed=i) for i in range(8)]
     x = mx.random.normal((DENSE_FROM_ROWS, 1024))
     mx.eval([l.parameters() for l in stack], x)

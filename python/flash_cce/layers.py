@@ -32,11 +32,9 @@ DENSE_FROM_ROWS = 1024
 def _dense_weight(layer, dtype, after):
     # `after` orders the dequantization after the data that needs it, or the
     # scheduler may dequantize many layers' weights ahead of time.
-    biases = layer.get("biases")
-    packed = [layer["weight"], layer["scales"]] + ([biases] if biases is not None else [])
-    packed = mx.depends(packed, after)
+    w, scales = mx.depends([layer["weight"], layer["scales"]], after)
     return mx.dequantize(
-        packed[0], packed[1], packed[2] if biases is not None else None,
+        w, scales, layer.get("biases"),
         group_size=layer.group_size, bits=layer.bits, mode=layer.mode, dtype=dtype,
     )
 
