@@ -13,6 +13,10 @@ Sliding-window layers: a query at position p sees only keys p - window + 1 .. p,
 so with `window` each block computes scores over those keys only (at most
 `window + block - 1` of them) instead of all keys; see `attention` and `WindowMask`.
 
+On NVIDIA GPUs each block's elementwise steps (mask, softmax, the scores'
+gradient) run as one kernel each (`attention_kernels`) when the mask is causal,
+windowed or absent.
+
 `routed(model, block)` sends a model's attention calls through `attention` while
 it is active (see `objectives.value_and_grad`).
 """
@@ -21,6 +25,8 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
+
+from . import attention_kernels
 
 # Queries per block. Larger blocks mean fewer, larger matmuls; the gradient's
 # extra memory is that of about 8 float32 block-score arrays [B, heads, block, Lk]
@@ -83,6 +89,38 @@ def _scores(qb, k, m):
     return s + m.astype(mx.float32)
 
 
+def _fused(mask):
+    # Masks made from positions only; an explicit mask array takes the MLX ops.
+    return (mask is None or isinstance(mask, str)) and attention_kernels.available()
+
+
+def _probs(qb, kb, mask, window, lq, lk, span, dtype):
+    """`(p, lse)` of a block: probabilities in `dtype`, float32 row logsumexp."""
+    b0, b1, k0, k1 = span
+    if _fused(mask):
+        return attention_kernels.softmax(
+            qb @ kb.swapaxes(-1, -2), b0 + lk - lq, k0, isinstance(mask, str), window, dtype
+        )
+    s = _scores(qb, kb, _block_mask(mask, window, lq, lk, b0, b1, k0, k1))
+    lse = mx.logsumexp(s, axis=-1, keepdims=True)
+    return mx.exp(s - lse).astype(dtype), lse
+
+
+def _score_grads(qb, kb, dob, vb, lse, delta, mask, window, lq, lk, span):
+    """`(p, ds)` of a block in the queries' dtype: its probabilities and the
+    gradient of its scores, `p * (dO V^T - delta)`."""
+    b0, b1, k0, k1 = span
+    if _fused(mask):
+        return attention_kernels.score_grads(
+            qb @ kb.swapaxes(-1, -2), dob @ vb.swapaxes(-1, -2), lse, delta,
+            b0 + lk - lq, k0, isinstance(mask, str), window,
+        )
+    s = _scores(qb, kb, _block_mask(mask, window, lq, lk, b0, b1, k0, k1))
+    p = mx.exp(s - lse)
+    dp = (dob @ vb.swapaxes(-1, -2)).astype(mx.float32)
+    return p.astype(qb.dtype), (p * (dp - delta)).astype(qb.dtype)
+
+
 def spans(lq, lk, block, mask=None, window=None):
     """`(b0, b1, k0, k1)` per block: queries [b0, b1) and the keys [k0, k1) whose
     scores the block computes. Keys outside are masked for every query of the
@@ -108,10 +146,7 @@ def _forward(q, k, v, mask, window, scale, block):
         qb = qs[:, :, :, b0:b1]
         if outs:  # one block at a time: the next starts after the last is done
             qb = mx.depends(qb, outs[-1])
-        m = _block_mask(mask, window, lq, lk, b0, b1, k0, k1)
-        s = _scores(qb, k5[:, :, :, k0:k1], m)
-        lse = mx.logsumexp(s, axis=-1, keepdims=True)
-        p = mx.exp(s - lse).astype(v.dtype)
+        p, lse = _probs(qb, k5[:, :, :, k0:k1], mask, window, lq, lk, (b0, b1, k0, k1), v.dtype)
         outs.append(p @ v5[:, :, :, k0:k1])
         lses.append(lse)
     o = mx.concatenate(outs, axis=3).reshape(b, heads, lq, v.shape[-1])
@@ -144,13 +179,11 @@ def _backward(q, k, v, mask, window, scale, block, o, lse, do):
         if dqs:  # one block at a time, or the evaluation may keep every block alive
             qb = mx.depends(qb, [dqs[-1], dk, dv])
         kb, vb = k5[:, :, :, k0:k1], v5[:, :, :, k0:k1]
-        s = _scores(qb, kb, _block_mask(mask, window, lq, lk, b0, b1, k0, k1))
-        p = mx.exp(s - lse[:, :, :, b0:b1])
-        dp = (dob @ vb.swapaxes(-1, -2)).astype(mx.float32)
-        ds = (p * (dp - delta[:, :, :, b0:b1])).astype(q.dtype)
+        p, ds = _score_grads(qb, kb, dob, vb, lse[:, :, :, b0:b1], delta[:, :, :, b0:b1],
+                             mask, window, lq, lk, (b0, b1, k0, k1))
         dqs.append(ds @ kb)
         # The query heads of one KV head share its keys: sum over them in the matmul.
-        p2 = p.astype(q.dtype).reshape(b, groups, g * n, kn).swapaxes(-1, -2)
+        p2 = p.reshape(b, groups, g * n, kn).swapaxes(-1, -2)
         ds2 = ds.reshape(b, groups, g * n, kn).swapaxes(-1, -2)
         dv = _add_keys(dv, p2 @ dob.reshape(b, groups, g * n, -1), k0)
         dk = _add_keys(dk, ds2 @ qb.reshape(b, groups, g * n, d), k0)
