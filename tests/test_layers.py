@@ -135,3 +135,17 @@ def test_lora_bfloat16_keeps_adapter_dtype():
         g = nn.value_and_grad(lora, lambda x: lora(x).astype(mx.float32).sum())(x)[1]
     assert y.dtype == mx.bfloat16
     assert g["lora_a"].dtype == mx.float32 and g["lora_b"].dtype == mx.float32
+
+
+def test_gelu_approx_is_mlx_s():
+    """Routed, `nn.gelu_approx` has MLX's value and gradient (here MLX's own
+    gradient; the fused kernel is compared in test_fused.py), and is restored."""
+    x = mx.array(np.linspace(-6, 6, 1001).astype(np.float32))
+    f = lambda x: (nn.gelu_approx(x) * mx.cos(x)).sum()
+    v0, g0 = mx.value_and_grad(f)(x)
+    with training_layers():
+        assert nn.gelu_approx is layers.gelu_approx
+        v1, g1 = mx.value_and_grad(f)(x)
+    assert nn.gelu_approx is layers._mlx_gelu_approx
+    assert v1.item() == v0.item()
+    assert _rel(g1, g0) <= 1e-6

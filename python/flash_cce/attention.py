@@ -14,8 +14,8 @@ so with `window` each block computes scores over those keys only (at most
 `window + block - 1` of them) instead of all keys; see `attention` and `WindowMask`.
 
 On NVIDIA GPUs each block's elementwise steps (mask, softmax, the scores'
-gradient) run as one kernel each (`attention_kernels`) when the mask is causal,
-windowed or absent.
+gradient) run as one kernel each (`fused`) when the mask is causal, windowed
+or absent.
 
 `routed(model, block)` sends a model's attention calls through `attention` while
 it is active (see `objectives.value_and_grad`).
@@ -26,7 +26,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from . import attention_kernels
+from . import fused
 
 # Queries per block. Larger blocks mean fewer, larger matmuls; the gradient's
 # extra memory is that of about 8 float32 block-score arrays [B, heads, block, Lk]
@@ -91,14 +91,14 @@ def _scores(qb, k, m):
 
 def _fused(mask):
     # Masks made from positions only; an explicit mask array takes the MLX ops.
-    return (mask is None or isinstance(mask, str)) and attention_kernels.available()
+    return (mask is None or isinstance(mask, str)) and fused.available()
 
 
 def _probs(qb, kb, mask, window, lq, lk, span, dtype):
     """`(p, lse)` of a block: probabilities in `dtype`, float32 row logsumexp."""
     b0, b1, k0, k1 = span
     if _fused(mask):
-        return attention_kernels.softmax(
+        return fused.softmax(
             qb @ kb.swapaxes(-1, -2), b0 + lk - lq, k0, isinstance(mask, str), window, dtype
         )
     s = _scores(qb, kb, _block_mask(mask, window, lq, lk, b0, b1, k0, k1))
@@ -111,7 +111,7 @@ def _score_grads(qb, kb, dob, vb, lse, delta, mask, window, lq, lk, span):
     gradient of its scores, `p * (dO V^T - delta)`."""
     b0, b1, k0, k1 = span
     if _fused(mask):
-        return attention_kernels.score_grads(
+        return fused.score_grads(
             qb @ kb.swapaxes(-1, -2), dob @ vb.swapaxes(-1, -2), lse, delta,
             b0 + lk - lq, k0, isinstance(mask, str), window,
         )

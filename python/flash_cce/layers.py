@@ -16,11 +16,17 @@ While `training_layers()` is active (see `objectives.value_and_grad`):
   copied to float32 and the `[tokens, out]` adapter term is not built in
   float32. The LoRA scale multiplies the `[rank, out]` matrix, not the
   `[tokens, out]` product.
+- `nn.gelu_approx` (Gemma's MLP) gets its gradient from one fused kernel on
+  NVIDIA GPUs (`fused.gelu_approx_grad`); elsewhere MLX's.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tuner.lora import LoRALinear
+
+from . import fused
+
+_mlx_gelu_approx = nn.gelu_approx
 
 # Rows (tokens) from which a quantized layer dequantizes; fewer go to MLX's
 # quantized matmul. bench/bench_layers.py on one H200 (4-bit, 1536 x 6144 and
@@ -72,16 +78,31 @@ def _lora_call(self, x):
     return self.linear(x) + (self.dropout(x) @ a) @ b
 
 
+@mx.custom_function
+def gelu_approx(x):
+    """`nn.gelu_approx(x)`, whose gradient is one kernel where `fused` runs."""
+    return _mlx_gelu_approx(x)
+
+
+@gelu_approx.vjp
+def _gelu_approx_vjp(x, g, out):  # one input, one output: arrays, not lists
+    if fused.available():
+        return fused.gelu_approx_grad(x, g)
+    return mx.vjp(_mlx_gelu_approx, [x], [g])[1][0]
+
+
 class training_layers:
-    """Context manager: quantized and LoRA linear layers compute as described in
-    this module while it is active, and as mlx-lm defines them after."""
+    """Context manager: quantized and LoRA linear layers and `nn.gelu_approx`
+    compute as described in this module while it is active, and as mlx-lm and
+    MLX define them after."""
 
     def __enter__(self):
-        self.saved = (nn.QuantizedLinear.__call__, LoRALinear.__call__)
+        self.saved = (nn.QuantizedLinear.__call__, LoRALinear.__call__, nn.gelu_approx)
         nn.QuantizedLinear.__call__ = _quantized_call(self.saved[0])
         LoRALinear.__call__ = _lora_call
+        nn.gelu_approx = gelu_approx
         return self
 
     def __exit__(self, *exc):
-        nn.QuantizedLinear.__call__, LoRALinear.__call__ = self.saved
+        nn.QuantizedLinear.__call__, LoRALinear.__call__, nn.gelu_approx = self.saved
         return False

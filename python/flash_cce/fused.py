@@ -1,22 +1,26 @@
-"""Fused elementwise steps of the blocked attention on NVIDIA GPUs.
+"""Fused elementwise kernels of a training step on NVIDIA GPUs.
 
-Each block of `attention` turns its raw scores `s` (the matmul's output) into
-probabilities and, in the backward, into the scores' gradient. Composed of MLX
-ops that is a chain of casts, a mask, a logsumexp, subtractions and
-exponentials, each a kernel and a pass over float32 `[B, heads, block, keys]`
-temporaries; `mx.compile` does not fuse them under a gradient transformation.
-Here each is one kernel, JIT-compiled by MLX (`mx.fast.cuda_kernel`):
+Composed of MLX ops, the elementwise steps below are chains of kernels, each a
+pass over a `[tokens, hidden]` or float32 `[B, heads, block, keys]` array; and
+`mx.compile`, which would fuse them, leaves functions unfused under a gradient
+transformation (their inputs are tracers). Here each is one kernel,
+JIT-compiled by MLX (`mx.fast.cuda_kernel`); callers use them when
+`available()` and MLX's ops otherwise.
 
+Blocked attention (`attention`), one block's:
 - `softmax(s, ...)`: `(p, lse)` with `lse = logsumexp(masked s)` per row and
   `p = exp(masked s - lse)`, one thread block per row;
 - `score_grads(s, dp, lse, delta, ...)`: `(p, ds)` with `ds = p * (dp - delta)`,
   one thread per entry.
-
 The mask is made from positions: query row `r` sits at `q_start + r % n` (n
 queries per block) and key column `c` at `k_start + c`; a key is visible when
 (not causal or key <= query) and (no window or query - key < window). Masked
 scores count as `-3e38`, as in the composed path, so the arithmetic is the same
 up to the order of the row sums.
+
+Gemma's MLP (`layers`): `gelu_approx_grad(x, g)`, the gradient of
+`nn.gelu_approx` at x times g, one thread per entry (MLX differentiates the
+compiled forward op by op: about ten passes).
 """
 
 import os
@@ -89,6 +93,18 @@ _SCORE_GRADS = """
   ds[i] = (T)(pv * ((float)dp[i] - delta[row]));
 """
 
+_GELU_GRAD = """
+  long total = 1;
+  for (int i = 0; i < x_ndim; ++i) total *= x_shape[i];
+  const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  const float v = (float)x[i];
+  const float t = tanhf(c * (v + 0.044715f * v * v * v));
+  const float d = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * v * v);
+  dx[i] = (T)((float)g[i] * d);
+"""
+
 _kernels = {}
 
 
@@ -103,8 +119,8 @@ def _kernel(name, inputs, outputs, source):
 
 def available():
     """Whether the kernels run here: MLX's CUDA backend is the default device,
-    unless FLASH_CCE_ATTENTION_KERNELS=0."""
-    if os.environ.get("FLASH_CCE_ATTENTION_KERNELS", "1") == "0":
+    unless FLASH_CCE_FUSED_KERNELS=0."""
+    if os.environ.get("FLASH_CCE_FUSED_KERNELS", "1") == "0":
         return False
     return (
         mx.default_device() == mx.gpu
@@ -144,3 +160,13 @@ def score_grads(s, dp, lse, delta, q_start, k_start, causal, window):
         output_shapes=[s.shape, s.shape], output_dtypes=[s.dtype, s.dtype],
     )
     return p, ds
+
+
+def gelu_approx_grad(x, g):
+    """`g * d/dx nn.gelu_approx(x)` in `g.dtype` (x and g of one shape)."""
+    (dx,) = _kernel("fcce_gelu_approx_grad", ["x", "g"], ["dx"], _GELU_GRAD)(
+        inputs=[x, g], template=[("T", g.dtype)],
+        grid=(x.size, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[g.dtype],
+    )
+    return dx

@@ -1,4 +1,4 @@
-"""The fused attention kernels (NVIDIA GPUs) equal the composed MLX ops they replace.
+"""The fused kernels (NVIDIA GPUs) equal the composed MLX ops they replace.
 
 Run with FLASH_CCE_TEST_DEVICE=gpu on a machine with MLX's CUDA backend; skipped
 elsewhere. float32 inputs: the two paths differ only in the order of each row's
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flash_cce import attention as attn
-from flash_cce import attention_kernels as ak
+from flash_cce import fused as ak
 from flash_cce.attention import attention, window_mask
 
 pytestmark = pytest.mark.skipif(not ak.available(), reason="needs MLX's CUDA backend")
@@ -73,7 +73,7 @@ def test_softmax_and_score_grads(case, dtype):
 @pytest.mark.parametrize("mask", ["causal", "window", None])
 def test_attention_with_and_without_kernels(mask, monkeypatch):
     """The whole blocked attention, forward and gradients, with the kernels and
-    with MLX's ops (FLASH_CCE_ATTENTION_KERNELS=0), over several blocks."""
+    with MLX's ops (FLASH_CCE_FUSED_KERNELS=0), over several blocks."""
     rng = np.random.default_rng(1)
     b, hq, hkv, lq, lk, d = 1, 4, 1, 96, 160, 32
     q = mx.array(rng.standard_normal((b, hq, lq, d)).astype(np.float32))
@@ -90,10 +90,26 @@ def test_attention_with_and_without_kernels(mask, monkeypatch):
     monkeypatch.setattr(ak, "softmax", lambda *a: calls.append(1) or real(*a))
     v1, g1 = run()
     assert calls  # the kernels ran
-    monkeypatch.setenv("FLASH_CCE_ATTENTION_KERNELS", "0")
+    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")
     calls.clear()
     v0, g0 = run()
     assert not calls
     assert abs(v1 - v0).item() <= TOL * max(1.0, abs(v0).item())
     for a, b_ in zip(g1, g0):
         assert _rel(a, b_) <= TOL
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gelu_approx_grad(dtype):
+    """Against MLX's gradient of `nn.gelu_approx` (float32: same formula up to
+    rounding, 1e-5 of the largest; bfloat16: MLX differentiates in bfloat16, the
+    kernel in float32, so within a few bfloat16 roundings: 2^-6)."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(2)
+    x = mx.array((rng.standard_normal((300, 257)) * 3).astype(np.float32)).astype(dtype)
+    g = mx.array(rng.standard_normal((300, 257)).astype(np.float32)).astype(dtype)
+    ref = mx.vjp(nn.gelu_approx, [x], [g])[1][0]
+    got = ak.gelu_approx_grad(x, g)
+    assert got.dtype == dtype
+    assert _rel(got, ref) <= (TOL if dtype == mx.float32 else 2**-6)
