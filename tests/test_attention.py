@@ -172,8 +172,9 @@ def test_window_with_other_masks(additive):
             assert _rel_err(g, x) <= 2e-5, (name, m is None, _rel_err(g, x))
 
 
-def test_window_mask_only_where_it_fits():
+def test_window_mask_only_where_it_fits(monkeypatch):
     """A WindowMask for another shape or offset is used as a plain array (all keys)."""
+    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
     q, k, v, c, lq, lk, w, block = _window_inputs("window_continuation")
     seen = []
     real = attn._scores
@@ -192,10 +193,11 @@ def test_window_mask_only_where_it_fits():
         attention(q, k, v, scale=0.3, window=0)
 
 
-def test_window_key_columns():
+def test_window_key_columns(monkeypatch):
     """The work saved, counted: the key columns of the scores the blocks compute
     (forward and backward) at model A/B's window 512 and block 512 on 8192 tokens.
     Each block sees at most window + block - 1 keys, whatever the length."""
+    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
     n, w, block = 8192, 512, 512
     windowed = spans(n, n, block, "causal", w)
     causal = spans(n, n, block, "causal")
