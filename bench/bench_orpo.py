@@ -11,6 +11,8 @@ Providers (each a full step: forward, backward, gradients evaluated):
                         attention (defaults)
   no_flash_head         same with the full-logits head
   no_prefix             same with two forwards instead of one prompt forward
+  two_pass              prefix sharing as a prompt forward + a continuation of both
+                        responses, instead of one packed pass (not in the default set)
   no_segments           same with the plain backward
   no_block_attn         same with mlx-lm's attention (scores of a whole layer in memory)
   mlx-lm-lora           mlx-lm-lora 5.10.2 `orpo_loss_from_model`, plain
@@ -42,7 +44,7 @@ from mlx_lm.models import gemma3_text, gemma4_text
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-import flash_cce.lm
+import flash_cce.attention
 import flash_cce.objectives
 from flash_cce.batch import Pair
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
@@ -110,16 +112,16 @@ def ours(model, pair, no_window=False, mlx_linears=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
 
     def step():
-        saved = flash_cce.lm.window_mask, flash_cce.objectives.training_layers
+        saved = flash_cce.attention.window_mask, flash_cce.objectives.training_layers
         if no_window:
-            flash_cce.lm.window_mask = _plain_window_mask
+            flash_cce.attention.window_mask = _plain_window_mask
         if mlx_linears:
             flash_cce.objectives.training_layers = contextlib.nullcontext
         try:
             loss, grads, metrics = value_and_grad(model, [pair], cfg)
             mx.eval(loss, grads, metrics)
         finally:
-            flash_cce.lm.window_mask, flash_cce.objectives.training_layers = saved
+            flash_cce.attention.window_mask, flash_cce.objectives.training_layers = saved
 
     return step
 
@@ -156,6 +158,7 @@ SWITCHES = {
     "flash_cce": {},
     "no_flash_head": dict(flash_head=False),
     "no_prefix": dict(prefix_sharing=False),
+    "two_pass": dict(prefix_packing=False),
     "no_segments": dict(segment_size=0),
     "no_block_attn": dict(attention_block=0),
     "no_window": dict(no_window=True),

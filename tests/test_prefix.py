@@ -1,9 +1,12 @@
-"""Prefix sharing: one prompt forward + a batched continuation equals two forwards."""
+"""Prefix sharing, in both layouts (packed rows, or a prompt forward and a
+batched continuation), equals two forwards."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from flash_cce import prefix
+from flash_cce.attention import routed
 from flash_cce.batch import Pair
 from flash_cce.lm import LM
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
@@ -31,6 +34,52 @@ def test_prefix_hidden_states_equal_mlx_lm_forward(arch):
             want = model.model(mx.array([seq[:-1]]))[0]
             diff = float(mx.abs(got - want).max())
             assert diff <= REL * max(1.0, float(mx.abs(want).max())) + ABS, (prompt_len, diff)
+
+
+@pytest.mark.parametrize("block", [0, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_hidden_states_equal_mlx_lm_forward(arch, block):
+    """The packed layout with MLX's attention (block 0) and the blocked one (4),
+    prompt 9 > window 4, responses shorter and longer than the prompt."""
+    model = tiny_model(arch)
+    lm = LM(model)
+    pair = random_pair(np.random.default_rng(0), 9, 6, 12)
+    seqs = [pair.chosen, pair.rejected]
+    with routed(model, block):
+        h, rows = sequence_hidden(lm, seqs, 9, pack=True)
+    for seq, r in zip(seqs, rows):
+        got = lm.norm(h[mx.array(r)])
+        want = model.model(mx.array([seq[:-1]]))[0]
+        diff = float(mx.abs(got - want).max())
+        assert diff <= REL * max(1.0, float(mx.abs(want).max())) + ABS, diff
+
+
+def test_packing_pays():
+    assert prefix.packing_pays(8, [8, 7])  # 24 tokens packed vs 32
+    assert prefix.packing_pays(6, [8, 2])  # 24 vs 28
+    assert not prefix.packing_pays(2, [8, 8])  # 24 vs 20
+    assert not prefix.packing_pays(20, [4, 3])  # 60 vs 48
+    assert not prefix.packing_pays(5, [0, 0])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_loss_and_grads_equal_two_forwards(arch, monkeypatch):
+    """Prompt and responses of similar length: value_and_grad packs them, also
+    under segments (a Gemma 4 layer reading shared keys/values of another segment)."""
+    model = tiny_model(arch, lora=True)
+    rng = np.random.default_rng(4)
+    pairs = [random_pair(rng, 7, 8, 6), random_pair(rng, 5, 5, 5)]
+    packed = []
+    monkeypatch.setattr(prefix.PackedCache, "__init__",
+                        lambda self, offsets: packed.append(1) or setattr(self, "offset", offsets))
+    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    assert not packed
+    for seg in (0, 1):
+        shared = value_and_grad(model, pairs, ObjectiveConfig(segment_size=seg))
+        assert abs(shared[0].item() - two[0].item()) <= REL * abs(two[0].item()) + ABS
+        diff, scale = max_diff(shared[1], two[1])
+        assert diff <= REL * max(1.0, scale) + ABS, (seg, diff)
+    assert packed
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -267,41 +267,87 @@ def _as_window(mask, lq, lk):
     return mask, None
 
 
+def causal_mask(n, offset, window):
+    """Mask for `n` queries at positions offset.. over `offset + n` keys (mlx-lm's;
+    a sliding window's is a `WindowMask`, which the blocked attention can skip by)."""
+    if window is None or offset + n <= window:
+        return "causal" if n > 1 else None
+    return window_mask(n, offset, window)
+
+
+class PackedMask:
+    """The mask of a packed prefix batch (see `prefix`): row 0 holds a prompt of
+    `prompt_len` tokens at positions 0.., every other row a continuation of it at
+    positions prompt_len.. . Row 0 attends causally to itself; each other row to
+    the prompt's keys (row 0's first `prompt_len`) and causally to its own.
+    `window`: a sliding-window layer's window (None: global).
+
+    Only `routed`'s attention understands it: mlx-lm's layers pass masks through
+    untouched, and the routed call splits the rows into two ordinary calls.
+    """
+
+    def __init__(self, prompt_len, window):
+        self.prompt_len, self.window = prompt_len, window
+
+    def attend(self, q, k, v, scale, sdpa):
+        """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`."""
+        p, n = self.prompt_len, q.shape[2]
+        head = sdpa(q[:1], k[:1], v[:1], None, scale, causal_mask(n, 0, self.window))
+
+        def with_prompt(x):
+            prompt = mx.broadcast_to(x[:1, :, :p], (x.shape[0] - 1,) + x.shape[1:2] + (p, x.shape[3]))
+            return mx.concatenate([prompt, x[1:]], axis=2)
+
+        rest = sdpa(q[1:], with_prompt(k), with_prompt(v), None, scale, causal_mask(n, p, self.window))
+        return mx.concatenate([head, rest], axis=0)
+
+
 class routed:
     """Context manager: the attention of `model`'s layers runs through `attention`
-    (in blocks of `block` queries) wherever the queries span more than one block.
+    (in blocks of `block` queries) wherever the queries span more than one block,
+    and packed prefix batches (`PackedMask`) are attended to row by row.
 
     mlx-lm's attention modules call the `scaled_dot_product_attention` their
     module imported from `mlx_lm.models.base`; that name is swapped for the
     duration and restored after. Sliding-window layers get a `WindowMask` (see
-    `lm.attention_mask`), so they compute only the scores inside their window.
+    `causal_mask`), so they compute only the scores inside their window.
     Calls it cannot serve the same way (quantized KV caches, attention
-    sinks) and short ones go to the original. `block=0` does nothing.
+    sinks) and short ones go to the original; with `block=0`, all but the packed.
     """
 
     def __init__(self, model, block):
         self.block = block
         self.module = sys.modules.get(type(model).__module__)
-        if block and not hasattr(self.module, "scaled_dot_product_attention"):
+        if not hasattr(self.module, "scaled_dot_product_attention"):
             raise ValueError(
                 f"model: {type(model).__module__} has no scaled_dot_product_attention to route"
             )
 
     def __enter__(self):
-        if not self.block:
-            return self
         original = self.saved = self.module.scaled_dot_product_attention
         block = self.block
 
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            if sinks is None and not hasattr(cache, "bits") and queries.shape[2] > block:
+        def plain(queries, keys, values, cache, scale, mask, sinks=None):
+            if (block and sinks is None and not hasattr(cache, "bits")
+                    and queries.shape[2] > block):
                 return attention(queries, keys, values, scale=scale, mask=mask, block=block)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            if isinstance(mask, PackedMask):
+                return mask.attend(queries, keys, values, scale, plain)
+            return plain(queries, keys, values, cache, scale, mask, sinks)
+
+        sdpa.packs = True
         self.module.scaled_dot_product_attention = sdpa
         return self
 
     def __exit__(self, *exc):
-        if self.block:
-            self.module.scaled_dot_product_attention = self.saved
+        self.module.scaled_dot_product_attention = self.saved
         return False
+
+
+def packs(model):
+    """Whether `model`'s attention calls take `PackedMask`s now (inside `routed`)."""
+    module = sys.modules.get(type(model).__module__)
+    return getattr(getattr(module, "scaled_dot_product_attention", None), "packs", False)

@@ -10,7 +10,6 @@ update in mlx-lm changes nothing here unless the loop itself changes.
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import window_mask
 
 SUPPORTED = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 
@@ -18,14 +17,6 @@ SUPPORTED = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 def model_type(model):
     args = getattr(model, "args", None)
     return getattr(model, "model_type", None) or getattr(args, "model_type", None)
-
-
-def attention_mask(n, offset, window):
-    """Mask for `n` queries at positions offset.. over `offset + n` keys (mlx-lm's;
-    a sliding window's is a `WindowMask`, which the blocked attention can skip by)."""
-    if window is None or offset + n <= window:
-        return "causal" if n > 1 else None
-    return window_mask(n, offset, window)
 
 
 class LM:

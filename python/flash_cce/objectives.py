@@ -43,6 +43,8 @@ class ObjectiveConfig:
     gamma: float = 0.5  # SimPO / ORPO+margin target margin
     nll_on_prompt: bool = True  # ORPO/SFT NLL over prompt+response (TRL) or response only
     prefix_sharing: bool = True
+    # Shared-prompt layout (see `prefix`): None picks; True packed rows; False two passes
+    prefix_packing: Optional[bool] = None
     flash_head: bool = True
     segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
@@ -118,7 +120,8 @@ def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0):
     if share is None:
         share = can_share(pair, cfg, obj)
     h, rows = sequence_hidden(
-        lm, seqs, pair.chosen_prompt_len if share else None, segment_size=segment_size
+        lm, seqs, pair.chosen_prompt_len if share else None, segment_size=segment_size,
+        pack=cfg.prefix_packing,
     )
     idx, tgt, groups = [], [], []
     for b, seq in enumerate(seqs):
@@ -145,7 +148,7 @@ def can_share(pair, cfg, obj):
 def _reference(lm, pairs, cfg, obj):
     """DPO's reference log-probs: the same model with its adapters off, no gradient."""
     out = []
-    with adapters_off(lm.model):
+    with adapters_off(lm.model), routed(lm.model, _attention_block(cfg)):
         for p in pairs:
             s = pair_stats(lm, p, cfg, obj)
             mx.eval(s["c_sum"], s["r_sum"])
@@ -244,8 +247,9 @@ def evaluate(model, pairs, cfg):
     """Loss and metrics of `cfg`'s objective without gradients."""
     lm, obj, ref = _prepare(model, pairs, cfg)
     all_stats = []
-    for i, pair in enumerate(pairs):
-        stats = _with_reference(pair_stats(lm, pair, cfg, obj), ref, i)
-        mx.eval(stats)
-        all_stats.append(stats)
+    with routed(model, _attention_block(cfg)):
+        for i, pair in enumerate(pairs):
+            stats = _with_reference(pair_stats(lm, pair, cfg, obj), ref, i)
+            mx.eval(stats)
+            all_stats.append(stats)
     return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))

@@ -1,14 +1,25 @@
 """Prefix sharing: encode a pair's prompt once, continue both responses from it.
 
-Design: a forward over the prompt alone (batch 1) records every layer's keys and
-values; the chosen and rejected responses then run as one batch of two padded
-rows at positions P.., attending to the recorded prompt keys/values plus their
-own (the mlx-lm KV-cache protocol: `offset` and `update_and_fetch`, so stock
-mlx-lm attention layers, sliding windows and Gemma 4's shared KV layers work
-unchanged). The caches here are functional: they concatenate instead of writing
-into a buffer, so the gradient of the responses' loss flows back into the prompt's
-keys and values, and from there into the prompt forward. Padding sits at the end
-of the shorter response, where causal attention keeps it from every real token.
+Two layouts, both exact (the same function as two separate forwards):
+
+- Packed (one pass over the stack): a batch of three rows, the prompt at
+  positions 0.. and each response at positions P.. (per-row RoPE offsets), padded
+  to one width. Each response row attends to the prompt row's keys/values plus
+  its own (`attention.PackedMask`, which `attention.routed` serves). The layers
+  run once on 3 x width tokens, so this is the layout when the prompt and the
+  responses are of similar length (width = max of the three) and the attention
+  is routed.
+- Two passes: a forward over the prompt alone (batch 1) records every layer's
+  keys and values; the chosen and rejected responses then run as one batch of
+  two padded rows at positions P.., attending to the recorded prompt keys/values
+  plus their own (the mlx-lm KV-cache protocol: `offset` and `update_and_fetch`,
+  so stock mlx-lm attention layers, sliding windows and Gemma 4's shared KV
+  layers work unchanged). Its caches are functional: they concatenate instead of
+  writing into a buffer, so the gradient of the responses' loss flows back into
+  the prompt's keys and values, and from there into the prompt forward.
+
+Padding sits at the end of a shorter row, where causal attention keeps it from
+every real token.
 """
 
 import mlx.core as mx
@@ -42,19 +53,49 @@ class PrefixCache:
         return join(self.keys, keys), join(self.values, values)
 
 
+class PackedCache:
+    """Cache of a packed prefix batch: per-row positions, keys/values as they are."""
+
+    def __init__(self, offsets):
+        self.offset = offsets
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+
+def packing_pays(prompt_len, widths):
+    """Whether the packed layout runs no more tokens than two separate forwards:
+    3 rows of max(P, responses) vs 2 rows of P + the longest response."""
+    widths = list(widths)
+    width = max([prompt_len] + widths)
+    return 3 * width <= 2 * (prompt_len + max(widths))
+
+
+def _packable(lm):
+    # The one mlx-lm RoPE that does arithmetic on its offset in Python.
+    return all(
+        type(getattr(getattr(layer, "self_attn", None), "rope", None)).__name__
+        != "DynamicNTKScalingRoPE"
+        for layer in lm.layers
+    )
+
+
 def _padded(seqs):
     width = max(len(s) for s in seqs)
     return mx.array([s + [0] * (width - len(s)) for s in seqs]), width
 
 
-def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0):
+def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None):
     """Hidden states (before the final norm) that predict every token of `seqs`.
 
     Returns `(H, rows)`: `H` is `[rows, d]` and `rows[b][j]` is the row of `H`
     whose output predicts `seqs[b][j + 1]`. With `prompt_len` the sequences share
     their first `prompt_len` tokens and the prompt is encoded once; without it each
-    sequence gets its own forward (one padded batch).
+    sequence gets its own forward (one padded batch). `pack` picks the layout
+    with a shared prompt (None: packed where the attention is routed and
+    `packing_pays`).
     """
+    from .attention import packs
     from .segmented import run_stack  # segmented uses this module's caches
 
     if not prompt_len:
@@ -63,11 +104,26 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0):
         rows = [[b * width + j for j in range(len(s) - 1)] for b, s in enumerate(seqs)]
         return h.reshape(-1, h.shape[-1]), rows
     p = prompt_len
+    conts = [s[p:-1] for s in seqs]
+    if pack is None:
+        pack = packs(lm.model) and _packable(lm) and packing_pays(p, map(len, conts))
+    elif pack and not (packs(lm.model) and _packable(lm)):
+        raise ValueError(
+            "pack=True needs the model's attention routed (attention.routed) and a RoPE "
+            "that takes per-row offsets"
+        )
+    if pack:
+        tokens, width = _padded([seqs[0][:p]] + conts)
+        h, _ = run_stack(lm, *lm.embed(tokens), packed=p, segment_size=segment_size)
+        rows = [
+            list(range(p)) + [(1 + b) * width + k for k in range(len(c))]
+            for b, c in enumerate(conts)
+        ]
+        return h.reshape(-1, h.shape[-1]), rows
     hp, kv = run_stack(
         lm, *lm.embed(mx.array([seqs[0][:p]])), keep_kv=True, segment_size=segment_size
     )
     parts = [hp[0]]
-    conts = [s[p:-1] for s in seqs]
     tokens, width = _padded(conts)
     if width:
         hc, _ = run_stack(

@@ -11,13 +11,14 @@ mlx-lm's `grad_checkpoint`, so their gradients flow; everything else is frozen.
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .lm import attention_mask
-from .prefix import PrefixCache, RecordCache
+from .attention import PackedMask, causal_mask
+from .prefix import PackedCache, PrefixCache, RecordCache
 
 
-def _body(lm, lo, hi, offset, keep_kv):
+def _body(lm, lo, hi, offset, keep_kv, packed):
     """The plain function of layers [lo, hi): (h, aux, prompt_kv, shared) ->
-    (h, recorded kv per cached layer, shared kv produced here)."""
+    (h, recorded kv per cached layer, shared kv produced here). With `packed`
+    (a prompt length) the rows are a packed prefix batch (see `prefix`)."""
 
     def run(h, aux, prompt_kv, shared_in):
         n = h.shape[1]
@@ -25,13 +26,16 @@ def _body(lm, lo, hi, offset, keep_kv):
         shared = dict(shared_in)
         produced, recorded = {}, []
         cached = [i for i in range(lo, hi) if lm.has_cache(i)]
+        at = mx.array([0] + [packed] * (h.shape[0] - 1)) if packed else offset
         for i in range(lo, hi):
             w = lm.windows[i]
             if w not in masks:
-                masks[w] = attention_mask(n, offset, w)
+                masks[w] = PackedMask(packed, w) if packed else causal_mask(n, offset, w)
             cache = None
             if lm.has_cache(i):
-                if prompt_kv:
+                if packed:
+                    cache = PackedCache(at)
+                elif prompt_kv:
                     cache = PrefixCache(*prompt_kv[cached.index(i)])
                 elif keep_kv:
                     cache = RecordCache()
@@ -39,7 +43,7 @@ def _body(lm, lo, hi, offset, keep_kv):
             h, kv = lm.layer(
                 i, h, masks[w], cache,
                 aux[:, :, i - lo] if isinstance(aux, mx.array) else None,
-                shared.get(str(src)) if src is not None else None, offset,
+                shared.get(str(src)) if src is not None else None, at,
             )
             if cache is not None and keep_kv:
                 recorded.append(cache.kv)
@@ -126,13 +130,16 @@ def _checkpointed(lm, lo, hi, run):
     return call
 
 
-def run_stack(lm, h, aux=None, *, offset=0, prompt_kv=None, keep_kv=False, segment_size=0):
+def run_stack(
+    lm, h, aux=None, *, offset=0, prompt_kv=None, keep_kv=False, packed=None, segment_size=0
+):
     """Runs every layer of `lm` on `h` `[B, L, d]` at positions offset..offset+L.
 
     `aux` is Gemma 4's per-layer input `[B, L, layers, d']`. With `prompt_kv`
     (one (k, v) per cached layer, from a `keep_kv` run over the prompt) the tokens
     continue that prompt. Returns `(h, kv)`: the last hidden states (before the
     final norm) and, with `keep_kv`, the (k, v) of every cached layer.
+    `packed` (a prompt length): `h` is a packed prefix batch (see `prefix`).
     """
     n = len(lm.layers)
     k = n if not segment_size else segment_size
@@ -142,7 +149,7 @@ def run_stack(lm, h, aux=None, *, offset=0, prompt_kv=None, keep_kv=False, segme
         n_cached = sum(lm.has_cache(i) for i in range(lo, hi))
         seg_kv, kv_in = kv_in[:n_cached], kv_in[n_cached:]
         seg_aux = [] if aux is None else aux[:, :, lo:hi]
-        run = _body(lm, lo, hi, offset, keep_kv)
+        run = _body(lm, lo, hi, offset, keep_kv, packed)
         if segment_size:
             run = _checkpointed(lm, lo, hi, run)
         h, recorded, produced = run(h, seg_aux, seg_kv, shared)
