@@ -10,22 +10,24 @@ fp32-rounding tolerances keep their meaning. That is the default backend
 
 import os
 
-import mlx.core as mx
-import pytest
-
+# Set before MLX is imported: set after, the graph limit below did not take effect.
 DEVICE = os.environ.get("FLASH_CCE_TEST_DEVICE", "cpu")
-if DEVICE not in ("cpu", "gpu"):
-    raise ValueError(f"FLASH_CCE_TEST_DEVICE must be cpu or gpu, got {DEVICE!r}")
 if DEVICE == "gpu":
     # MLX multiplies fp32 in TF32 on NVIDIA GPUs unless told otherwise; the
-    # suite's fp32 tolerances mean fp32 (read once, before the first matmul;
-    # the processes the tests start inherit it).
+    # suite's fp32 tolerances mean fp32 (the processes the tests start inherit it).
     os.environ.setdefault("MLX_ENABLE_TF32", "0")
     # MLX's CUDA backend frees a kernel's inputs only once the CUDA graph that
     # holds the kernel has run, and on Hopper closes a graph after 100 kernels or
     # 1000 MB of arrays by default: the memory tests would measure that batching, not the
     # algorithms. 1 MB closes graphs about as often as the CPU backend frees.
     os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1")
+
+import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
+
+if DEVICE not in ("cpu", "gpu"):
+    raise ValueError(f"FLASH_CCE_TEST_DEVICE must be cpu or gpu, got {DEVICE!r}")
+if DEVICE == "gpu":
     if not mx.is_available(mx.gpu):
         raise RuntimeError("FLASH_CCE_TEST_DEVICE=gpu but this MLX has no GPU")
     mx.set_default_device(mx.gpu)
