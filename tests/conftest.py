@@ -10,7 +10,7 @@ fp32-rounding tolerances keep their meaning. That is the default backend
 
 import os
 
-# Set before MLX is imported: set after, the graph limit below did not take effect.
+# Set before MLX is imported: it reads them when it creates its GPU stream, at import.
 DEVICE = os.environ.get("FLASH_CCE_TEST_DEVICE", "cpu")
 if DEVICE == "gpu":
     # MLX multiplies fp32 in TF32 on NVIDIA GPUs unless told otherwise; the

@@ -91,3 +91,41 @@ def test_bad_settings_are_named(tmp_path, capsys):
     assert "warmup must be in [0, iters=1)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--objective", "kto"])
+
+
+class _Exec(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cuda, preset", [(True, None), (True, "50"), (False, None)])
+def test_cuda_graph_limit_restart(monkeypatch, cuda, preset):
+    """On a CUDA GPU, train/eval restart once with MLX_MAX_MB_PER_BUFFER=GRAPH_MB
+    unless it is set; elsewhere, or when set, nothing changes."""
+    import mlx.core as mx
+
+    from flash_cce import cli
+
+    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
+    if preset:
+        monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", preset)
+    if hasattr(mx, "cuda"):
+        monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
+    elif cuda:
+        pytest.skip("this MLX has no mx.cuda module to stand in for")
+    calls = []
+
+    def fake_exec(path, args):
+        calls.append((path, args, cli.os.environ.get("MLX_MAX_MB_PER_BUFFER")))
+        raise _Exec
+
+    monkeypatch.setattr(cli.os, "execv", fake_exec)
+    argv = ["eval", "--model", "nowhere"]
+    if cuda and not preset:
+        with pytest.raises(_Exec):
+            cli.main(argv)
+        assert calls[0][1][1:] == ["-m", "flash_cce.cli"] + argv
+        assert calls[0][2] == cli.GRAPH_MB
+    else:
+        cli._restart_with_graph_limit(argv)
+        assert not calls
+        assert cli.os.environ.get("MLX_MAX_MB_PER_BUFFER") == preset
