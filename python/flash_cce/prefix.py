@@ -24,6 +24,8 @@ every real token.
 
 import mlx.core as mx
 
+from .attention import packs
+
 
 class RecordCache:
     """Cache for a forward from position 0 that keeps the keys/values it sees."""
@@ -95,7 +97,6 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None):
     with a shared prompt (None: packed where the attention is routed and
     `packing_pays`).
     """
-    from .attention import packs
     from .segmented import run_stack  # segmented uses this module's caches
 
     if not prompt_len:
