@@ -10,7 +10,8 @@ fp32-rounding tolerances keep their meaning. That is the default backend
 
 import os
 
-# Set before MLX is imported: it reads them when it creates its GPU stream, at import.
+# Set before MLX is imported: it reads the graph limits when it creates its GPU
+# stream, at import (TF32 at the first matmul).
 DEVICE = os.environ.get("FLASH_CCE_TEST_DEVICE", "cpu")
 if DEVICE == "gpu":
     # MLX multiplies fp32 in TF32 on NVIDIA GPUs unless told otherwise; the
