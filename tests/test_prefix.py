@@ -54,6 +54,15 @@ def test_packed_hidden_states_equal_mlx_lm_forward(arch, block):
         assert diff <= REL * max(1.0, float(mx.abs(want).max())) + ABS, diff
 
 
+def test_packed_layout_needs_routed_attention():
+    model = tiny_model("llama")
+    pair = random_pair(np.random.default_rng(0), 4, 4, 4)
+    with pytest.raises(ValueError, match="pack=True needs"):
+        sequence_hidden(LM(model), [pair.chosen, pair.rejected], 4, pack=True)
+    with pytest.raises(ValueError, match="prefix_packing"):
+        value_and_grad(model, [pair], ObjectiveConfig(prefix_packing="yes"))
+
+
 def test_packing_pays():
     assert prefix.packing_pays(8, [8, 7])  # 24 tokens packed vs 32
     assert prefix.packing_pays(6, [8, 2])  # 24 vs 28

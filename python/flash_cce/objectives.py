@@ -57,6 +57,8 @@ class ObjectiveConfig:
             raise ValueError(f"segment_size must be None or >= 0, got {self.segment_size}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be None or >= 2, got {self.max_length}")
+        if self.prefix_packing not in (None, True, False):
+            raise ValueError(f"prefix_packing must be None, True or False, got {self.prefix_packing!r}")
         if self.attention_block is not None and self.attention_block < 0:
             raise ValueError(f"attention_block must be None or >= 0, got {self.attention_block}")
 
