@@ -302,6 +302,12 @@ class PackedMask:
         return mx.concatenate([head, rest], axis=0)
 
 
+def _module_of(model):
+    # mlx-lm's attention modules call the `scaled_dot_product_attention` of the
+    # module that defines the model class.
+    return sys.modules.get(type(model).__module__)
+
+
 class routed:
     """Context manager: the attention of `model`'s layers runs through `attention`
     (in blocks of `block` queries) wherever the queries span more than one block,
@@ -317,7 +323,7 @@ class routed:
 
     def __init__(self, model, block):
         self.block = block
-        self.module = sys.modules.get(type(model).__module__)
+        self.module = _module_of(model)
         if not hasattr(self.module, "scaled_dot_product_attention"):
             raise ValueError(
                 f"model: {type(model).__module__} has no scaled_dot_product_attention to route"
@@ -349,5 +355,5 @@ class routed:
 
 def packs(model):
     """Whether `model`'s attention calls take `PackedMask`s now (inside `routed`)."""
-    module = sys.modules.get(type(model).__module__)
-    return getattr(getattr(module, "scaled_dot_product_attention", None), "packs", False)
+    sdpa = getattr(_module_of(model), "scaled_dot_product_attention", None)
+    return getattr(sdpa, "packs", False)

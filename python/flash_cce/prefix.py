@@ -106,9 +106,10 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None):
         return h.reshape(-1, h.shape[-1]), rows
     p = prompt_len
     conts = [s[p:-1] for s in seqs]
+    can_pack = packs(lm.model) and _packable(lm)
     if pack is None:
-        pack = packs(lm.model) and _packable(lm) and packing_pays(p, map(len, conts))
-    elif pack and not (packs(lm.model) and _packable(lm)):
+        pack = can_pack and packing_pays(p, map(len, conts))
+    elif pack and not can_pack:
         raise ValueError(
             "pack=True needs the model's attention routed (attention.routed) and a RoPE "
             "that takes per-row offsets"
