@@ -278,7 +278,7 @@ def test_window_gradient_memory_independent_of_keys():
     # measured 7.3 MB at 4096 against this bound's 14.6 MB; the causal blocks: 69 MB
     bound = 8 * q_bytes(4096) + 16 * window_scores
     assert w4 <= bound, (w4, bound)
-    assert _grad_peak(causal, 4096) > bound  # the measurement tells them apart
+    assert _grad_peak(causal, 4096) > 2 * bound  # the measurement tells them apart
 
 
 # The blocked backward forms softmax's row sum as rowsum(dO * O) instead of
