@@ -218,18 +218,57 @@ __device__ __forceinline__ void wg_consumer_regs() {
 // ((c ^ (r & 7)) << 4), the 128-byte swizzle). Each thread owns kSegs row
 // segments of kSeg 8-element chunks; consecutive threads take consecutive rows,
 // so a quarter-warp's 16-byte stores fall in distinct banks.
-// The thread holds one tile's packed words in registers and refills each
+// An 8-bit thread holds one tile's packed words in registers and refills each
 // 16-byte vector from the next tile as soon as it is converted: the loads have
-// a whole pipeline step to land, and only one tile's words are live. Rows past
-// V and columns past H load zero scales and biases, so they store zeros.
-// A code q < 2^23 as a float, exactly, from the bits of 2^23 + q (the code in
-// the mantissa of 2^23): full-rate integer ops and one add, where a conversion
-// (I2F) runs at a quarter of the rate and the producer converts 128 elements
-// per thread for every k-step of the consumers.
+// a whole pipeline step to land, and only one tile's words are live (4-bit
+// words come through shared memory instead, see stage()). Rows past V and
+// columns past H load zero scales and biases, so they store zeros.
+
+// An 8-bit code q as a float, exactly, from the bits of 2^23 + q (the code in
+// the mantissa of 2^23): one byte permute and one add, where a conversion
+// (I2F) runs at a quarter of the rate.
 constexpr uint32_t kTwo23 = 0x4b000000u;
 
 __device__ __forceinline__ float code_f32(uint32_t bits) {
   return __uint_as_float(bits) - 8388608.0f;
+}
+
+// 4-bit codes go straight to pairs of T: a code under the exponent of 2^7
+// (bfloat16) or 2^10 (float16) reads as 2^m + q exactly, so a subtraction and
+// a fused multiply-add per pair give scale * q + bias rounded once, with no
+// float conversions. Scales and biases are taken in T: exact when they are T
+// already (mx.quantize gives them W's dtype), else rounded once more.
+template <class T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using V = __nv_bfloat162;
+  static constexpr uint32_t kMagic = 0x43004300u;
+};
+template <>
+struct Pair<__half> {
+  using V = __half2;
+  static constexpr uint32_t kMagic = 0x64006400u;
+};
+
+template <class T>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t codes, uint32_t scale, uint32_t bias) {
+  using V = typename Pair<T>::V;
+  const uint32_t magic = Pair<T>::kMagic;
+  const uint32_t biased = (codes & 0x000f000fu) | magic;
+  const V q = __hsub2(*reinterpret_cast<const V*>(&biased), *reinterpret_cast<const V*>(&magic));
+  const V w = __hfma2(q, *reinterpret_cast<const V*>(&scale), *reinterpret_cast<const V*>(&bias));
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+
+// Eight 4-bit codes (code e at bits 4e) as four pairs (0, 1) .. (6, 7): two
+// byte permutes put codes 2i and 2i + 1 in the low nibbles of the two halves.
+template <class T>
+__device__ __forceinline__ uint4 dequant_q4(uint32_t word, uint32_t scale, uint32_t bias) {
+  const uint32_t odd = word >> 4;
+  const uint32_t lo = __byte_perm(word, odd, 0x5410), hi = __byte_perm(word, odd, 0x7632);
+  return make_uint4(dequant_pair<T>(lo, scale, bias), dequant_pair<T>(lo >> 8, scale, bias),
+                    dequant_pair<T>(hi, scale, bias), dequant_pair<T>(hi >> 8, scale, bias));
 }
 
 template <int QB, int R, int NB>
@@ -245,7 +284,9 @@ struct QTile {
   uint4 v[kSegs][kVecs];
   // Two sets, by k-step parity: copying a just-loaded set into the one in use
   // would wait for the load, so each k-step reads one and fills the other.
-  float scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
+  // 4-bit tiles hold each as a pair of T, 8-bit ones as a float.
+  using Scale = std::conditional_t<QB == 4, uint32_t, float>;
+  Scale scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
 
   // Where segment j of thread tid starts: tile row r, absolute row and column.
   struct Seg {
@@ -267,33 +308,113 @@ struct QTile {
                                                 row * (w.cols * QB / 32) + c * QB / 32));
   }
 
+  // The scales and biases of each segment's groups for one k-step. Each lane
+  // reads its own row of W, so every load is its own L1 request: the n
+  // groups of a segment come in one 4- or 8-byte load when 16-bit and aligned.
+  template <class T>
   __device__ __forceinline__ static void load_groups(const Operand& w, int64_t r0, int64_t c0,
-                                                     int tid, int lg, float (&sc)[kSegs][kGroups],
-                                                     float (&bi)[kSegs][kGroups]) {
+                                                     int tid, int lg, Scale (&sc)[kSegs][kGroups],
+                                                     Scale (&bi)[kSegs][kGroups]) {
+    const int64_t groups = w.cols >> lg; // per row of W
+    const int n = max(1, (kSeg * 8) >> lg);
+    const bool wide = w.sb_kind != kF32 && n > 1 && groups % n == 0 &&
+        ((reinterpret_cast<uintptr_t>(w.scales) | reinterpret_cast<uintptr_t>(w.biases)) &
+         (2 * n - 1)) == 0;
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
       const Seg at = place(tid, j, r0, c0);
+      float scale[kGroups], bias[kGroups];
+      if (wide) {
+        uint32_t su[2] = {0, 0}, bu[2] = {0, 0};
+        if (at.row < w.rows && at.col < w.cols) {
+          const int64_t gi = at.row * groups + (at.col >> lg);
+          const uint16_t* s16 = static_cast<const uint16_t*>(w.scales) + gi;
+          const uint16_t* b16 = static_cast<const uint16_t*>(w.biases) + gi;
+          if (kGroups > 2 && n > 2) {
+            const uint2 sv = __ldg(reinterpret_cast<const uint2*>(s16));
+            const uint2 bv = __ldg(reinterpret_cast<const uint2*>(b16));
+            su[0] = sv.x, su[1] = sv.y, bu[0] = bv.x, bu[1] = bv.y;
+          } else {
+            su[0] = __ldg(reinterpret_cast<const uint32_t*>(s16));
+            bu[0] = __ldg(reinterpret_cast<const uint32_t*>(b16));
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kGroups; ++k) {
+          const uint32_t sh = (su[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
+          const uint32_t bh = (bu[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
+          scale[k] = w.sb_kind == kBF16 ? bf16_bits(sh) : f16_bits(sh);
+          bias[k] = w.sb_kind == kBF16 ? bf16_bits(bh) : f16_bits(bh);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kGroups; ++k) {
+          const int64_t gcol = at.col + (int64_t(k) << lg);
+          const bool ok = at.row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
+          const int64_t gi = at.row * groups + (gcol >> lg);
+          scale[k] = ok ? load_as_float(w.scales, w.sb_kind, gi) : 0.0f;
+          bias[k] = ok ? load_as_float(w.biases, w.sb_kind, gi) : 0.0f;
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {
-        const int64_t gcol = at.col + (int64_t(k) << lg);
-        const bool ok = at.row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
-        const int64_t gi = at.row * (w.cols >> lg) + (gcol >> lg);
-        sc[j][k] = ok ? load_as_float(w.scales, w.sb_kind, gi) : 0.0f;
-        bi[j][k] = ok ? load_as_float(w.biases, w.sb_kind, gi) : 0.0f;
+        if constexpr (QB == 4) {
+          sc[j][k] = pack2<T>(scale[k], scale[k]);
+          bi[j][k] = pack2<T>(bias[k], bias[k]);
+        } else {
+          sc[j][k] = scale[k];
+          bi[j][k] = bias[k];
+        }
       }
     }
   }
 
+  template <class T>
   __device__ __forceinline__ void load(const Operand& w, int64_t r0, int64_t c0, int tid, int lg) {
-    load_groups(w, r0, c0, tid, lg, scale[0], bias[0]);
+    load_groups<T>(w, r0, c0, tid, lg, scale[0], bias[0]);
+    if constexpr (!kStaged) {
+#pragma unroll
+      for (int j = 0; j < kSegs; ++j) {
+        const Seg at = place(tid, j, r0, c0);
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+          v[j][k] = load_vec(w, at.row, at.col, k);
+        }
+      }
+    }
+  }
+
+  // 4-bit tiles are small enough (8 KB) to be copied into shared memory several
+  // k-steps ahead (cp.async, no registers held); each thread copies and later
+  // reads its own vectors, so no barrier is needed. Vector i of thread tid is
+  // at i * 2048 + tid * 16: a quarter-warp's 16-byte accesses hit distinct banks.
+  static constexpr bool kStaged = QB == 4;
+  static_assert(!kStaged || kSegs * kVecs * 16 * 128 == kWgQStageBytes, "staging slot size");
+
+  __device__ __forceinline__ static void stage(unsigned char* slot, const Operand& w, int64_t r0,
+                                               int64_t c0, int tid) {
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
       const Seg at = place(tid, j, r0, c0);
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
-        v[j][k] = load_vec(w, at.row, at.col, k);
+        const int64_t c = at.col + k * (128 / QB);
+        const bool in = at.row < w.rows && c < w.cols;
+        const void* src = in ? static_cast<const uint32_t*>(w.ptr) + at.row * (w.cols * QB / 32) +
+                c * QB / 32
+                             : w.ptr;
+        cp_async16(slot + (j * kVecs + k) * 2048 + tid * 16, src, in ? 16 : 0);
       }
     }
+  }
+
+  __device__ __forceinline__ void unstage(const unsigned char* slot, int tid) {
+#pragma unroll
+    for (int j = 0; j < kSegs; ++j)
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        v[j][k] = *reinterpret_cast<const uint4*>(slot + (j * kVecs + k) * 2048 + tid * 16);
+      }
   }
 
   // Stores the held tile (scale set P), dequantized, at dst; with `more`,
@@ -302,7 +423,7 @@ struct QTile {
   __device__ __forceinline__ void cycle(unsigned char* dst, int tid, int lg, const Operand& w,
                                         bool more, int64_t r0n, int64_t c0n) {
     if (more) {
-      load_groups(w, r0n, c0n, tid, lg, scale[P ^ 1], bias[P ^ 1]);
+      load_groups<T>(w, r0n, c0n, tid, lg, scale[P ^ 1], bias[P ^ 1]);
     }
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
@@ -315,32 +436,30 @@ struct QTile {
         for (int ci = 0; ci < kVecChunks; ++ci) {
           const int i = k * kVecChunks + ci; // chunk within the segment
           const int g = (i * 8) >> lg;
-          float sc = scale[P][j][0], bi = bias[P][j][0];
+          Scale sc = scale[P][j][0], bi = bias[P][j][0];
 #pragma unroll
           for (int q = 1; q < kGroups; ++q) {
             sc = g == q ? scale[P][j][q] : sc;
             bi = g == q ? bias[P][j][q] : bi;
           }
           uint4 out;
-          uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+          if constexpr (QB == 4) {
+            out = dequant_q4<T>(words[ci], sc, bi);
+          } else {
+            uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float lo, hi;
-            if constexpr (QB == 4) {
-              lo = code_f32(((words[ci] >> (8 * e)) & 0xf) | kTwo23);
-              hi = code_f32(((words[ci] >> (8 * e + 4)) & 0xf) | kTwo23);
-            } else {
+            for (int e = 0; e < 4; ++e) {
               const uint32_t word = words[2 * ci + (e >> 1)];
               // One byte permute: the code byte under the exponent byte of 2^23.
-              lo = code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * (e & 1)));
-              hi = code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * (e & 1)));
+              const float lo = code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * (e & 1)));
+              const float hi = code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * (e & 1)));
+              o[e] = pack2<T>(fmaf(sc, lo, bi), fmaf(sc, hi, bi));
             }
-            o[e] = pack2<T>(fmaf(sc, lo, bi), fmaf(sc, hi, bi));
           }
           const int cr = seg * kSeg + i, b = cr / 8, c = cr % 8;
           *reinterpret_cast<uint4*>(dst + b * (R * 128) + r * 128 + ((c ^ (r & 7)) << 4)) = out;
         }
-        if (more) {
+        if (!kStaged && more) {
           v[j][k] = load_vec(w, next.row, next.col, k);
         }
       }
@@ -361,7 +480,19 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
   // Origin of k-step kt's tile of W.
   auto r0 = [&](int kt) { return TB ? k_row0 + int64_t(kt) * WBK : int64_t(b0); };
   auto c0 = [&](int kt) { return TB ? int64_t(b0) : int64_t(kt) * WBK; };
+  using Tile = decltype(tile);
+  unsigned char* ring = pipe.base + WST * kWgStageBytes;
+  auto slot = [&](int kt) { return ring + (kt % kWgQDepth) * kWgQStageBytes; };
   auto step = [&](auto parity, int kt) {
+    if constexpr (Tile::kStaged) {
+      const int ahead = kt + kWgQDepth - 1;
+      if (ahead < kt_count) {
+        Tile::stage(slot(ahead), w, r0(ahead), c0(ahead), pipe.tid);
+      }
+      cp_async_commit();
+      cp_async_wait<kWgQDepth - 1>();
+      tile.unstage(slot(kt), pipe.tid);
+    }
     mbar_wait(&pipe.empty[s], phase ^ 1);
     if (pipe.tid == 0) {
       mbar_expect_tx(&pipe.full[s], kWgABytes);
@@ -376,7 +507,15 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
       phase ^= 1;
     }
   };
-  tile.load(w, r0(0), c0(0), pipe.tid, lg);
+  if constexpr (Tile::kStaged) {
+    for (int kt = 0; kt < kWgQDepth - 1; ++kt) {
+      if (kt < kt_count) {
+        Tile::stage(slot(kt), w, r0(kt), c0(kt), pipe.tid);
+      }
+      cp_async_commit();
+    }
+  }
+  tile.template load<T>(w, r0(0), c0(0), pipe.tid, lg);
   for (int kt = 0; kt < kt_count; kt += 2) {
     step(std::integral_constant<int, 0>{}, kt);
     if (kt + 1 < kt_count) {

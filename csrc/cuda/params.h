@@ -175,7 +175,11 @@ constexpr int kSmemBytes = kStages * 2 * kTileElems * 2;
 constexpr int kWgThreads = 384;
 constexpr int kWgTileM = 128, kWgTileN = 256, kWgTileK = 64, kWgStages = 4;
 constexpr int kWgStageBytes = (kWgTileM + kWgTileN) * kWgTileK * 2;
-constexpr int kWgSmemBytes = kWgStages * kWgStageBytes + 1024; // + alignment slack
+// A 4-bit head's packed W tiles (8 KB a k-step) pass through a ring of their
+// own, kWgQDepth k-steps ahead of the dequantizing producer.
+constexpr int kWgQStageBytes = 8192, kWgQDepth = 3;
+constexpr int kWgSmemBytes =
+    kWgStages * kWgStageBytes + kWgQDepth * kWgQStageBytes + 1024; // + alignment slack
 
 struct WgFwdParams {
   CUtensorMap h_map, w_map;
