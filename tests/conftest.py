@@ -42,7 +42,13 @@ def _seed():
     mx.random.seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _fp32_head_for_training_tests(request, monkeypatch):
+# Module scope, so that module-scoped fixtures (which pytest sets up before any
+# function-scoped one) and the processes they start get the fp32 head too.
+@pytest.fixture(autouse=True, scope="module")
+def _fp32_head_for_training_tests(request):
     if DEVICE == "gpu" and request.module.__name__.split(".")[-1] not in HEAD_TESTS:
-        monkeypatch.setenv("FLASH_CCE_BACKEND", "fallback")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FLASH_CCE_BACKEND", "fallback")
+            yield
+    else:
+        yield
