@@ -249,6 +249,30 @@ def test_fused_forward_gradient_quantized(bits, softcap, kernels, chunks):
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fused", [True, False])
+def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
+    """The Hopper GEMM kernels walk tiles: with more tiles than an H100/H200 has
+    multiprocessors (132), a block computes several, and the dequantization of a
+    quantized W runs on across the tiles' boundaries. 67 row tiles x 8
+    vocabulary tiles (P / dS) and x 2 column tiles (dh); H = 320 is five k-steps,
+    so the k-step parity alternates from tile to tile."""
+    monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "1000000")
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1000000")
+    m, h, v, gs = 128 * 67, 320, 2000, 32
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
+    wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
+    g = mx.random.normal((m,), key=mx.random.key(6))
+    g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(7))
+    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, 30.0, mx.gpu, fused, scales, biases, gs)
+    w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
+                                 y, g, g_lse, 30.0, mx.cpu, True)
+    np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
 def test_fused_forward_extreme_logits():
     """Rows whose logits all sit near -cap (the smallest exp(s - cap) the
     fused path keeps, ~e^-60) and rows with one logit near +cap: lse and the
