@@ -254,12 +254,12 @@ def test_fused_forward_gradient_quantized(bits, softcap, kernels, chunks):
 def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
     """The Hopper GEMM kernels walk tiles: with more tiles than an H100/H200 has
     multiprocessors (132), a block computes several, and the dequantization of a
-    quantized W runs on across the tiles' boundaries. 67 row tiles x 8
-    vocabulary tiles (P / dS) and x 2 column tiles (dh); H = 320 is five k-steps,
-    so the k-step parity alternates from tile to tile."""
+    quantized W runs on across the tiles' boundaries. 67 row tiles (one row
+    block) x 11 vocabulary tiles per chunk (P / dS), x 2 column tiles (dh), and
+    24 vocabulary tiles over 12 forward splits; H = 320 is five k-steps, so the
+    k-step parity alternates from tile to tile."""
     monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "1000000")
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1000000")
-    m, h, v, gs = 128 * 67, 320, 2000, 32
+    m, h, v, gs = 128 * 67, 320, 6000, 32
     hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(6))
