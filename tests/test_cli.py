@@ -105,6 +105,9 @@ def test_cuda_graph_limit_restart(monkeypatch, cuda, preset):
 
     from flash_cce import cli
 
+    # A copy of the environment: the restart sets the variable in it, which must
+    # not outlive the test (delenv restores only a variable that was there).
+    monkeypatch.setattr(cli.os, "environ", dict(cli.os.environ))
     monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
     if preset:
         monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", preset)
