@@ -295,7 +295,8 @@ class PackedMask:
         head = sdpa(q[:1], k[:1], v[:1], None, scale, causal_mask(n, 0, self.window))
 
         def with_prompt(x):
-            prompt = mx.broadcast_to(x[:1, :, :p], (x.shape[0] - 1,) + x.shape[1:2] + (p, x.shape[3]))
+            rows, heads, _, dim = x.shape
+            prompt = mx.broadcast_to(x[:1, :, :p], (rows - 1, heads, p, dim))
             return mx.concatenate([prompt, x[1:]], axis=2)
 
         rest = sdpa(q[1:], with_prompt(k), with_prompt(v), None, scale, causal_mask(n, p, self.window))

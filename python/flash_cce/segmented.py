@@ -3,9 +3,10 @@
 With `segment_size = k > 0` the layers run in segments of k under `checkpoint`
 (an ordered `mx.checkpoint`): the forward keeps only each segment's input
 (hidden states, the prompt keys/values it reads, Gemma 4's shared keys/values
-and per-layer inputs) and the backward recomputes one segment at a time. The trainable parameters of a
-segment's layers are explicit inputs of its checkpointed function, as in
-mlx-lm's `grad_checkpoint`, so their gradients flow; everything else is frozen.
+and per-layer inputs) and the backward recomputes one segment at a time. The
+trainable parameters of a segment's layers are explicit inputs of its
+checkpointed function, as in mlx-lm's `grad_checkpoint`, so their gradients
+flow; everything else is frozen.
 """
 
 import mlx.core as mx
