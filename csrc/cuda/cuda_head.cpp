@@ -234,6 +234,32 @@ CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols,
   return m;
 }
 
+// TMA descriptor of a quantized W's packed words, [V, H * bits / 32] uint32,
+// read in plain (unswizzled) boxes of box_rows rows x box_cols columns of W.
+CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
+  CUtensorMap m;
+  const int64_t words = p.H * p.cfg.bits / 32;
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(words), static_cast<cuuint64_t>(p.V)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(words * 4)};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols * p.cfg.bits / 32),
+                       static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t elem[2] = {1, 1};
+  check(cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(p.w), dims,
+                               strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled");
+  return m;
+}
+
+// On Hopper a quantized head's forward takes W as the register operand
+// (head_wgmma_rs.cuh) unless FLASH_CCE_QUANT_RS=0 asks for the dequantizing
+// producer (benchmarks). TMA needs 16-byte rows of packed words.
+bool use_rs(const HeadProblem& p) {
+  const char* env = std::getenv("FLASH_CCE_QUANT_RS");
+  return p.cfg.quantized && !(env && env[0] == '0') && (p.H * p.cfg.bits / 8) % 16 == 0;
+}
+
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {
   p.h = mx::gpu_ptr<void>(in[0]);
   p.w = mx::gpu_ptr<void>(in[1]);
@@ -308,8 +334,9 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.M = p.M;
   fp.V = V_used;
   fp.H = p.H;
-  fp.m_tiles = static_cast<int>(cdiv(p.M, kTileM));
-  fp.v_tiles = static_cast<int>(cdiv(V_used, tile_n));
+  const bool rs = wg && use_rs(p);
+  fp.m_tiles = static_cast<int>(cdiv(p.M, rs ? kRsTileM : kTileM));
+  fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
   fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
@@ -325,7 +352,14 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
     enc.set_input_array(a);
   }
   enc.set_output_array(parts);
-  if (wg) {
+  if (rs) {
+    WgFwdParams wp{};
+    wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kRsTileM);
+    wp.w_map = packed_map(p, kRsTileV, kWgTileK);
+    wp.p = fp;
+    launch("fcce_fwd_rs_" + wg_variant(p), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
+           kWgThreads);
+  } else if (wg) {
     WgFwdParams wp{};
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kWgTileM);
     if (!p.cfg.quantized) {

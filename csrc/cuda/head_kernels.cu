@@ -820,6 +820,7 @@ __device__ __forceinline__ void dw_body(const DwParams& p) {
 }
 
 #include "head_wgmma.cuh"
+#include "head_wgmma_rs.cuh"
 
 } // namespace
 
@@ -965,10 +966,18 @@ FCCE_ALL_WEIGHTS(f16, __half)
     dh_wg_body<T, QB>(p);                                                             \
   }
 
+#define FCCE_WG_RS_KERNEL(TNAME, T, QNAME, QB)                                        \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_fwd_rs_##TNAME##_##QNAME(const __grid_constant__ WgFwdParams p) {          \
+    fwd_rs_entry<T, QB>(p);                                                           \
+  }
+
 #define FCCE_WG_KERNELS(TNAME, T)                                                     \
   FCCE_WG_GEMM_KERNELS(TNAME, T, dense, 0)                                            \
   FCCE_WG_GEMM_KERNELS(TNAME, T, q4, 4)                                               \
   FCCE_WG_GEMM_KERNELS(TNAME, T, q8, 8)                                               \
+  FCCE_WG_RS_KERNEL(TNAME, T, q4, 4)                                                  \
+  FCCE_WG_RS_KERNEL(TNAME, T, q8, 8)                                                  \
   extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
       fcce_dw_wg_##TNAME(const __grid_constant__ WgDwParams p) {                      \
     dw_wg_body<T>(p);                                                                 \
