@@ -106,24 +106,26 @@ def test_dense_matches_cpu(shape, dtype, softcap, kernels, chunks):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group_size,h", [(32, 288), (32, 384), (64, 320), (64, 256), (128, 384)])
-def test_quantized_matches_cpu(bits, group_size, h, kernels):
+@pytest.mark.parametrize("softcap,dtype", [(30.0, mx.bfloat16), (None, mx.bfloat16),
+                                           (None, mx.float16)])
+def test_quantized_matches_cpu(bits, group_size, h, softcap, dtype, kernels):
     # H = 288 leaves a partial 64-wide k-tile for the 32-wide groups. A row of
     # 12 (384 / 32) or 4 (256 / 64) groups lets the Hopper producer read a
     # k-step's groups in one load; 9 and 5 make it read them one by one.
-    m, v, softcap = 70, 777, 30.0
-    hid, w, y = make(m, h, v, mx.bfloat16, seed=bits * group_size, ignore=2)
+    m, v = 70, 777
+    hid, w, y = make(m, h, v, dtype, seed=bits * group_size, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
     g = mx.random.normal((m,))
     logp, lse = flash_cce_forward(hid, wq, y, scales, biases, group_size=group_size,
                                   softcap=softcap, stream=mx.gpu)
     dh = flash_cce_backward(hid, wq, y, lse, g, scales, biases, group_size=group_size,
                             softcap=softcap, stream=mx.gpu)
-    # The GPU rounds each dequantized weight to bf16; so does the reference.
+    # The GPU rounds each dequantized weight to the compute type; so does the reference.
     w_dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
-    r_logp, r_lse, r_dh = cpu_ref(hid, w_dense, y, mx.bfloat16, g, None, softcap, False)
+    r_logp, r_lse, r_dh = cpu_ref(hid, w_dense, y, dtype, g, None, softcap, False)
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
-    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
 
 
 def test_out_of_range_target_is_nan_and_gets_no_gradient():
@@ -254,12 +256,12 @@ def test_fused_forward_gradient_quantized(bits, softcap, kernels, chunks):
 def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
     """The Hopper GEMM kernels walk tiles: with more tiles than an H100/H200 has
     multiprocessors (132), a block computes several, and the dequantization of a
-    quantized W runs on across the tiles' boundaries. 67 row tiles (one row
-    block) x 11 vocabulary tiles per chunk (P / dS), x 2 column tiles (dh), and
-    24 vocabulary tiles over 12 forward splits; H = 320 is five k-steps, so the
-    k-step parity alternates from tile to tile."""
+    quantized W runs on across the tiles' boundaries. P / dS: 67 row tiles (one
+    row block) x 11 vocabulary tiles per chunk; dh: 67 x 3 column tiles. The
+    forward (W as the register operand): 34 row tiles of 256 x 47 vocabulary
+    tiles of 128 over 24 splits, two tiles a block."""
     monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "1000000")
-    m, h, v, gs = 128 * 67, 320, 6000, 32
+    m, h, v, gs = 128 * 67, 640, 6000, 32
     hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(6))
