@@ -254,10 +254,12 @@ CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
 
 // On Hopper a quantized head's forward takes W as the register operand
 // (head_wgmma_rs.cuh) unless FLASH_CCE_QUANT_RS=0 asks for the dequantizing
-// producer (benchmarks). TMA needs 16-byte rows of packed words.
+// producer (benchmarks). TMA needs 16-byte rows of packed words; the scales
+// and biases are 16-bit (fp32 ones take the producer).
 bool use_rs(const HeadProblem& p) {
   const char* env = std::getenv("FLASH_CCE_QUANT_RS");
-  return p.cfg.quantized && !(env && env[0] == '0') && (p.H * p.cfg.bits / 8) % 16 == 0;
+  return p.cfg.quantized && !(env && env[0] == '0') && (p.H * p.cfg.bits / 8) % 16 == 0 &&
+      (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
 }
 
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {

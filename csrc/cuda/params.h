@@ -182,11 +182,12 @@ constexpr int kWgSmemBytes =
     kWgStages * kWgStageBytes + kWgQDepth * kWgQStageBytes + 1024; // + alignment slack
 
 // Forward of a 4- or 8-bit head with W as the register operand (S^T = W h^T):
-// 256 rows of h a block, tiles of 128 rows of W; a stage holds the h tile and
-// the W tile's packed words (8 KB at 8 bits), then per-warp column statistics
-// (8 x 256 float2) and the block's 256 targets.
+// 256 rows of h a block, tiles of 128 rows of W; a stage holds the h tile, the
+// W tile's packed words (8 KB at 8 bits) and the k-step's scales and biases
+// (16 bytes a row); then per-warp column statistics (8 x 256 float2) and the
+// block's 256 targets.
 constexpr int kRsTileM = 256, kRsTileV = 128;
-constexpr int kRsStageBytes = kRsTileM * kWgTileK * 2 + kRsTileV * kWgTileK;
+constexpr int kRsStageBytes = kRsTileM * kWgTileK * 2 + kRsTileV * kWgTileK + 2 * kRsTileV * 16;
 constexpr int kRsSmemBytes = kWgStages * kRsStageBytes + 8 * kRsTileM * 8 + kRsTileM * 4 + 1024;
 
 struct WgFwdParams {
