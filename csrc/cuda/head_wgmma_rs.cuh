@@ -3,9 +3,10 @@
 // through shared memory. Per block: 256 rows of h (the wgmma N) against tiles
 // of 128 rows of W, 64 per consumer warpgroup (the wgmma M). One producer
 // thread streams h (128-byte swizzle, the B operand) and the packed words of W
-// (plain rows) with TMA; each consumer thread turns the packed words of its
+// (plain rows) with TMA, and the producer threads copy the k-step's scales and
+// biases into the stage; each consumer thread turns the packed words of its
 // two rows straight into A fragments (k-step n + 1 while the tensor cores run
-// k-step n), so the producer does no arithmetic and nothing is stored twice.
+// k-step n), so no dequantized tile is stored.
 // The epilogue reduces each logits column (one row of h) over the tile's rows
 // of W: a butterfly over the 8 lanes that share a column leaves each lane 8
 // columns, whose running (max, sum) live in shared memory per warp.
