@@ -215,41 +215,42 @@ std::string wg_variant(const HeadProblem& p) {
   return t + (p.cfg.quantized ? "_q" + std::to_string(p.cfg.bits) : "_dense");
 }
 
-// TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
-// read in boxes of box_rows x 64 with the 128-byte swizzle the wgmma
-// descriptors expect. Reads past rows or cols give zeros.
-CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int box_rows,
-                       int64_t ld = 0) {
+// A 2-D TMA descriptor over a row-major [rows, cols] matrix of `type` with
+// row stride `pitch` bytes, read in boxes of box_rows x box_cols elements.
+// Reads past rows or cols give zeros.
+CUtensorMap encode_2d(const void* ptr, CUtensorMapDataType type, int64_t rows, int64_t cols,
+                      int64_t pitch, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
   CUtensorMap m;
   cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>((ld ? ld : cols) * 2)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(kWgTileK), static_cast<cuuint32_t>(box_rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   cuuint32_t elem[2] = {1, 1};
-  check(cuTensorMapEncodeTiled(
-            &m, t == mx::float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2, const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+  check(cuTensorMapEncodeTiled(&m, type, 2, const_cast<void*>(ptr), dims, strides, box, elem,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         "cuTensorMapEncodeTiled");
   return m;
+}
+
+// TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
+// read in boxes of box_rows x 64 with the 128-byte swizzle the wgmma
+// descriptors expect.
+CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int box_rows,
+                       int64_t ld = 0) {
+  return encode_2d(ptr,
+                   t == mx::float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                   rows, cols, (ld ? ld : cols) * 2, box_rows, kWgTileK,
+                   CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // TMA descriptor of a quantized W's packed words, [V, H * bits / 32] uint32,
 // read in plain (unswizzled) boxes of box_rows rows x box_cols columns of W.
 CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
-  CUtensorMap m;
   const int64_t words = p.H * p.cfg.bits / 32;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(words), static_cast<cuuint64_t>(p.V)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(words * 4)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols * p.cfg.bits / 32),
-                       static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t elem[2] = {1, 1};
-  check(cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(p.w), dims,
-                               strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-        "cuTensorMapEncodeTiled");
-  return m;
+  return encode_2d(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.V, words, words * 4, box_rows,
+                   box_cols * p.cfg.bits / 32, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 // On Hopper a quantized head's forward takes W as the register operand

@@ -68,6 +68,11 @@ __device__ __forceinline__ float f16_bits(uint32_t u16) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(u16)));
 }
 
+// A 16-bit value (scales and biases: kBF16 or kF16) as a float.
+__device__ __forceinline__ float half_bits(uint32_t u16, int kind) {
+  return kind == kBF16 ? bf16_bits(u16) : f16_bits(u16);
+}
+
 __device__ __forceinline__ float load_as_float(const void* p, int kind, int64_t i) {
   switch (kind) {
     case kBF16:
@@ -256,7 +261,7 @@ struct TileLoader {
   }
 
   __device__ __forceinline__ static float sb_float(uint32_t u, int kind) {
-    return kind == kF32 ? __uint_as_float(u) : kind == kBF16 ? bf16_bits(u) : f16_bits(u);
+    return kind == kF32 ? __uint_as_float(u) : half_bits(u, kind);
   }
 
   __device__ __forceinline__ void store(const Operand& op, T* tile) {
@@ -277,8 +282,7 @@ struct TileLoader {
         uint32_t* o = reinterpret_cast<uint32_t*>(&out);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float a = kind == kBF16 ? bf16_bits(u[j] & 0xffff) : f16_bits(u[j] & 0xffff);
-          const float b = kind == kBF16 ? bf16_bits(u[j] >> 16) : f16_bits(u[j] >> 16);
+          const float a = half_bits(u[j] & 0xffff, kind), b = half_bits(u[j] >> 16, kind);
           o[j] = pack2<T>(a, b);
         }
       } else if (mode[i] == kPacked) {

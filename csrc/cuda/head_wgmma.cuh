@@ -343,8 +343,8 @@ struct QTile {
         for (int k = 0; k < kGroups; ++k) {
           const uint32_t sh = (su[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
           const uint32_t bh = (bu[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
-          scale[k] = w.sb_kind == kBF16 ? bf16_bits(sh) : f16_bits(sh);
-          bias[k] = w.sb_kind == kBF16 ? bf16_bits(bh) : f16_bits(bh);
+          scale[k] = half_bits(sh, w.sb_kind);
+          bias[k] = half_bits(bh, w.sb_kind);
         }
       } else {
 #pragma unroll

@@ -50,8 +50,7 @@ struct RsScales {
         // Columns 32 h.. are the second group only when groups are 32 wide.
         const int shift = h && lg == 5 ? 16 : 0;
         const uint32_t s16 = (sv >> shift) & 0xffff, b16 = (bv >> shift) & 0xffff;
-        const float s = kind == kBF16 ? bf16_bits(s16) : f16_bits(s16);
-        const float b = kind == kBF16 ? bf16_bits(b16) : f16_bits(b16);
+        const float s = half_bits(s16, kind), b = half_bits(b16, kind);
         if constexpr (QB == 4) {
           scale[ri][h] = pack2<T>(s, s);
           bias[ri][h] = pack2<T>(b, b);
