@@ -398,6 +398,11 @@ HeadProblem row_slice(const HeadProblem& p, int64_t r0, int64_t rows) {
   return q;
 }
 
+// Width of the fused forward's row-sum tiles: the P kernel's vocabulary tile.
+int64_t stats_tile_width(bool wgmma, bool rs) {
+  return !wgmma ? kTileN : rs ? kRsTileV : kWgTileN;
+}
+
 // The vocabulary-chunked passes of the backward and of the fused forward: per
 // chunk, one kernel writes dS (or P) of the chunk to an [M, chunk] buffer and
 // a second adds buffer @ W[chunk] into the fp32 [M, H] accumulator.
@@ -441,6 +446,12 @@ class ChunkPasses {
         wg_ds_.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
         wg_dh_.b_map = tensor_map(p.w, p.w_dtype, p.V, p.H, 64);
       }
+      rs_ = use_rs(p);
+      if (rs_) {
+        wg_dh_.b_map = packed_map(p, kWgTileK, kRsTileV);
+        rs_p_.h_map = tensor_map(p.h, p.h_dtype, M_, p.H, kRsTileM);
+        rs_p_.w_map = packed_map(p, kRsTileV, kWgTileK);
+      }
     }
   }
 
@@ -451,7 +462,7 @@ class ChunkPasses {
   Launch& launch() { return launch_; }
   bool wgmma() const { return wg_; }
   // Vocabulary tiles of the first kernel in one chunk (its row-sum partials).
-  int64_t tiles(int64_t width) const { return cdiv(width, wg_ ? kWgTileN : kTileN); }
+  int64_t tiles(int64_t width) const { return cdiv(width, stats_tile_width(wg_, rs_)); }
 
   // The first kernel on chunk [v0, v0 + width): dS, or P in the fused forward.
   void first(int64_t v0, int64_t width, const std::vector<mx::array>& outs) {
@@ -464,7 +475,12 @@ class ChunkPasses {
     for (auto& a : outs) {
       enc_.set_output_array(a);
     }
-    if (wg_) {
+    if (rs_ && ds_.part_sum) {
+      rs_p_.p = ds_;
+      launch_("fcce_p_rs_" + wg_variant(p_),
+              std::min<int64_t>(cdiv(M_, kRsTileM) * cdiv(width, kRsTileV), sms_), kRsPSmemBytes,
+              rs_p_, kWgThreads);
+    } else if (wg_) {
       wg_ds_.p = ds_;
       launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + wg_variant(p_), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
               kWgSmemBytes, wg_ds_, kWgThreads);
@@ -490,7 +506,15 @@ class ChunkPasses {
     for (auto& a : outs) {
       enc_.set_output_array(a);
     }
-    if (wg_) {
+    if (rs_) {
+      wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, kRsTileM, chunk_);
+      wg_dh_.p = dh_;
+      wg_dh_.v0 = v0;
+      wg_dh_.width = width;
+      launch_("fcce_dh_rs_" + wg_variant(p_),
+              std::min<int64_t>(cdiv(M_, kRsTileM) * cdiv(p_.H, kRsTileV), sms_),
+              kRsDhSmemBytes, wg_dh_, kWgThreads);
+    } else if (wg_) {
       wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, kWgTileM, chunk_);
       wg_dh_.p = dh_;
       wg_dh_.v0 = v0;
@@ -512,10 +536,10 @@ class ChunkPasses {
   mx::array buf_;
   int64_t M_ = 0, chunk_ = 0;
   int m_tiles_ = 0, sms_ = 0;
-  bool wg_ = false;
+  bool wg_ = false, rs_ = false;
   DsParams ds_{};
   DhParams dh_{};
-  WgDsParams wg_ds_{};
+  WgDsParams wg_ds_{}, rs_p_{};
   WgDhParams wg_dh_{};
 };
 
@@ -535,7 +559,8 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
   const int64_t H = p.H, block = row_block(p.M), chunk = backward_chunk(block, p.V);
-  const int64_t tiles = cdiv(chunk, use_wgmma(s, p) ? kWgTileN : kTileN);
+  const bool wg = use_wgmma(s, p);
+  const int64_t tiles = cdiv(chunk, stats_tile_width(wg, wg && use_rs(p)));
   const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
   auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, compute_dtype(p));
   // Per row block: part_sum[tiles, rows], run_sum[rows], target_logit[rows];

@@ -974,6 +974,14 @@ FCCE_ALL_WEIGHTS(f16, __half)
   extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
       fcce_fwd_rs_##TNAME##_##QNAME(const __grid_constant__ WgFwdParams p) {          \
     fwd_rs_entry<T, QB>(p);                                                           \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_dh_rs_##TNAME##_##QNAME(const __grid_constant__ WgDhParams p) {            \
+    dh_rs_entry<T, QB>(p);                                                            \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      fcce_p_rs_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {             \
+    p_rs_entry<T, QB>(p);                                                             \
   }
 
 #define FCCE_WG_KERNELS(TNAME, T)                                                     \

@@ -142,6 +142,24 @@ __device__ __forceinline__ void rs_butterfly(float (&acc)[128], int lane) {
   }
 }
 
+// rs_butterfly with sums that add and maxima that take the max (the fused
+// forward's P tiles, whose exponentials share a fixed row reference).
+template <int W>
+__device__ __forceinline__ void rs_butterfly_add_max(float (&acc)[128], int lane) {
+  const bool upper = lane & (W / 2);
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    float& ml = acc[(i / 2) * 4 + i % 2];
+    float& sl = acc[(i / 2) * 4 + 2 + i % 2];
+    const float mu = acc[((i + W) / 2) * 4 + (i + W) % 2];
+    const float su = acc[((i + W) / 2) * 4 + 2 + (i + W) % 2];
+    const float om = __shfl_xor_sync(0xffffffff, upper ? ml : mu, W / 2);
+    const float os = __shfl_xor_sync(0xffffffff, upper ? sl : su, W / 2);
+    ml = fmaxf(upper ? mu : ml, om);
+    sl = (upper ? su : sl) + os;
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -329,7 +347,484 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   }
 }
 
+// dh (+)= dS[:, chunk] . W[chunk] with W as the register operand: dh^T =
+// W^T dS^T, per block 128 columns of h (64 per consumer warpgroup, the wgmma
+// M) against 256 rows of dS (the wgmma N), over the chunk's rows of W in
+// k-steps of 64. Thread 0 streams dS (128-byte swizzle) and the packed words of
+// W (64 rows x 128 columns) with TMA; producer thread v < 64 copies the 16-bit
+// scales and biases of the k-step's row v for the block's (up to 4) column
+// groups into the stage, as [group][row], so that the pair of rows (v, v + 1)
+// one fragment register holds is one load.
+struct RsDhStage {
+  static constexpr int kDs = RBN * WBK * 2; // dS tile, 32 KB
+  static constexpr int kW = WBK * RBV;      // packed W rows, 8 KB at 8 bits
+  static constexpr int kSb = 4 * WBK * 2;   // up to 4 groups of 16-bit values
+  static_assert(kDs + kW + 2 * kSb <= kRsDhStageBytes, "dh stage size");
+  unsigned char* base;
+  __device__ __forceinline__ unsigned char* ds() const { return base; }
+  __device__ __forceinline__ unsigned char* w() const { return base + kDs; }
+  __device__ __forceinline__ uint16_t* scales() const {
+    return reinterpret_cast<uint16_t*>(base + kDs + kW);
+  }
+  __device__ __forceinline__ uint16_t* biases() const { return scales() + kSb / 2; }
+};
+
+// Two 16-bit values of kind `kind` (the low one first) as a pair of T.
+template <class T>
+__device__ __forceinline__ uint32_t pair_as(uint32_t raw, int kind) {
+  constexpr int kT = std::is_same_v<T, __half> ? kF16 : kBF16;
+  if (kind == kT) {
+    return raw;
+  }
+  const auto f = [&](uint32_t u) { return kind == kBF16 ? bf16_bits(u) : f16_bits(u); };
+  return pack2<T>(f(raw & 0xffff), f(raw >> 16));
+}
+
+// The A fragments of one k-step of the dh GEMM: row r % 2 of slice kk is
+// column h = 16 (warp % 4) + g + 8 (r % 2) of this warpgroup's 64, and its pair
+// holds rows 16 kk + 8 (r / 2) + 2 t + {0, 1} of the chunk's k-step.
+template <class T, int QB>
+__device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhStage& st,
+                                              int wg_col, int warp, int lane, int group,
+                                              int kind) {
+  constexpr int kRowBytes = RBV * QB / 8;
+  const int t = lane & 3, g = lane >> 2;
+  const int col = wg_col + 16 * (warp & 3) + g; // for r % 2 = 0; + 8 for 1
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int v = 16 * kk + 8 * half + 2 * t;
+      const unsigned char* r0 = st.w() + v * kRowBytes;
+      const unsigned char* r1 = r0 + kRowBytes;
+      const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
+      const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
+      if constexpr (QB == 4) {
+        // Columns col and col + 8 are nibble g % 8 of adjacent words.
+        const uint2 w0 = *reinterpret_cast<const uint2*>(r0 + (col / 8) * 4);
+        const uint2 w1 = *reinterpret_cast<const uint2*>(r1 + (col / 8) * 4);
+        const uint32_t sc = pair_as<T>(sraw, kind), bi = pair_as<T>(braw, kind);
+        const uint32_t sel = (g >> 1) | ((4 + (g >> 1)) << 8);
+        const int shift = 4 * (g & 1);
+        a[kk][2 * half] = dequant_pair<T>(__byte_perm(w0.x, w1.x, sel) >> shift, sc, bi);
+        a[kk][2 * half + 1] = dequant_pair<T>(__byte_perm(w0.y, w1.y, sel) >> shift, sc, bi);
+      } else {
+        // Columns col and col + 8 are byte g % 4 of words col / 4 and col / 4 + 2.
+        const uint4 w0 = *reinterpret_cast<const uint4*>(r0 + ((col / 4) & ~3) * 4);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(r1 + ((col / 4) & ~3) * 4);
+        const auto f = [&](uint32_t u) { return kind == kBF16 ? bf16_bits(u) : f16_bits(u); };
+        const float s0 = f(sraw & 0xffff), s1 = f(sraw >> 16);
+        const float b0 = f(braw & 0xffff), b1 = f(braw >> 16);
+        const uint32_t sel = 0x7440 | (g & 3);
+        const bool hi = g & 4;
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const uint32_t x0 = ri ? (hi ? w0.w : w0.z) : (hi ? w0.y : w0.x);
+          const uint32_t x1 = ri ? (hi ? w1.w : w1.z) : (hi ? w1.y : w1.x);
+          a[kk][2 * half + ri] = pack2<T>(fmaf(s0, code_f32(__byte_perm(x0, kTwo23, sel)), b0),
+                                          fmaf(s1, code_f32(__byte_perm(x1, kTwo23, sel)), b1));
+        }
+      }
+    }
+}
+
+// One element of dh_update: dh[i] (+)= v, the old value scaled by f.
+__device__ __forceinline__ void dh_update1(const DhParams& p, int64_t i, float v, float f) {
+  if (!p.first) {
+    v += f * p.acc[i];
+  }
+  if (p.last) {
+    store_from_float(p.out, p.out_kind, i, v);
+  } else {
+    p.acc[i] = v;
+  }
+}
+
+template <class T, int QB>
+__device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const DhParams& p = P.p;
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
+  // Full: the TMA thread's expect_tx and one arrival per scale-copying thread.
+  const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + WBK);
+  auto stage = [&](int s) { return RsDhStage{pipe.base + s * kRsDhStageBytes}; };
+  const int m_tiles = static_cast<int>((p.M + RBN - 1) / RBN);
+  const int n_tiles = static_cast<int>((p.H + RBV - 1) / RBV);
+  const int tiles = m_tiles * n_tiles;
+  const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
+  const int lg = __ffs(p.w.group_size) - 1;
+  constexpr int kWBytes = WBK * RBV * QB / 8;
+  if (pipe.wg == 0) {
+    wg_producer_regs<0>();
+    if (pipe.tid >= WBK) {
+      return;
+    }
+    // Thread v: row v of each k-step, its groups loaded a k-step ahead.
+    const int64_t groups = p.w.cols >> lg;
+    const int block_groups = max(1, RBV >> lg);
+    auto fetch = [&](int t, int kt, uint32_t (&v)[2][4]) {
+      const int64_t row = P.v0 + int64_t(kt) * WBK + pipe.tid;
+      const int64_t g0 = int64_t(t / m_tiles) * RBV >> lg;
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const uint16_t* src = static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales);
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) {
+          const bool ok = gi < block_groups && row < p.w.rows && g0 + gi < groups;
+          v[a][gi] = ok ? __ldg(src + row * groups + g0 + gi) : 0;
+        }
+      }
+    };
+    uint32_t cur[2][4], next[2][4] = {};
+    int s = 0, phase = 0;
+    if (int(blockIdx.x) < tiles) {
+      fetch(blockIdx.x, 0, cur);
+    }
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const int m0 = (t % m_tiles) * RBN, n0 = (t / m_tiles) * RBV;
+      for (int kt = 0; kt < kt_count; ++kt) {
+        const bool last = kt + 1 == kt_count;
+        if (!last) {
+          fetch(t, kt + 1, next);
+        } else if (t + int(gridDim.x) < tiles) {
+          fetch(t + gridDim.x, 0, next);
+        }
+        mbar_wait(&pipe.empty[s], phase ^ 1);
+        const RsDhStage st = stage(s);
+        if (pipe.tid == 0) {
+          mbar_expect_tx(&pipe.full[s], RsDhStage::kDs + kWBytes);
+          tma_load(st.ds(), &P.a_map, &pipe.full[s], kt * WBK, m0);
+          tma_load(st.w(), &P.b_map, &pipe.full[s], n0 * QB / 32,
+                   static_cast<int>(P.v0 + int64_t(kt) * WBK));
+        }
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) {
+          st.scales()[gi * WBK + pipe.tid] = static_cast<uint16_t>(cur[0][gi]);
+          st.biases()[gi * WBK + pipe.tid] = static_cast<uint16_t>(cur[1][gi]);
+        }
+        mbar_arrive(&pipe.full[s]);
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int gi = 0; gi < 4; ++gi) {
+            cur[a][gi] = next[a][gi];
+          }
+        if (++s == WST) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+  wg_consumer_regs<0>();
+  const int ct = threadIdx.x - 128;
+  const int warp = ct >> 5, lane = ct & 31, t4 = lane & 3, g = lane >> 2;
+  const int wg_col = (pipe.wg - 1) * 64;
+  // The thread's two columns share one group (groups are >= 32 wide).
+  const int group = (wg_col + 16 * (warp & 3)) >> lg;
+  float acc[128];
+  uint32_t frag[2][4][4];
+  int s = 0, phase = 0;
+  auto build = [&](uint32_t(&f)[4][4], int st) {
+    rs_dh_dequant<T, QB>(f, stage(st), wg_col, warp, lane, group, p.w.sb_kind);
+  };
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile % m_tiles) * RBN, n0 = (tile / m_tiles) * RBV;
+    mbar_wait(&pipe.full[s], phase);
+    build(frag[0], s);
+    int prev = -1;
+    auto step = [&](auto parity, int kt) {
+      constexpr int PB = decltype(parity)::value;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_rs<T>(acc, frag[PB][kk], wg_desc(stage(s).ds() + kk * 32, false),
+                    kt > 0 || kk > 0);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      if (prev >= 0 && lane == 0) {
+        mbar_arrive(&pipe.empty[prev]);
+      }
+      prev = s;
+      if (++s == WST) {
+        s = 0;
+        phase ^= 1;
+      }
+      if (kt + 1 < kt_count) {
+        mbar_wait(&pipe.full[s], phase);
+        build(frag[PB ^ 1], s);
+      }
+    };
+    for (int kt = 0; kt < kt_count; kt += 2) {
+      step(std::integral_constant<int, 0>{}, kt);
+      if (kt + 1 < kt_count) {
+        step(std::integral_constant<int, 1>{}, kt + 1);
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (lane == 0) {
+      mbar_arrive(&pipe.empty[prev]);
+    }
+    if (n0 == 0) {
+      add_row_sums(p, m0 + ct);
+    }
+    // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + 16 (warp % 4) + g + 8 ri of
+    // dh, row m0 + 8 j + 2 t + e.
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t gm = m0 + 8 * j + 2 * t4 + e;
+        if (gm >= p.M) {
+          continue;
+        }
+        const float f = row_scale(p, gm);
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const int64_t c = n0 + wg_col + 16 * (warp & 3) + g + 8 * ri;
+          if (c < p.H) {
+            dh_update1(p, gm * p.H + c, acc[j * 4 + ri * 2 + e], f);
+          }
+        }
+      }
+  }
+}
+
+// The fused forward's P = exp(s - r) dcap for the vocabulary chunk [v0, v0 +
+// width) with W as the register operand: persistent over tiles of 256 rows of
+// h x 128 rows of W (the chunk's tile fastest), the forward's pipeline and
+// fragments. Per tile: P goes to ds[m, v - v0] in T (lanes g and g ^ 1 swap
+// halves so that each stores a pair of adjacent v as one word), and the
+// column statistics over the tile's 128 rows of W (sum of exp(s - r), max of
+// s) reach part_sum / part_max[tile, m] through the butterfly and a per-warp
+// table in shared memory. Stats tiles are 128 rows of W wide.
+template <class T, int QB>
+__device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[WST], empty[WST];
+  const DsParams& p = P.p;
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
+  const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + 128);
+  constexpr int kWBytes = RBV * WBK * QB / 8;
+  unsigned char* stages = pipe.base;
+  auto h_tile = [&](int s) { return stages + s * kRsStageBytes; };
+  auto w_tile = [&](int s) { return h_tile(s) + RBN * WBK * 2; };
+  auto s_tile = [&](int s) { return w_tile(s) + RBV * WBK; };
+  auto b_tile = [&](int s) { return s_tile(s) + RBV * 16; };
+  // Two tables by tile parity (so one barrier a tile): per warp and column,
+  // (sum, max) over the warp's rows.
+  float2* red = reinterpret_cast<float2*>(stages + WST * kRsStageBytes);
+
+  const int v_tiles = static_cast<int>((p.width + RBV - 1) / RBV);
+  const int m_tiles = static_cast<int>((p.M + RBN - 1) / RBN);
+  const int tiles = v_tiles * m_tiles;
+  const int vt0 = static_cast<int>(p.v0 / RBV);
+  const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
+  const int lg = __ffs(p.w.group_size) - 1;
+  if (pipe.wg == 0) {
+    wg_producer_regs<0>();
+    const int64_t groups = p.w.cols >> lg;
+    auto fetch = [&](int tile, int kt, uint32_t (&v)[2]) {
+      const int64_t row = int64_t(vt0 + tile % v_tiles) * RBV + pipe.tid;
+      const int64_t g0 = (int64_t(kt) * WBK) >> lg;
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const uint16_t* at =
+            static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales) + row * groups + g0;
+        const bool in = row < p.w.rows;
+        const uint32_t lo = in && g0 < groups ? __ldg(at) : 0;
+        const uint32_t hi = in && lg == 5 && g0 + 1 < groups ? __ldg(at + 1) : 0;
+        v[a] = lo | (hi << 16);
+      }
+    };
+    uint32_t cur[2], next[2] = {0, 0};
+    if (int(blockIdx.x) < tiles) {
+      fetch(blockIdx.x, 0, cur);
+    }
+    int s = 0, phase = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = (tile / v_tiles) * RBN, vt = vt0 + tile % v_tiles;
+      for (int kt = 0; kt < kt_count; ++kt) {
+        if (kt + 1 < kt_count) {
+          fetch(tile, kt + 1, next);
+        } else if (tile + int(gridDim.x) < tiles) {
+          fetch(tile + gridDim.x, 0, next);
+        }
+        mbar_wait(&pipe.empty[s], phase ^ 1);
+        if (pipe.tid == 0) {
+          mbar_expect_tx(&pipe.full[s], RBN * WBK * 2 + kWBytes);
+          tma_load(h_tile(s), &P.h_map, &pipe.full[s], kt * WBK, m0);
+          tma_load(w_tile(s), &P.w_map, &pipe.full[s], kt * (WBK * QB / 32), vt * RBV);
+        }
+        *reinterpret_cast<uint32_t*>(s_tile(s) + pipe.tid * 16) = cur[0];
+        *reinterpret_cast<uint32_t*>(b_tile(s) + pipe.tid * 16) = cur[1];
+        mbar_arrive(&pipe.full[s]);
+        cur[0] = next[0];
+        cur[1] = next[1];
+        if (++s == WST) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+  wg_consumer_regs<0>();
+  const int ct = threadIdx.x - 128;
+  const int warp = ct >> 5, lane = ct & 31, t = lane & 3, g = lane >> 2;
+  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
+  const bool capped = p.cap > 0.0f;
+  const int trow[2] = {(pipe.wg - 1) * 64 + g + (warp & 3) * 16,
+                       (pipe.wg - 1) * 64 + g + (warp & 3) * 16 + 8};
+  T* ds = static_cast<T*>(p.ds);
+  float acc[128];
+  uint32_t frag[2][4][4];
+  int s = 0, phase = 0, parity = 0;
+  auto build = [&](uint32_t(&f)[4][4], int stage) {
+    RsScales<QB> sc;
+    sc.template load<T>(s_tile(stage), b_tile(stage), trow, p.w.sb_kind, lg);
+    rs_dequant<T, QB>(f, w_tile(stage), trow, lane, sc);
+  };
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
+    const int m0 = (tile / v_tiles) * RBN, vl = tile % v_tiles;
+    mbar_wait(&pipe.full[s], phase);
+    build(frag[0], s);
+    int prev = -1;
+    auto step = [&](auto par, int kt) {
+      constexpr int PB = decltype(par)::value;
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_rs<T>(acc, frag[PB][kk], wg_desc(h_tile(s) + kk * 32, false), kt > 0 || kk > 0);
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      if (prev >= 0 && lane == 0) {
+        mbar_arrive(&pipe.empty[prev]);
+      }
+      prev = s;
+      if (++s == WST) {
+        s = 0;
+        phase ^= 1;
+      }
+      if (kt + 1 < kt_count) {
+        mbar_wait(&pipe.full[s], phase);
+        build(frag[PB ^ 1], s);
+      }
+    };
+    for (int kt = 0; kt < kt_count; kt += 2) {
+      step(std::integral_constant<int, 0>{}, kt);
+      if (kt + 1 < kt_count) {
+        step(std::integral_constant<int, 1>{}, kt + 1);
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (lane == 0) {
+      mbar_arrive(&pipe.empty[prev]);
+    }
+
+    // Epilogue. acc[j * 4 + ri * 2 + e]: W row v = vrow + 8 ri, h row 8 j + 2 t + e.
+    const int64_t vrow = int64_t(vt0 + vl) * RBV + trow[0];
+    const bool even = (g & 1) == 0;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      float pv[2][2]; // [ri][e]
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t gm = m0 + 8 * j + 2 * t + e;
+        const bool row_ok = gm < p.M;
+        const int32_t y = row_ok ? __ldg(p.targets + gm) : -1;
+        const float ref = row_ok ? row_ref(p, gm) : 0.0f;
+        float sum = 0.0f, tmax = -INFINITY;
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          float x = acc[j * 4 + ri * 2 + e];
+          float dcap = 1.0f;
+          if (capped) {
+            const float th = tanh_fast(x * inv_cap);
+            x = p.cap * th;
+            dcap = 1.0f - th * th;
+          }
+          const int64_t v = vrow + 8 * ri;
+          const bool in = v < p.V;
+          if (in && v == y) {
+            p.target_logit[gm] = x;
+          }
+          const float ex = in ? __expf(x - ref) : 0.0f;
+          sum += ex;
+          tmax = in ? fmaxf(tmax, x) : tmax;
+          pv[ri][e] = ex * dcap;
+        }
+        // Column (sum, max) of this thread's two rows, in place of the logits.
+        acc[j * 4 + e] = tmax;
+        acc[j * 4 + 2 + e] = sum;
+      }
+      // P, transposed: even lanes store rows (v, v + 1) of column e = 0, odd
+      // lanes rows (v - 1, v) of column e = 1.
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const float mine = even ? pv[ri][0] : pv[ri][1];
+        const float other = __shfl_xor_sync(0xffffffff, even ? pv[ri][1] : pv[ri][0], 4);
+        const int64_t gm = m0 + 8 * j + 2 * t + (even ? 0 : 1);
+        const int64_t v = vrow + 8 * ri - (even ? 0 : 1); // even
+        const int64_t c = v - p.v0;
+        if (gm < p.M && c < p.width) {
+          *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) =
+              even ? pack2<T>(mine, other) : pack2<T>(other, mine);
+        }
+      }
+    }
+    // (max, sum) columns through the butterfly: sums add, maxima take the max.
+#pragma unroll
+    for (int level = 0; level < 3; ++level) {
+      // Unrolled by hand below for constant indices.
+    }
+    rs_butterfly_add_max<32>(acc, lane);
+    rs_butterfly_add_max<16>(acc, lane);
+    rs_butterfly_add_max<8>(acc, lane);
+    float2* table = red + parity * 8 * RBN;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int col = 32 * g + 8 * (i / 2) + 2 * t + i % 2;
+      table[warp * RBN + col] = make_float2(acc[(i / 2) * 4 + 2 + i % 2], acc[(i / 2) * 4 + i % 2]);
+    }
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const int64_t gm = m0 + ct;
+    if (gm < p.M) {
+      float sum = 0.0f, tmax = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        const float2 st = table[w * RBN + ct];
+        sum += st.x;
+        tmax = fmaxf(tmax, st.y);
+      }
+      put_row_stats(p, vl, gm, sum, tmax);
+    }
+  }
+}
+
 #endif // FLASH_CCE_WGMMA
+
+template <class T, int QB>
+__device__ __forceinline__ void p_rs_entry(const WgDsParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  p_rs_body<T, QB>(P);
+#endif
+}
+
+template <class T, int QB>
+__device__ __forceinline__ void dh_rs_entry(const WgDhParams& P) {
+#ifdef FLASH_CCE_WGMMA
+  dh_rs_body<T, QB>(P);
+#endif
+}
 
 template <class T, int QB>
 __device__ __forceinline__ void fwd_rs_entry(const WgFwdParams& P) {

@@ -189,6 +189,14 @@ constexpr int kWgSmemBytes =
 constexpr int kRsTileM = 256, kRsTileV = 128;
 constexpr int kRsStageBytes = kRsTileM * kWgTileK * 2 + kRsTileV * kWgTileK + 2 * kRsTileV * 16;
 constexpr int kRsSmemBytes = kWgStages * kRsStageBytes + 8 * kRsTileM * 8 + kRsTileM * 4 + 1024;
+// Its dh GEMM (dh^T = W^T dS^T): 128 columns of h against 256 rows of dS a
+// tile; a stage holds the dS tile, 64 rows x 128 columns of packed W and
+// their scales and biases (up to 4 groups).
+constexpr int kRsDhStageBytes = kRsTileM * kWgTileK * 2 + kWgTileK * kRsTileV + 1024;
+constexpr int kRsDhSmemBytes = kWgStages * kRsDhStageBytes + 1024;
+// The fused forward's P kernel in that form: the forward's stages, then two
+// per-warp column tables (8 x 256 float2 each).
+constexpr int kRsPSmemBytes = kWgStages * kRsStageBytes + 2 * 8 * kRsTileM * 8 + 1024;
 
 struct WgFwdParams {
   CUtensorMap h_map, w_map;
