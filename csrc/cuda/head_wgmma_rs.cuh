@@ -376,8 +376,7 @@ __device__ __forceinline__ uint32_t pair_as(uint32_t raw, int kind) {
   if (kind == kT) {
     return raw;
   }
-  const auto f = [&](uint32_t u) { return kind == kBF16 ? bf16_bits(u) : f16_bits(u); };
-  return pack2<T>(f(raw & 0xffff), f(raw >> 16));
+  return pack2<T>(half_bits(raw & 0xffff, kind), half_bits(raw >> 16, kind));
 }
 
 // The A fragments of one k-step of the dh GEMM: row r % 2 of slice kk is
@@ -412,9 +411,8 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
         // Columns col and col + 8 are byte g % 4 of words col / 4 and col / 4 + 2.
         const uint4 w0 = *reinterpret_cast<const uint4*>(r0 + ((col / 4) & ~3) * 4);
         const uint4 w1 = *reinterpret_cast<const uint4*>(r1 + ((col / 4) & ~3) * 4);
-        const auto f = [&](uint32_t u) { return kind == kBF16 ? bf16_bits(u) : f16_bits(u); };
-        const float s0 = f(sraw & 0xffff), s1 = f(sraw >> 16);
-        const float b0 = f(braw & 0xffff), b1 = f(braw >> 16);
+        const float s0 = half_bits(sraw & 0xffff, kind), s1 = half_bits(sraw >> 16, kind);
+        const float b0 = half_bits(braw & 0xffff, kind), b1 = half_bits(braw >> 16, kind);
         const uint32_t sel = 0x7440 | (g & 3);
         const bool hi = g & 4;
 #pragma unroll
