@@ -246,11 +246,16 @@ CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols,
 }
 
 // TMA descriptor of a quantized W's packed words, [V, H * bits / 32] uint32,
-// read in plain (unswizzled) boxes of box_rows rows x box_cols columns of W.
+// read in boxes of box_rows rows x box_cols columns of W, swizzled with the
+// span of a box row (32, 64 or 128 bytes; tile_load in the kernels).
 CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
   const int64_t words = p.H * p.cfg.bits / 32;
+  const int row_bytes = box_cols * p.cfg.bits / 8;
+  const CUtensorMapSwizzle swizzle = row_bytes == 32   ? CU_TENSOR_MAP_SWIZZLE_32B
+                                     : row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                       : CU_TENSOR_MAP_SWIZZLE_128B;
   return encode_2d(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.V, words, words * 4, box_rows,
-                   box_cols * p.cfg.bits / 32, CU_TENSOR_MAP_SWIZZLE_NONE);
+                   box_cols * p.cfg.bits / 32, swizzle);
 }
 
 // On Hopper a quantized head's forward takes W as the register operand

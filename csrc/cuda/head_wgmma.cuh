@@ -102,9 +102,7 @@ struct WgPipe {
 __device__ __forceinline__ WgPipe wg_setup(unsigned char* smem_raw, uint64_t* full,
                                            uint64_t* empty, int full_arrivals = 1) {
   WgPipe pipe;
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(smem_raw);
   pipe.base = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  (void)addr;
   pipe.full = full;
   pipe.empty = empty;
   pipe.wg = threadIdx.x / 128;

@@ -63,6 +63,17 @@ struct RsScales {
   }
 };
 
+// The 16 bytes at `byte` of row `row` of a packed W tile with R-byte rows.
+// TMA stores those tiles with the swizzle of span R (32, 64 or 128 bytes):
+// chunk c of a row lands at c ^ (address bits 7..), which puts the rows that
+// a warp reads at once in different banks (plain rows at a 64- or 128-byte
+// pitch would fall on the same banks and serialize up to 4 ways).
+template <int R, class V = uint4>
+__device__ __forceinline__ V tile_load(const unsigned char* tile, int row, int byte) {
+  const int off = row * R + byte;
+  return *reinterpret_cast<const V*>(tile + (off ^ (((off >> 7) & (R / 16 - 1)) << 4)));
+}
+
 // The A fragments of one k-step (four k16 slices, four registers each) from
 // the packed rows in shared memory. Fragment register r of slice kk holds the
 // pair of columns 16 kk + 8 (r / 2) + 2 (lane % 4) + {0, 1} of row r % 2.
@@ -74,13 +85,12 @@ __device__ __forceinline__ void rs_dequant(uint32_t (&a)[4][4], const unsigned c
   const int t = lane & 3;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(wtile + trow[ri] * kRowBytes);
     if constexpr (QB == 4) {
       // Byte t of a word holds codes 2t and 2t + 1: one permute puts them in
       // the low nibbles of the two halves.
       const uint32_t sel = t | (t << 4) | ((4 + t) << 8) | ((4 + t) << 12);
-      const uint4 lo = *reinterpret_cast<const uint4*>(words);
-      const uint4 hi = *reinterpret_cast<const uint4*>(words + 4);
+      const uint4 lo = tile_load<kRowBytes>(wtile, trow[ri], 0);
+      const uint4 hi = tile_load<kRowBytes>(wtile, trow[ri], 16);
       const uint32_t wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -96,7 +106,7 @@ __device__ __forceinline__ void rs_dequant(uint32_t (&a)[4][4], const unsigned c
       const uint32_t s0 = 0x7440 + 2 * (t & 1), s1 = s0 + 1;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const uint4 v = *reinterpret_cast<const uint4*>(words + 4 * kk);
+        const uint4 v = tile_load<kRowBytes>(wtile, trow[ri], 16 * kk);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const uint32_t word = half ? ((t & 2) ? v.w : v.z) : ((t & 2) ? v.y : v.x);
@@ -394,14 +404,12 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int v = 16 * kk + 8 * half + 2 * t;
-      const unsigned char* r0 = st.w() + v * kRowBytes;
-      const unsigned char* r1 = r0 + kRowBytes;
       const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
       const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
       if constexpr (QB == 4) {
         // Columns col and col + 8 are nibble g % 8 of adjacent words.
-        const uint2 w0 = *reinterpret_cast<const uint2*>(r0 + (col / 8) * 4);
-        const uint2 w1 = *reinterpret_cast<const uint2*>(r1 + (col / 8) * 4);
+        const uint2 w0 = tile_load<kRowBytes, uint2>(st.w(), v, (col / 8) * 4);
+        const uint2 w1 = tile_load<kRowBytes, uint2>(st.w(), v + 1, (col / 8) * 4);
         const uint32_t sc = pair_as<T>(sraw, kind), bi = pair_as<T>(braw, kind);
         const uint32_t sel = (g >> 1) | ((4 + (g >> 1)) << 8);
         const int shift = 4 * (g & 1);
@@ -409,8 +417,8 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
         a[kk][2 * half + 1] = dequant_pair<T>(__byte_perm(w0.y, w1.y, sel) >> shift, sc, bi);
       } else {
         // Columns col and col + 8 are byte g % 4 of words col / 4 and col / 4 + 2.
-        const uint4 w0 = *reinterpret_cast<const uint4*>(r0 + ((col / 4) & ~3) * 4);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(r1 + ((col / 4) & ~3) * 4);
+        const uint4 w0 = tile_load<kRowBytes>(st.w(), v, ((col / 4) & ~3) * 4);
+        const uint4 w1 = tile_load<kRowBytes>(st.w(), v + 1, ((col / 4) & ~3) * 4);
         const float s0 = half_bits(sraw & 0xffff, kind), s1 = half_bits(sraw >> 16, kind);
         const float b0 = half_bits(braw & 0xffff, kind), b1 = half_bits(braw >> 16, kind);
         const uint32_t sel = 0x7440 | (g & 3);
@@ -424,18 +432,6 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
         }
       }
     }
-}
-
-// One element of dh_update: dh[i] (+)= v, the old value scaled by f.
-__device__ __forceinline__ void dh_update1(const DhParams& p, int64_t i, float v, float f) {
-  if (!p.first) {
-    v += f * p.acc[i];
-  }
-  if (p.last) {
-    store_from_float(p.out, p.out_kind, i, v);
-  } else {
-    p.acc[i] = v;
-  }
 }
 
 template <class T, int QB>
@@ -524,14 +520,17 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   const int wg_col = (pipe.wg - 1) * 64;
   // The thread's two columns share one group (groups are >= 32 wide).
   const int group = (wg_col + 16 * (warp & 3)) >> lg;
+  // Per tile parity, the rows' old-value scales (row_scale), shared by column.
+  float* scale_buf = reinterpret_cast<float*>(pipe.base + WST * kRsDhStageBytes);
   float acc[128];
   uint32_t frag[2][4][4];
-  int s = 0, phase = 0;
+  int s = 0, phase = 0, parity = 0;
   auto build = [&](uint32_t(&f)[4][4], int st) {
     rs_dh_dequant<T, QB>(f, stage(st), wg_col, warp, lane, group, p.w.sb_kind);
   };
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
     const int m0 = (tile % m_tiles) * RBN, n0 = (tile / m_tiles) * RBV;
+    const float my_scale = m0 + ct < p.M ? row_scale(p, m0 + ct) : 0.0f;
     mbar_wait(&pipe.full[s], phase);
     build(frag[0], s);
     int prev = -1;
@@ -571,25 +570,32 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     if (n0 == 0) {
       add_row_sums(p, m0 + ct);
     }
+    // Double-buffered by tile parity: a thread writes this buffer again only
+    // after the next tile's barrier, which every reader of this tile passes.
+    float* scales = scale_buf + parity * RBN;
+    scales[ct] = my_scale;
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
     // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + 16 (warp % 4) + g + 8 ri of
-    // dh, row m0 + 8 j + 2 t + e.
+    // dh, row m0 + 8 j + 2 t + e. Lanes g and g ^ 1 swap halves: the even one
+    // then holds columns (c, c + 1) of row e = 0, the odd one of row e = 1,
+    // so that each update is a pair.
+    const bool even = (g & 1) == 0;
+    const int e = even ? 0 : 1;
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
+    for (int j = 0; j < 32; ++j) {
+      const int64_t gm = m0 + 8 * j + 2 * t4 + e;
+      const float f = scales[8 * j + 2 * t4 + e];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t gm = m0 + 8 * j + 2 * t4 + e;
-        if (gm >= p.M) {
-          continue;
-        }
-        const float f = row_scale(p, gm);
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          const int64_t c = n0 + wg_col + 16 * (warp & 3) + g + 8 * ri;
-          if (c < p.H) {
-            dh_update1(p, gm * p.H + c, acc[j * 4 + ri * 2 + e], f);
-          }
+      for (int ri = 0; ri < 2; ++ri) {
+        const float a0 = acc[j * 4 + ri * 2], a1 = acc[j * 4 + ri * 2 + 1];
+        const float mine = even ? a0 : a1;
+        const float other = __shfl_xor_sync(0xffffffff, even ? a1 : a0, 4);
+        const int64_t c = n0 + wg_col + 16 * (warp & 3) + (g & ~1) + 8 * ri;
+        if (gm < p.M && c < p.H) {
+          dh_update(p, gm, c, even ? mine : other, even ? other : mine, f);
         }
       }
+    }
   }
 }
 
@@ -780,10 +786,6 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
       }
     }
     // (max, sum) columns through the butterfly: sums add, maxima take the max.
-#pragma unroll
-    for (int level = 0; level < 3; ++level) {
-      // Unrolled by hand below for constant indices.
-    }
     rs_butterfly_add_max<32>(acc, lane);
     rs_butterfly_add_max<16>(acc, lane);
     rs_butterfly_add_max<8>(acc, lane);
