@@ -16,6 +16,18 @@ constexpr int kWgABytes = WBM * WBK * 2, kWgBBytes = WBN * WBK * 2;
 
 #ifdef FLASH_CCE_WGMMA
 
+// add_row_sums for the rows of a persistent dh kernel's tiles t < m_tiles
+// (the first column block, which meets each row once), `count` threads of
+// which this is number i. Idle producer threads run it, off the consumers' path.
+__device__ __forceinline__ void fold_row_sums(const DhParams& p, int m_tiles, int tile_rows,
+                                              int i, int count) {
+  for (int t = blockIdx.x; t < m_tiles; t += gridDim.x) {
+    for (int r = i; r < tile_rows; r += count) {
+      add_row_sums(p, int64_t(t) * tile_rows + r);
+    }
+  }
+}
+
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
 }
@@ -785,6 +797,11 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
     wg_producer_regs<QB>();
+    if (QB == 0 && pipe.tid >= 32) {
+      // Dense tiles need one TMA thread: warps 1-3 fold the row sums.
+      fold_row_sums(p, p.m_tiles, WBM, pipe.tid - 32, 96);
+      return;
+    }
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       wg_produce<T, QB, true>(pipe, &P.a_map, &P.b_map, p.w, (t % p.m_tiles) * WBM,
                               (t / p.m_tiles) * WBN, static_cast<int>(P.v0), kt_count, s,
@@ -798,7 +815,7 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
     const int m0 = (t % p.m_tiles) * WBM, n0 = (t / p.m_tiles) * WBN;
     wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
     const int r = threadIdx.x - 128; // consumer threads only reach here
-    if (n0 == 0 && r < WBM) {
+    if (QB != 0 && n0 == 0 && r < WBM) {
       add_row_sums(p, m0 + r);
     }
 #pragma unroll

@@ -454,6 +454,7 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   if (pipe.wg == 0) {
     wg_producer_regs<0>();
     if (pipe.tid >= WBK) {
+      fold_row_sums(p, m_tiles, RBN, pipe.tid - WBK, 128 - WBK);
       return;
     }
     // Thread v: row v of each k-step, its groups loaded a k-step ahead.
@@ -566,9 +567,6 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     if (lane == 0) {
       mbar_arrive(&pipe.empty[prev]);
-    }
-    if (n0 == 0) {
-      add_row_sums(p, m0 + ct);
     }
     // Double-buffered by tile parity: a thread writes this buffer again only
     // after the next tile's barrier, which every reader of this tile passes.
