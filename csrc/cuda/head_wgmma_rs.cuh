@@ -68,10 +68,16 @@ struct RsScales {
 // chunk c of a row lands at c ^ (address bits 7..), which puts the rows that
 // a warp reads at once in different banks (plain rows at a 64- or 128-byte
 // pitch would fall on the same banks and serialize up to 4 ways).
+template <int R>
+__device__ __forceinline__ const unsigned char* tile_at(const unsigned char* tile, int row,
+                                                        int byte) {
+  const int off = row * R + byte;
+  return tile + (off ^ (((off >> 7) & (R / 16 - 1)) << 4));
+}
+
 template <int R, class V = uint4>
 __device__ __forceinline__ V tile_load(const unsigned char* tile, int row, int byte) {
-  const int off = row * R + byte;
-  return *reinterpret_cast<const V*>(tile + (off ^ (((off >> 7) & (R / 16 - 1)) << 4)));
+  return *reinterpret_cast<const V*>(tile_at<R>(tile, row, byte));
 }
 
 // The A fragments of one k-step (four k16 slices, four registers each) from
@@ -390,23 +396,58 @@ __device__ __forceinline__ uint32_t pair_as(uint32_t raw, int kind) {
 }
 
 // The A fragments of one k-step of the dh GEMM: row r % 2 of slice kk is
-// column h = 16 (warp % 4) + g + 8 (r % 2) of this warpgroup's 64, and its pair
-// holds rows 16 kk + 8 (r / 2) + 2 t + {0, 1} of the chunk's k-step.
+// column h = dh_col(r % 2) of this warpgroup's 64, and its pair holds rows
+// 16 kk + 8 (r / 2) + 2 t + {0, 1} of the chunk's k-step.
+// 4-bit: column 16 (warp % 4) + g + 8 (r % 2), from two plain loads a pair.
+// 8-bit: column 16 (warp % 4) + 2 g + r % 2, so that the warp's 16 columns
+// are one 16-byte row of an 8 x 8 matrix of 16-bit units: ldmatrix.trans
+// hands lane (g, t) unit g of rows 2 t and 2 t + 1, i.e. both its columns of
+// both rows of a pair, and two x4 loads cover the k-step.
+template <int QB>
+__device__ __forceinline__ int dh_col(int warp, int g, int ri) {
+  return 16 * (warp & 3) + (QB == 8 ? 2 * g + ri : g + 8 * ri);
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhStage& st,
                                               int wg_col, int warp, int lane, int group,
                                               int kind) {
   constexpr int kRowBytes = RBV * QB / 8;
   const int t = lane & 3, g = lane >> 2;
-  const int col = wg_col + 16 * (warp & 3) + g; // for r % 2 = 0; + 8 for 1
+  if constexpr (QB == 8) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
+    for (int q = 0; q < 2; ++q) {
+      // Lane L addresses row L % 8 of matrix L / 8: slice 2 q + L / 16, rows
+      // + 8 ((L / 8) % 2).
+      uint32_t r[4];
+      const int mv = 32 * q + 8 * (lane >> 3) + (lane & 7);
+      ldsm_x4_t(r, tile_at<kRowBytes>(st.w(), mv, wg_col + 16 * (warp & 3)));
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int v = 16 * kk + 8 * half + 2 * t;
-      const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
-      const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
-      if constexpr (QB == 4) {
+      for (int i = 0; i < 4; ++i) {
+        const int kk = 2 * q + i / 2, half = i % 2;
+        const int v = 16 * kk + 8 * half + 2 * t;
+        const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
+        const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
+        const float s0 = half_bits(sraw & 0xffff, kind), s1 = half_bits(sraw >> 16, kind);
+        const float b0 = half_bits(braw & 0xffff, kind), b1 = half_bits(braw >> 16, kind);
+        // Bytes: (row 2t, col 2g), (2t, 2g + 1), (2t + 1, 2g), (2t + 1, 2g + 1).
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          a[kk][2 * half + ri] =
+              pack2<T>(fmaf(s0, code_f32(__byte_perm(r[i], kTwo23, 0x7440 | ri)), b0),
+                       fmaf(s1, code_f32(__byte_perm(r[i], kTwo23, 0x7440 | (2 + ri))), b1));
+        }
+      }
+    }
+  } else {
+    const int col = wg_col + dh_col<QB>(warp, g, 0); // + 8 for r % 2 = 1
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int v = 16 * kk + 8 * half + 2 * t;
+        const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
+        const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
         // Columns col and col + 8 are nibble g % 8 of adjacent words.
         const uint2 w0 = tile_load<kRowBytes, uint2>(st.w(), v, (col / 8) * 4);
         const uint2 w1 = tile_load<kRowBytes, uint2>(st.w(), v + 1, (col / 8) * 4);
@@ -415,23 +456,8 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
         const int shift = 4 * (g & 1);
         a[kk][2 * half] = dequant_pair<T>(__byte_perm(w0.x, w1.x, sel) >> shift, sc, bi);
         a[kk][2 * half + 1] = dequant_pair<T>(__byte_perm(w0.y, w1.y, sel) >> shift, sc, bi);
-      } else {
-        // Columns col and col + 8 are byte g % 4 of words col / 4 and col / 4 + 2.
-        const uint4 w0 = tile_load<kRowBytes>(st.w(), v, ((col / 4) & ~3) * 4);
-        const uint4 w1 = tile_load<kRowBytes>(st.w(), v + 1, ((col / 4) & ~3) * 4);
-        const float s0 = half_bits(sraw & 0xffff, kind), s1 = half_bits(sraw >> 16, kind);
-        const float b0 = half_bits(braw & 0xffff, kind), b1 = half_bits(braw >> 16, kind);
-        const uint32_t sel = 0x7440 | (g & 3);
-        const bool hi = g & 4;
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          const uint32_t x0 = ri ? (hi ? w0.w : w0.z) : (hi ? w0.y : w0.x);
-          const uint32_t x1 = ri ? (hi ? w1.w : w1.z) : (hi ? w1.y : w1.x);
-          a[kk][2 * half + ri] = pack2<T>(fmaf(s0, code_f32(__byte_perm(x0, kTwo23, sel)), b0),
-                                          fmaf(s1, code_f32(__byte_perm(x1, kTwo23, sel)), b1));
-        }
       }
-    }
+  }
 }
 
 template <class T, int QB>
@@ -573,24 +599,38 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     float* scales = scale_buf + parity * RBN;
     scales[ct] = my_scale;
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + 16 (warp % 4) + g + 8 ri of
-    // dh, row m0 + 8 j + 2 t + e. Lanes g and g ^ 1 swap halves: the even one
-    // then holds columns (c, c + 1) of row e = 0, the odd one of row e = 1,
-    // so that each update is a pair.
-    const bool even = (g & 1) == 0;
-    const int e = even ? 0 : 1;
+    // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + dh_col(ri) of dh, row m0 +
+    // 8 j + 2 t + e.
+    if constexpr (QB == 8) {
+      // The thread's two columns are adjacent already.
+      const int64_t c = n0 + wg_col + dh_col<QB>(warp, g, 0);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int64_t gm = m0 + 8 * j + 2 * t4 + e;
-      const float f = scales[8 * j + 2 * t4 + e];
+      for (int j = 0; j < 32; ++j)
 #pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const float a0 = acc[j * 4 + ri * 2], a1 = acc[j * 4 + ri * 2 + 1];
-        const float mine = even ? a0 : a1;
-        const float other = __shfl_xor_sync(0xffffffff, even ? a1 : a0, 4);
-        const int64_t c = n0 + wg_col + 16 * (warp & 3) + (g & ~1) + 8 * ri;
-        if (gm < p.M && c < p.H) {
-          dh_update(p, gm, c, even ? mine : other, even ? other : mine, f);
+        for (int e = 0; e < 2; ++e) {
+          const int64_t gm = m0 + 8 * j + 2 * t4 + e;
+          if (gm < p.M && c < p.H) {
+            dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e]);
+          }
+        }
+    } else {
+      // Lanes g and g ^ 1 swap halves: the even one then holds columns (c, c +
+      // 1) of row e = 0, the odd one of row e = 1, so that each update is a pair.
+      const bool even = (g & 1) == 0;
+      const int e = even ? 0 : 1;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int64_t gm = m0 + 8 * j + 2 * t4 + e;
+        const float f = scales[8 * j + 2 * t4 + e];
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const float a0 = acc[j * 4 + ri * 2], a1 = acc[j * 4 + ri * 2 + 1];
+          const float mine = even ? a0 : a1;
+          const float other = __shfl_xor_sync(0xffffffff, even ? a1 : a0, 4);
+          const int64_t c = n0 + wg_col + dh_col<QB>(warp, g & ~1, ri);
+          if (gm < p.M && c < p.H) {
+            dh_update(p, gm, c, even ? mine : other, even ? other : mine, f);
+          }
         }
       }
     }
