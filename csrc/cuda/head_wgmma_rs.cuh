@@ -395,17 +395,20 @@ __device__ __forceinline__ uint32_t pair_as(uint32_t raw, int kind) {
   return pack2<T>(half_bits(raw & 0xffff, kind), half_bits(raw >> 16, kind));
 }
 
-// The A fragments of one k-step of the dh GEMM: row r % 2 of slice kk is
-// column h = dh_col(r % 2) of this warpgroup's 64, and its pair holds rows
-// 16 kk + 8 (r / 2) + 2 t + {0, 1} of the chunk's k-step.
-// 4-bit: column 16 (warp % 4) + g + 8 (r % 2), from two plain loads a pair.
-// 8-bit: column 16 (warp % 4) + 2 g + r % 2, so that the warp's 16 columns
-// are one 16-byte row of an 8 x 8 matrix of 16-bit units: ldmatrix.trans
-// hands lane (g, t) unit g of rows 2 t and 2 t + 1, i.e. both its columns of
-// both rows of a pair, and two x4 loads cover the k-step.
+// The A fragments of one k-step of the dh GEMM come from ldmatrix.trans on
+// the packed bytes: an 8 x 8 matrix of 16-bit units is 8 rows of W (k) by 16
+// bytes, and lane (g, t) receives unit g of rows 2 t and 2 t + 1, the low
+// half from the first. Fragment register r of slice kk is A row g + 8 (r % 2)
+// with k rows 16 kk + 8 (r / 2) + 2 t + {0, 1}, so A rows are assigned to
+// columns of h so that both of a lane's rows sit in its unit:
+// - 8 bits: a unit is 2 columns, a 16-byte row the warp's 16 columns;
+// - 4 bits: a unit is 4 columns, a 16-byte row 32 columns shared by warps 2i
+//   and 2i + 1, the even one taking the first two columns of each unit.
+// Either way a lane's two columns are adjacent (ri = 0, 1).
 template <int QB>
 __device__ __forceinline__ int dh_col(int warp, int g, int ri) {
-  return 16 * (warp & 3) + (QB == 8 ? 2 * g + ri : g + 8 * ri);
+  return QB == 8 ? 16 * (warp & 3) + 2 * g + ri
+                 : 32 * ((warp & 3) >> 1) + 4 * g + 2 * (warp & 1) + ri;
 }
 
 template <class T, int QB>
@@ -413,24 +416,33 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
                                               int wg_col, int warp, int lane, int group,
                                               int kind) {
   constexpr int kRowBytes = RBV * QB / 8;
-  const int t = lane & 3, g = lane >> 2;
-  if constexpr (QB == 8) {
+  const int t = lane & 3;
+  // The warp's 16-byte column of the packed tile.
+  const int byte0 = (wg_col + (QB == 8 ? 16 * (warp & 3) : 32 * ((warp & 3) >> 1))) * QB / 8;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      // Lane L addresses row L % 8 of matrix L / 8: slice 2 q + L / 16, rows
-      // + 8 ((L / 8) % 2).
-      uint32_t r[4];
-      const int mv = 32 * q + 8 * (lane >> 3) + (lane & 7);
-      ldsm_x4_t(r, tile_at<kRowBytes>(st.w(), mv, wg_col + 16 * (warp & 3)));
+  for (int q = 0; q < 2; ++q) {
+    // Lane L addresses row L % 8 of matrix L / 8: slice 2 q + L / 16, rows
+    // + 8 ((L / 8) % 2).
+    uint32_t r[4];
+    ldsm_x4_t(r, tile_at<kRowBytes>(st.w(), 32 * q + 8 * (lane >> 3) + (lane & 7), byte0));
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int kk = 2 * q + i / 2, half = i % 2;
-        const int v = 16 * kk + 8 * half + 2 * t;
-        const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
-        const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
+    for (int i = 0; i < 4; ++i) {
+      const int kk = 2 * q + i / 2, half = i % 2;
+      const int v = 16 * kk + 8 * half + 2 * t;
+      const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
+      const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
+      if constexpr (QB == 4) {
+        // Nibble 2 (warp % 2) + ri of each half.
+        const uint32_t sc = pair_as<T>(sraw, kind), bi = pair_as<T>(braw, kind);
+        const int shift = 8 * (warp & 1);
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          a[kk][2 * half + ri] = dequant_pair<T>(r[i] >> (shift + 4 * ri), sc, bi);
+        }
+      } else {
+        // Bytes: (row 2t, col 2g), (2t, 2g + 1), (2t + 1, 2g), (2t + 1, 2g + 1).
         const float s0 = half_bits(sraw & 0xffff, kind), s1 = half_bits(sraw >> 16, kind);
         const float b0 = half_bits(braw & 0xffff, kind), b1 = half_bits(braw >> 16, kind);
-        // Bytes: (row 2t, col 2g), (2t, 2g + 1), (2t + 1, 2g), (2t + 1, 2g + 1).
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           a[kk][2 * half + ri] =
@@ -439,24 +451,6 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
         }
       }
     }
-  } else {
-    const int col = wg_col + dh_col<QB>(warp, g, 0); // + 8 for r % 2 = 1
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int v = 16 * kk + 8 * half + 2 * t;
-        const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
-        const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
-        // Columns col and col + 8 are nibble g % 8 of adjacent words.
-        const uint2 w0 = tile_load<kRowBytes, uint2>(st.w(), v, (col / 8) * 4);
-        const uint2 w1 = tile_load<kRowBytes, uint2>(st.w(), v + 1, (col / 8) * 4);
-        const uint32_t sc = pair_as<T>(sraw, kind), bi = pair_as<T>(braw, kind);
-        const uint32_t sel = (g >> 1) | ((4 + (g >> 1)) << 8);
-        const int shift = 4 * (g & 1);
-        a[kk][2 * half] = dequant_pair<T>(__byte_perm(w0.x, w1.x, sel) >> shift, sc, bi);
-        a[kk][2 * half + 1] = dequant_pair<T>(__byte_perm(w0.y, w1.y, sel) >> shift, sc, bi);
-      }
   }
 }
 
@@ -545,8 +539,8 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   const int ct = threadIdx.x - 128;
   const int warp = ct >> 5, lane = ct & 31, t4 = lane & 3, g = lane >> 2;
   const int wg_col = (pipe.wg - 1) * 64;
-  // The thread's two columns share one group (groups are >= 32 wide).
-  const int group = (wg_col + 16 * (warp & 3)) >> lg;
+  // The warp's columns share one group (groups are >= 32 wide).
+  const int group = (wg_col + dh_col<QB>(warp, 0, 0)) >> lg;
   // Per tile parity, the rows' old-value scales (row_scale), shared by column.
   float* scale_buf = reinterpret_cast<float*>(pipe.base + WST * kRsDhStageBytes);
   float acc[128];
@@ -601,39 +595,16 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + dh_col(ri) of dh, row m0 +
     // 8 j + 2 t + e.
-    if constexpr (QB == 8) {
-      // The thread's two columns are adjacent already.
-      const int64_t c = n0 + wg_col + dh_col<QB>(warp, g, 0);
+    const int64_t c = n0 + wg_col + dh_col<QB>(warp, g, 0);
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
+    for (int j = 0; j < 32; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int64_t gm = m0 + 8 * j + 2 * t4 + e;
-          if (gm < p.M && c < p.H) {
-            dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e]);
-          }
-        }
-    } else {
-      // Lanes g and g ^ 1 swap halves: the even one then holds columns (c, c +
-      // 1) of row e = 0, the odd one of row e = 1, so that each update is a pair.
-      const bool even = (g & 1) == 0;
-      const int e = even ? 0 : 1;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
+      for (int e = 0; e < 2; ++e) {
         const int64_t gm = m0 + 8 * j + 2 * t4 + e;
-        const float f = scales[8 * j + 2 * t4 + e];
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          const float a0 = acc[j * 4 + ri * 2], a1 = acc[j * 4 + ri * 2 + 1];
-          const float mine = even ? a0 : a1;
-          const float other = __shfl_xor_sync(0xffffffff, even ? a1 : a0, 4);
-          const int64_t c = n0 + wg_col + dh_col<QB>(warp, g & ~1, ri);
-          if (gm < p.M && c < p.H) {
-            dh_update(p, gm, c, even ? mine : other, even ? other : mine, f);
-          }
+        if (gm < p.M && c < p.H) {
+          dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e]);
         }
       }
-    }
   }
 }
 
