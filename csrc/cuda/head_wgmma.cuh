@@ -625,8 +625,8 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
       for (int j = 0; j < 32; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          sum += __expf(acc[j * 4 + ri * 2 + e] - nm);
-      run_sum[ri] = run_sum[ri] * __expf(run_max[ri] - nm) + sum;
+          sum += exp_ftz(acc[j * 4 + ri * 2 + e] - nm);
+      run_sum[ri] = run_sum[ri] * exp_ftz(run_max[ri] - nm) + sum;
       run_max[ri] = nm;
     }
   }
@@ -688,7 +688,7 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
           }
           const bool in = c < cols;
           tmax = in ? fmaxf(tmax, x) : tmax;
-          const float ex = in ? __expf(x - ref) : 0.0f;
+          const float ex = in ? exp_ftz(x - ref) : 0.0f;
           sum += ex;
           x = ex * dcap;
         }

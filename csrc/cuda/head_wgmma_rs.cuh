@@ -132,7 +132,7 @@ constexpr float kRsFloor = -1e30f;
 __device__ __forceinline__ void rs_merge(float& m, float& s, float om, float os) {
   const float hi = fmaxf(m, om), lo = fminf(m, om);
   const float shi = m >= om ? s : os, slo = m >= om ? os : s;
-  s = shi + slo * __expf(lo - hi);
+  s = shi + slo * exp_ftz(lo - hi);
   m = hi;
 }
 
@@ -329,7 +329,7 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
         // The pair's (max, sum) in place of its two logits.
         const float hi = fmaxf(x[0], x[1]);
         acc[j * 4 + e] = hi;
-        acc[j * 4 + 2 + e] = hi == kRsFloor ? 0.0f : 1.0f + __expf(fminf(x[0], x[1]) - hi);
+        acc[j * 4 + 2 + e] = hi == kRsFloor ? 0.0f : 1.0f + exp_ftz(fminf(x[0], x[1]) - hi);
       }
     }
     // Butterfly over lane bits 4, 3, 2 (g bits 2, 1, 0): at each level a lane
@@ -744,15 +744,24 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
     }
 
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row v = vrow + 8 ri, h row 8 j + 2 t + e.
-    const int64_t vrow = int64_t(vt0 + vl) * RBV + trow[0];
+    // Indices in 32 bits: M, V and the chunk buffer's elements fit in int.
+    const int M = static_cast<int>(p.M), V = static_cast<int>(p.V);
+    const int vrow = (vt0 + vl) * RBV + trow[0];
     const bool even = (g & 1) == 0;
+    // P, transposed: even lanes store rows (v, v + 1) of column e = 0, odd
+    // lanes rows (v - 1, v) of column e = 1, at prow + 8 j ld + 8 ri.
+    const int odd = even ? 0 : 1;
+    const int pc = vrow - static_cast<int>(p.v0) - odd;
+    T* prow = ds + int64_t(m0 + 2 * t + odd) * p.ld_ds + pc;
+    const int ld8 = 8 * static_cast<int>(p.ld_ds);
+    const int rows_left = M - (m0 + 2 * t); // row 8 j + e exists iff 8 j + e < rows_left
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       float pv[2][2]; // [ri][e]
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int64_t gm = m0 + 8 * j + 2 * t + e;
-        const bool row_ok = gm < p.M;
+        const int gm = m0 + 8 * j + 2 * t + e;
+        const bool row_ok = 8 * j + e < rows_left;
         const int32_t y = row_ok ? __ldg(p.targets + gm) : -1;
         const float ref = row_ok ? row_ref(p, gm) : 0.0f;
         float sum = 0.0f, tmax = -INFINITY;
@@ -765,12 +774,12 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
             x = p.cap * th;
             dcap = 1.0f - th * th;
           }
-          const int64_t v = vrow + 8 * ri;
-          const bool in = v < p.V;
+          const int v = vrow + 8 * ri;
+          const bool in = v < V;
           if (in && v == y) {
             p.target_logit[gm] = x;
           }
-          const float ex = in ? __expf(x - ref) : 0.0f;
+          const float ex = in ? exp_ftz(x - ref) : 0.0f;
           sum += ex;
           tmax = in ? fmaxf(tmax, x) : tmax;
           pv[ri][e] = ex * dcap;
@@ -779,17 +788,12 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
         acc[j * 4 + e] = tmax;
         acc[j * 4 + 2 + e] = sum;
       }
-      // P, transposed: even lanes store rows (v, v + 1) of column e = 0, odd
-      // lanes rows (v - 1, v) of column e = 1.
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         const float mine = even ? pv[ri][0] : pv[ri][1];
         const float other = __shfl_xor_sync(0xffffffff, even ? pv[ri][1] : pv[ri][0], 4);
-        const int64_t gm = m0 + 8 * j + 2 * t + (even ? 0 : 1);
-        const int64_t v = vrow + 8 * ri - (even ? 0 : 1); // even
-        const int64_t c = v - p.v0;
-        if (gm < p.M && c < p.width) {
-          *reinterpret_cast<uint32_t*>(ds + gm * p.ld_ds + c) =
+        if (8 * j + odd < rows_left && pc + 8 * ri < p.width) {
+          *reinterpret_cast<uint32_t*>(prow + j * ld8 + 8 * ri) =
               even ? pack2<T>(mine, other) : pack2<T>(other, mine);
         }
       }
