@@ -306,7 +306,8 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
     }
 
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row trow[ri], h row 8 j + 2 t + e.
-    const int64_t vrow0 = int64_t(vt) * RBV + trow[0];
+    // Rows of W in 32 bits (V fits in int).
+    const int vrow0 = vt * RBV + trow[0];
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int2 y = *reinterpret_cast<const int2*>(ys + 8 * j + 2 * t);
@@ -319,8 +320,8 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
           if (p.cap > 0.0f) {
             x[ri] = p.cap * tanh_fast(x[ri] * inv_cap);
           }
-          const int64_t v = vrow0 + 8 * ri;
-          if (v >= p.V) {
+          const int v = vrow0 + 8 * ri;
+          if (v >= static_cast<int>(p.V)) {
             x[ri] = kRsFloor;
           } else if (v == (e ? y.y : y.x)) {
             p.target_logit[m0 + 8 * j + 2 * t + e] = x[ri];
@@ -369,8 +370,14 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
 // k-steps of 64. Thread 0 streams dS (128-byte swizzle) and the packed words of
 // W (64 rows x 128 columns) with TMA; producer thread v < 64 copies the 16-bit
 // scales and biases of the k-step's row v for the block's (up to 4) column
-// groups into the stage, as [group][row], so that the pair of rows (v, v + 1)
-// one fragment register holds is one load.
+// groups into the stage, per group in the order of dh_sb_slot, so that the 16
+// rows one lane's fragments need are 32 contiguous bytes.
+// Row v = 16 kk + 8 half + 2 t + b of a k-step (the lanes with t = v % 8 / 2
+// use it) sits at slot 16 t + 4 kk + 2 half + b of its group's 64.
+__device__ __forceinline__ int dh_sb_slot(int v) {
+  return 16 * ((v >> 1) & 3) + 4 * (v >> 4) + 2 * ((v >> 3) & 1) + (v & 1);
+}
+
 struct RsDhStage {
   static constexpr int kDs = RBN * WBK * 2; // dS tile, 32 KB
   static constexpr int kW = WBK * RBV;      // packed W rows, 8 KB at 8 bits
@@ -419,6 +426,18 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
   const int t = lane & 3;
   // The warp's 16-byte column of the packed tile.
   const int byte0 = (wg_col + (QB == 8 ? 16 * (warp & 3) : 32 * ((warp & 3) >> 1))) * QB / 8;
+  // The lane's 16 scales and biases (dh_sb_slot): word 2 kk + half holds the
+  // pair of rows of fragment registers 2 half, 2 half + 1 of slice kk.
+  uint32_t sw[8], bw[8];
+  {
+    const uint4* sp = reinterpret_cast<const uint4*>(st.scales() + group * WBK + 16 * t);
+    const uint4* bp = reinterpret_cast<const uint4*>(st.biases() + group * WBK + 16 * t);
+    const uint4 s0 = sp[0], s1 = sp[1], b0 = bp[0], b1 = bp[1];
+    sw[0] = s0.x, sw[1] = s0.y, sw[2] = s0.z, sw[3] = s0.w;
+    sw[4] = s1.x, sw[5] = s1.y, sw[6] = s1.z, sw[7] = s1.w;
+    bw[0] = b0.x, bw[1] = b0.y, bw[2] = b0.z, bw[3] = b0.w;
+    bw[4] = b1.x, bw[5] = b1.y, bw[6] = b1.z, bw[7] = b1.w;
+  }
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     // Lane L addresses row L % 8 of matrix L / 8: slice 2 q + L / 16, rows
@@ -428,9 +447,7 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int kk = 2 * q + i / 2, half = i % 2;
-      const int v = 16 * kk + 8 * half + 2 * t;
-      const uint32_t sraw = *reinterpret_cast<const uint32_t*>(st.scales() + group * WBK + v);
-      const uint32_t braw = *reinterpret_cast<const uint32_t*>(st.biases() + group * WBK + v);
+      const uint32_t sraw = sw[2 * kk + half], braw = bw[2 * kk + half];
       if constexpr (QB == 4) {
         // Nibble 2 (warp % 2) + ri of each half.
         const uint32_t sc = pair_as<T>(sraw, kind), bi = pair_as<T>(braw, kind);
@@ -517,8 +534,8 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
         }
 #pragma unroll
         for (int gi = 0; gi < 4; ++gi) {
-          st.scales()[gi * WBK + pipe.tid] = static_cast<uint16_t>(cur[0][gi]);
-          st.biases()[gi * WBK + pipe.tid] = static_cast<uint16_t>(cur[1][gi]);
+          st.scales()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[0][gi]);
+          st.biases()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[1][gi]);
         }
         mbar_arrive(&pipe.full[s]);
 #pragma unroll
