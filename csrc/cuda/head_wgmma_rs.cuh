@@ -176,18 +176,115 @@ __device__ __forceinline__ void rs_butterfly_add_max(float (&acc)[128], int lane
   }
 }
 
+// A stage of the forward and P kernels: the h tile (TMA, 128-byte swizzle),
+// the W tile's packed words (8 KB at 8 bits) and its rows' scales and biases
+// for the k-step (16 bytes a row).
+struct RsStage {
+  unsigned char* base;
+  __device__ __forceinline__ unsigned char* h() const { return base; }
+  __device__ __forceinline__ unsigned char* w() const { return base + RBN * WBK * 2; }
+  __device__ __forceinline__ unsigned char* scales() const { return w() + RBV * WBK; }
+  __device__ __forceinline__ unsigned char* biases() const { return scales() + RBV * 16; }
+};
+
+// The 16-bit scale and bias of W row `row` for k-step kt (and the next group's
+// in the high half when groups are 32 wide, two a k-step), 0 past the edges.
+__device__ __forceinline__ void rs_fetch_sb(const Operand& w, int64_t row, int kt, int lg,
+                                            uint32_t (&v)[2]) {
+  const int64_t groups = w.cols >> lg, g0 = (int64_t(kt) * WBK) >> lg;
+  const bool in = row < w.rows;
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const uint16_t* at = static_cast<const uint16_t*>(a ? w.biases : w.scales) + row * groups + g0;
+    const uint32_t lo = in && g0 < groups ? __ldg(at) : 0;
+    const uint32_t hi = in && lg == 5 && g0 + 1 < groups ? __ldg(at + 1) : 0;
+    v[a] = lo | (hi << 16);
+  }
+}
+
+// One k-step of the forward and P producers: thread 0 loads the h tile of rows
+// m0.. and the packed W tile of rows vt * RBV.. with TMA; every producer thread
+// stores its row's scales and biases (cur, fetched a k-step earlier), then
+// takes next as cur.
+template <int QB>
+__device__ __forceinline__ void rs_produce(const WgPipe& pipe, const CUtensorMap* h_map,
+                                           const CUtensorMap* w_map, unsigned char* stages,
+                                           int m0, int vt, int kt, uint32_t (&cur)[2],
+                                           const uint32_t (&next)[2], int& s, int& phase) {
+  constexpr int kWBytes = RBV * WBK * QB / 8;
+  const RsStage st{stages + s * kRsStageBytes};
+  mbar_wait(&pipe.empty[s], phase ^ 1);
+  if (pipe.tid == 0) {
+    mbar_expect_tx(&pipe.full[s], RBN * WBK * 2 + kWBytes);
+    tma_load(st.h(), h_map, &pipe.full[s], kt * WBK, m0);
+    tma_load(st.w(), w_map, &pipe.full[s], kt * (WBK * QB / 32), vt * RBV);
+  }
+  *reinterpret_cast<uint32_t*>(st.scales() + pipe.tid * 16) = cur[0];
+  *reinterpret_cast<uint32_t*>(st.biases() + pipe.tid * 16) = cur[1];
+  mbar_arrive(&pipe.full[s]);
+  cur[0] = next[0];
+  cur[1] = next[1];
+  if (++s == WST) {
+    s = 0;
+    phase ^= 1;
+  }
+}
+
+// One tile's k loop in the consumers of the register-operand kernels: two
+// fragment buffers by k-step parity, so that the MMAs of step kt run while
+// build(f, stage) makes the fragments of kt + 1. The loop is unrolled twice
+// with a guard, as a plain unroll makes ptxas serialize the MMAs. b_tile(stage)
+// is that stage's B operand (128-byte swizzle). Releases every stage it used.
+template <class T, class Build, class BTile>
+__device__ __forceinline__ void rs_tile_mainloop(const WgPipe& pipe, float (&acc)[128],
+                                                 uint32_t (&frag)[2][4][4], int kt_count,
+                                                 int lane, int& s, int& phase, Build&& build,
+                                                 BTile&& b_tile) {
+  mbar_wait(&pipe.full[s], phase);
+  build(frag[0], s);
+  int prev = -1;
+  auto step = [&](auto parity, int kt) {
+    constexpr int PB = decltype(parity)::value;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_rs<T>(acc, frag[PB][kk], wg_desc(b_tile(s) + kk * 32, false), kt > 0 || kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    if (prev >= 0 && lane == 0) {
+      mbar_arrive(&pipe.empty[prev]);
+    }
+    prev = s;
+    if (++s == WST) {
+      s = 0;
+      phase ^= 1;
+    }
+    if (kt + 1 < kt_count) {
+      mbar_wait(&pipe.full[s], phase);
+      build(frag[PB ^ 1], s);
+    }
+  };
+  for (int kt = 0; kt < kt_count; kt += 2) {
+    step(std::integral_constant<int, 0>{}, kt);
+    if (kt + 1 < kt_count) {
+      step(std::integral_constant<int, 1>{}, kt + 1);
+    }
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  if (lane == 0) {
+    mbar_arrive(&pipe.empty[prev]);
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const FwdParams& p = P.p;
   const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + 128);
-  constexpr int kWBytes = RBV * WBK * QB / 8;
   unsigned char* stages = pipe.base;
-  auto h_tile = [&](int s) { return stages + s * kRsStageBytes; };
-  auto w_tile = [&](int s) { return h_tile(s) + RBN * WBK * 2; };
-  auto s_tile = [&](int s) { return w_tile(s) + RBV * WBK; }; // 8 KB: the 8-bit size
-  auto b_tile = [&](int s) { return s_tile(s) + RBV * 16; };
+  auto stage = [&](int s) { return RsStage{stages + s * kRsStageBytes}; };
   // Per warp and column of h: the running (max, sum) of its lanes' rows.
   float2* stats = reinterpret_cast<float2*>(stages + WST * kRsStageBytes);
   int32_t* ys = reinterpret_cast<int32_t*>(stats + 8 * RBN);
@@ -202,44 +299,17 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
     // Thread 0 streams h and the packed words with TMA; producer thread r
     // copies the scales and biases of row r of the W tile, loaded a k-step ahead.
     wg_producer_regs<0>();
-    const int64_t groups = p.w.cols >> lg;
-    auto fetch = [&](int vt, int kt, uint32_t (&v)[2]) {
-      const int64_t row = int64_t(vt) * RBV + pipe.tid, g0 = (int64_t(kt) * WBK) >> lg;
-#pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const uint16_t* src = static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales);
-        const uint16_t* at = src + row * groups + g0;
-        const bool in = row < p.w.rows;
-        // The second group only when groups are 32 wide (two per k-step).
-        const uint32_t lo = in && g0 < groups ? __ldg(at) : 0;
-        const uint32_t hi = in && lg == 5 && g0 + 1 < groups ? __ldg(at + 1) : 0;
-        v[a] = lo | (hi << 16);
-      }
-    };
     uint32_t cur[2], next[2] = {0, 0};
-    fetch(t_begin, 0, cur);
+    rs_fetch_sb(p.w, int64_t(t_begin) * RBV + pipe.tid, 0, lg, cur);
     int s = 0, phase = 0;
     for (int vt = t_begin; vt < t_end; ++vt)
       for (int kt = 0; kt < kt_count; ++kt) {
         const bool last = kt + 1 == kt_count;
         if (!(last && vt + 1 == t_end)) {
-          fetch(last ? vt + 1 : vt, last ? 0 : kt + 1, next);
+          rs_fetch_sb(p.w, int64_t(last ? vt + 1 : vt) * RBV + pipe.tid, last ? 0 : kt + 1, lg,
+                      next);
         }
-        mbar_wait(&pipe.empty[s], phase ^ 1);
-        if (pipe.tid == 0) {
-          mbar_expect_tx(&pipe.full[s], RBN * WBK * 2 + kWBytes);
-          tma_load(h_tile(s), &P.h_map, &pipe.full[s], kt * WBK, m0);
-          tma_load(w_tile(s), &P.w_map, &pipe.full[s], kt * (WBK * QB / 32), vt * RBV);
-        }
-        *reinterpret_cast<uint32_t*>(s_tile(s) + pipe.tid * 16) = cur[0];
-        *reinterpret_cast<uint32_t*>(b_tile(s) + pipe.tid * 16) = cur[1];
-        mbar_arrive(&pipe.full[s]);
-        cur[0] = next[0];
-        cur[1] = next[1];
-        if (++s == WST) {
-          s = 0;
-          phase ^= 1;
-        }
+        rs_produce<QB>(pipe, &P.h_map, &P.w_map, stages, m0, vt, kt, cur, next, s, phase);
       }
     return;
   }
@@ -263,47 +333,14 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   // fragments of kt + 1 are built.
   uint32_t frag[2][4][4];
   int s = 0, phase = 0;
-  auto build = [&](uint32_t(&f)[4][4], int stage) {
+  auto build = [&](uint32_t(&f)[4][4], int st) {
     RsScales<QB> sc;
-    sc.template load<T>(s_tile(stage), b_tile(stage), trow, p.w.sb_kind, lg);
-    rs_dequant<T, QB>(f, w_tile(stage), trow, lane, sc);
+    sc.template load<T>(stage(st).scales(), stage(st).biases(), trow, p.w.sb_kind, lg);
+    rs_dequant<T, QB>(f, stage(st).w(), trow, lane, sc);
   };
   for (int vt = t_begin; vt < t_end; ++vt) {
-    mbar_wait(&pipe.full[s], phase);
-    build(frag[0], s);
-    int prev = -1;
-    auto step = [&](auto parity, int kt) {
-      constexpr int P = decltype(parity)::value;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma_rs<T>(acc, frag[P][kk], wg_desc(h_tile(s) + kk * 32, false), kt > 0 || kk > 0);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      if (prev >= 0 && lane == 0) {
-        mbar_arrive(&pipe.empty[prev]);
-      }
-      prev = s;
-      if (++s == WST) {
-        s = 0;
-        phase ^= 1;
-      }
-      if (kt + 1 < kt_count) {
-        mbar_wait(&pipe.full[s], phase);
-        build(frag[P ^ 1], s);
-      }
-    };
-    for (int kt = 0; kt < kt_count; kt += 2) {
-      step(std::integral_constant<int, 0>{}, kt);
-      if (kt + 1 < kt_count) {
-        step(std::integral_constant<int, 1>{}, kt + 1);
-      }
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    if (lane == 0) {
-      mbar_arrive(&pipe.empty[prev]);
-    }
+    rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
+                        [&](int st) { return stage(st).h(); });
 
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row trow[ri], h row 8 j + 2 t + e.
     // Rows of W in 32 bits (V fits in int).
@@ -569,42 +606,8 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
     const int m0 = (tile % m_tiles) * RBN, n0 = (tile / m_tiles) * RBV;
     const float my_scale = m0 + ct < p.M ? row_scale(p, m0 + ct) : 0.0f;
-    mbar_wait(&pipe.full[s], phase);
-    build(frag[0], s);
-    int prev = -1;
-    auto step = [&](auto parity, int kt) {
-      constexpr int PB = decltype(parity)::value;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma_rs<T>(acc, frag[PB][kk], wg_desc(stage(s).ds() + kk * 32, false),
-                    kt > 0 || kk > 0);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      if (prev >= 0 && lane == 0) {
-        mbar_arrive(&pipe.empty[prev]);
-      }
-      prev = s;
-      if (++s == WST) {
-        s = 0;
-        phase ^= 1;
-      }
-      if (kt + 1 < kt_count) {
-        mbar_wait(&pipe.full[s], phase);
-        build(frag[PB ^ 1], s);
-      }
-    };
-    for (int kt = 0; kt < kt_count; kt += 2) {
-      step(std::integral_constant<int, 0>{}, kt);
-      if (kt + 1 < kt_count) {
-        step(std::integral_constant<int, 1>{}, kt + 1);
-      }
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    if (lane == 0) {
-      mbar_arrive(&pipe.empty[prev]);
-    }
+    rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
+                        [&](int st) { return stage(st).ds(); });
     // Double-buffered by tile parity: a thread writes this buffer again only
     // after the next tile's barrier, which every reader of this tile passes.
     float* scales = scale_buf + parity * RBN;
@@ -642,12 +645,8 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
     return;
   }
   const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + 128);
-  constexpr int kWBytes = RBV * WBK * QB / 8;
   unsigned char* stages = pipe.base;
-  auto h_tile = [&](int s) { return stages + s * kRsStageBytes; };
-  auto w_tile = [&](int s) { return h_tile(s) + RBN * WBK * 2; };
-  auto s_tile = [&](int s) { return w_tile(s) + RBV * WBK; };
-  auto b_tile = [&](int s) { return s_tile(s) + RBV * 16; };
+  auto stage = [&](int s) { return RsStage{stages + s * kRsStageBytes}; };
   // Two tables by tile parity (so one barrier a tile): per warp and column,
   // (sum, max) over the warp's rows.
   float2* red = reinterpret_cast<float2*>(stages + WST * kRsStageBytes);
@@ -660,19 +659,8 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   const int lg = __ffs(p.w.group_size) - 1;
   if (pipe.wg == 0) {
     wg_producer_regs<0>();
-    const int64_t groups = p.w.cols >> lg;
     auto fetch = [&](int tile, int kt, uint32_t (&v)[2]) {
-      const int64_t row = int64_t(vt0 + tile % v_tiles) * RBV + pipe.tid;
-      const int64_t g0 = (int64_t(kt) * WBK) >> lg;
-#pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const uint16_t* at =
-            static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales) + row * groups + g0;
-        const bool in = row < p.w.rows;
-        const uint32_t lo = in && g0 < groups ? __ldg(at) : 0;
-        const uint32_t hi = in && lg == 5 && g0 + 1 < groups ? __ldg(at + 1) : 0;
-        v[a] = lo | (hi << 16);
-      }
+      rs_fetch_sb(p.w, int64_t(vt0 + tile % v_tiles) * RBV + pipe.tid, kt, lg, v);
     };
     uint32_t cur[2], next[2] = {0, 0};
     if (int(blockIdx.x) < tiles) {
@@ -687,21 +675,7 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
         } else if (tile + int(gridDim.x) < tiles) {
           fetch(tile + gridDim.x, 0, next);
         }
-        mbar_wait(&pipe.empty[s], phase ^ 1);
-        if (pipe.tid == 0) {
-          mbar_expect_tx(&pipe.full[s], RBN * WBK * 2 + kWBytes);
-          tma_load(h_tile(s), &P.h_map, &pipe.full[s], kt * WBK, m0);
-          tma_load(w_tile(s), &P.w_map, &pipe.full[s], kt * (WBK * QB / 32), vt * RBV);
-        }
-        *reinterpret_cast<uint32_t*>(s_tile(s) + pipe.tid * 16) = cur[0];
-        *reinterpret_cast<uint32_t*>(b_tile(s) + pipe.tid * 16) = cur[1];
-        mbar_arrive(&pipe.full[s]);
-        cur[0] = next[0];
-        cur[1] = next[1];
-        if (++s == WST) {
-          s = 0;
-          phase ^= 1;
-        }
+        rs_produce<QB>(pipe, &P.h_map, &P.w_map, stages, m0, vt, kt, cur, next, s, phase);
       }
     }
     return;
@@ -717,48 +691,15 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   float acc[128];
   uint32_t frag[2][4][4];
   int s = 0, phase = 0, parity = 0;
-  auto build = [&](uint32_t(&f)[4][4], int stage) {
+  auto build = [&](uint32_t(&f)[4][4], int st) {
     RsScales<QB> sc;
-    sc.template load<T>(s_tile(stage), b_tile(stage), trow, p.w.sb_kind, lg);
-    rs_dequant<T, QB>(f, w_tile(stage), trow, lane, sc);
+    sc.template load<T>(stage(st).scales(), stage(st).biases(), trow, p.w.sb_kind, lg);
+    rs_dequant<T, QB>(f, stage(st).w(), trow, lane, sc);
   };
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
     const int m0 = (tile / v_tiles) * RBN, vl = tile % v_tiles;
-    mbar_wait(&pipe.full[s], phase);
-    build(frag[0], s);
-    int prev = -1;
-    auto step = [&](auto par, int kt) {
-      constexpr int PB = decltype(par)::value;
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma_rs<T>(acc, frag[PB][kk], wg_desc(h_tile(s) + kk * 32, false), kt > 0 || kk > 0);
-      }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      if (prev >= 0 && lane == 0) {
-        mbar_arrive(&pipe.empty[prev]);
-      }
-      prev = s;
-      if (++s == WST) {
-        s = 0;
-        phase ^= 1;
-      }
-      if (kt + 1 < kt_count) {
-        mbar_wait(&pipe.full[s], phase);
-        build(frag[PB ^ 1], s);
-      }
-    };
-    for (int kt = 0; kt < kt_count; kt += 2) {
-      step(std::integral_constant<int, 0>{}, kt);
-      if (kt + 1 < kt_count) {
-        step(std::integral_constant<int, 1>{}, kt + 1);
-      }
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    if (lane == 0) {
-      mbar_arrive(&pipe.empty[prev]);
-    }
+    rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
+                        [&](int st) { return stage(st).h(); });
 
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row v = vrow + 8 ri, h row 8 j + 2 t + e.
     // Indices in 32 bits: M, V and the chunk buffer's elements fit in int.
