@@ -139,9 +139,10 @@ __device__ __forceinline__ void rs_merge(float& m, float& s, float om, float os)
 // One butterfly level over the (max, sum) pairs of column c at acc[(c / 2) * 4
 // + c % 2] and acc[(c / 2) * 4 + 2 + c % 2]: of the 2W live columns, a lane
 // keeps the upper W if its bit (16, 8 or 4 for W = 32, 16, 8) is set, else the
-// lower W, merged with the partner's copy, in columns 0..W-1.
-template <int W>
-__device__ __forceinline__ void rs_butterfly(float (&acc)[128], int lane) {
+// lower W, merged with the partner's copy by merge(m, sum, other_m, other_sum),
+// in columns 0..W-1.
+template <int W, class Merge>
+__device__ __forceinline__ void rs_butterfly(float (&acc)[128], int lane, Merge&& merge) {
   const bool upper = lane & (W / 2);
 #pragma unroll
   for (int i = 0; i < W; ++i) {
@@ -152,28 +153,28 @@ __device__ __forceinline__ void rs_butterfly(float (&acc)[128], int lane) {
     float m = upper ? mu : ml, sum = upper ? su : sl;
     const float om = __shfl_xor_sync(0xffffffff, upper ? ml : mu, W / 2);
     const float os = __shfl_xor_sync(0xffffffff, upper ? sl : su, W / 2);
-    rs_merge(m, sum, om, os);
+    merge(m, sum, om, os);
     ml = m;
     sl = sum;
   }
 }
 
-// rs_butterfly with sums that add and maxima that take the max (the fused
-// forward's P tiles, whose exponentials share a fixed row reference).
-template <int W>
-__device__ __forceinline__ void rs_butterfly_add_max(float (&acc)[128], int lane) {
-  const bool upper = lane & (W / 2);
-#pragma unroll
-  for (int i = 0; i < W; ++i) {
-    float& ml = acc[(i / 2) * 4 + i % 2];
-    float& sl = acc[(i / 2) * 4 + 2 + i % 2];
-    const float mu = acc[((i + W) / 2) * 4 + (i + W) % 2];
-    const float su = acc[((i + W) / 2) * 4 + 2 + (i + W) % 2];
-    const float om = __shfl_xor_sync(0xffffffff, upper ? ml : mu, W / 2);
-    const float os = __shfl_xor_sync(0xffffffff, upper ? sl : su, W / 2);
-    ml = fmaxf(upper ? mu : ml, om);
-    sl = (upper ? su : sl) + os;
-  }
+// The three levels, over lane bits 4, 3, 2 (g bits 2, 1, 0): online (max, sum)
+// pairs (the forward), or sums that add and maxima that take the max (the
+// fused forward's P tiles, whose exponentials share a fixed row reference).
+template <bool ONLINE>
+__device__ __forceinline__ void rs_butterflies(float (&acc)[128], int lane) {
+  const auto merge = [](float& m, float& s, float om, float os) {
+    if constexpr (ONLINE) {
+      rs_merge(m, s, om, os);
+    } else {
+      m = fmaxf(m, om);
+      s += os;
+    }
+  };
+  rs_butterfly<32>(acc, lane, merge);
+  rs_butterfly<16>(acc, lane, merge);
+  rs_butterfly<8>(acc, lane, merge);
 }
 
 // A stage of the forward and P kernels: the h tile (TMA, 128-byte swizzle),
@@ -370,12 +371,9 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
         acc[j * 4 + 2 + e] = hi == kRsFloor ? 0.0f : 1.0f + exp_ftz(fminf(x[0], x[1]) - hi);
       }
     }
-    // Butterfly over lane bits 4, 3, 2 (g bits 2, 1, 0): at each level a lane
-    // keeps the half of its columns that its bit selects and merges in the
-    // partner's copy.
-    rs_butterfly<32>(acc, lane);
-    rs_butterfly<16>(acc, lane);
-    rs_butterfly<8>(acc, lane);
+    // Butterfly: at each level a lane keeps the half of its columns that its
+    // bit selects and merges in the partner's copy.
+    rs_butterflies<true>(acc, lane);
     // Slot i (0..7) now holds column c = 8 g + i: h row 32 g + 8 (i / 2) + 2 t + i % 2.
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -757,9 +755,7 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
       }
     }
     // (max, sum) columns through the butterfly: sums add, maxima take the max.
-    rs_butterfly_add_max<32>(acc, lane);
-    rs_butterfly_add_max<16>(acc, lane);
-    rs_butterfly_add_max<8>(acc, lane);
+    rs_butterflies<false>(acc, lane);
     float2* table = red + parity * 8 * RBN;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
