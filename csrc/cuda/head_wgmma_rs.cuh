@@ -1,15 +1,18 @@
-// Hopper forward for a 4- or 8-bit head with W as the register operand: the
-// logits are computed transposed, S^T = W h^T, so the dequantized W never goes
-// through shared memory. Per block: 256 rows of h (the wgmma N) against tiles
-// of 128 rows of W, 64 per consumer warpgroup (the wgmma M). One producer
-// thread streams h (128-byte swizzle, the B operand) and the packed words of W
-// (plain rows) with TMA, and the producer threads copy the k-step's scales and
-// biases into the stage; each consumer thread turns the packed words of its
-// two rows straight into A fragments (k-step n + 1 while the tensor cores run
-// k-step n), so no dequantized tile is stored.
-// The epilogue reduces each logits column (one row of h) over the tile's rows
-// of W: a butterfly over the 8 lanes that share a column leaves each lane 8
-// columns, whose running (max, sum) live in shared memory per warp.
+// Hopper kernels for a 4- or 8-bit head with W as the register operand, so
+// the dequantized W never goes through shared memory: the forward, and the
+// fused forward's P and dh GEMMs.
+// Forward and P compute the logits transposed, S^T = W h^T. Per block: 256
+// rows of h (the wgmma N) against tiles of 128 rows of W, 64 per consumer
+// warpgroup (the wgmma M). One producer thread streams h (128-byte swizzle,
+// the B operand) and the packed words of W (swizzled rows) with TMA, and the
+// producer threads copy the k-step's scales and biases into the stage; each
+// consumer thread turns the packed words of its two rows straight into A
+// fragments (k-step n + 1 while the tensor cores run k-step n), so no
+// dequantized tile is stored. The forward's epilogue reduces each logits
+// column (one row of h) over the tile's rows of W: a butterfly over the 8 lanes
+// that share a column leaves each lane 8 columns, whose running (max, sum)
+// live in shared memory per warp.
+// dh computes dh^T = W^T dS^T with fragments from ldmatrix.trans (dh_rs_body).
 // Included by head_kernels.cu after head_wgmma.cuh.
 #pragma once
 
