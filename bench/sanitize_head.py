@@ -1,9 +1,9 @@
 """A small flash-CCE forward + backward on the GPU for compute-sanitizer:
 dense bf16 with dW, fp32 and fp16 operands, and 4-, 8- (a partial 64-column
 block of H) and 3-bit weights, a 4-bit head of 6 x 2 W x h tiles and an 8-bit
-fp16 one, all on ragged shapes (partial tiles in every dimension); then the fused forward with its gradient (softcap and running
-reference, 256-column chunks, and a late logit that sends it through its exact
-second pass)."""
+fp16 one, all on ragged shapes (partial tiles in every dimension); then the
+fused forward with its gradient (softcap and running reference, 256-column
+chunks, and a late logit that sends it through its exact second pass)."""
 
 import os
 

@@ -260,8 +260,8 @@ CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
 
 // On Hopper a quantized head's forward, fused P pass and dh take W as the
 // register operand (head_wgmma_rs.cuh) unless FLASH_CCE_QUANT_RS=0 asks for
-// the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed words; the scales
-// and biases are 16-bit (fp32 ones take the producer).
+// the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed
+// words; the scales and biases are 16-bit (fp32 ones take the producer).
 bool use_rs(const HeadProblem& p) {
   const char* env = std::getenv("FLASH_CCE_QUANT_RS");
   return p.cfg.quantized && !(env && env[0] == '0') && (p.H * p.cfg.bits / 8) % 16 == 0 &&

@@ -426,7 +426,6 @@ __device__ __forceinline__ void gemm_tile(const Operand& A, const Operand& B, in
 
 // Epilogue helpers -----------------------------------------------------------
 
-// tanh through one exponential, accurate to a few fp32 ulps of cap * tanh.
 // e^x through ex2.approx.ftz: results below 2^-126 flush to zero, which no
 // softmax sum here misses (its terms are relative to a row maximum or the
 // cap), and the form without ftz costs three more instructions a call
@@ -437,6 +436,7 @@ __device__ __forceinline__ float exp_ftz(float x) {
   return y;
 }
 
+// tanh through one exponential, accurate to a few fp32 ulps of cap * tanh.
 __device__ __forceinline__ float tanh_fast(float x) {
   const float e = exp_ftz(2.0f * fminf(fabsf(x), 15.0f));
   const float t = 1.0f - __fdividef(2.0f, e + 1.0f);

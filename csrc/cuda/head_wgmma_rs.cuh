@@ -191,6 +191,16 @@ struct RsStage {
   __device__ __forceinline__ unsigned char* biases() const { return scales() + RBV * 16; }
 };
 
+// The A fragments of one k-step of the forward and P kernels from stage st:
+// the rows' scales and biases, then their packed words.
+template <class T, int QB>
+__device__ __forceinline__ void rs_fragments(uint32_t (&a)[4][4], const RsStage& st,
+                                             const int (&trow)[2], int lane, int kind, int lg) {
+  RsScales<QB> sc;
+  sc.template load<T>(st.scales(), st.biases(), trow, kind, lg);
+  rs_dequant<T, QB>(a, st.w(), trow, lane, sc);
+}
+
 // The 16-bit scale and bias of W row `row` for k-step kt (and the next group's
 // in the high half when groups are 32 wide, two a k-step), 0 past the edges.
 __device__ __forceinline__ void rs_fetch_sb(const Operand& w, int64_t row, int kt, int lg,
@@ -338,9 +348,7 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   uint32_t frag[2][4][4];
   int s = 0, phase = 0;
   auto build = [&](uint32_t(&f)[4][4], int st) {
-    RsScales<QB> sc;
-    sc.template load<T>(stage(st).scales(), stage(st).biases(), trow, p.w.sb_kind, lg);
-    rs_dequant<T, QB>(f, stage(st).w(), trow, lane, sc);
+    rs_fragments<T, QB>(f, stage(st), trow, lane, p.w.sb_kind, lg);
   };
   for (int vt = t_begin; vt < t_end; ++vt) {
     rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
@@ -693,9 +701,7 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   uint32_t frag[2][4][4];
   int s = 0, phase = 0, parity = 0;
   auto build = [&](uint32_t(&f)[4][4], int st) {
-    RsScales<QB> sc;
-    sc.template load<T>(stage(st).scales(), stage(st).biases(), trow, p.w.sb_kind, lg);
-    rs_dequant<T, QB>(f, stage(st).w(), trow, lane, sc);
+    rs_fragments<T, QB>(f, stage(st), trow, lane, p.w.sb_kind, lg);
   };
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
     const int m0 = (tile / v_tiles) * RBN, vl = tile % v_tiles;
