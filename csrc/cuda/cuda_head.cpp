@@ -315,6 +315,19 @@ int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
   return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
 }
 
+// m tiles a forward group keeps in flight: their rows of h, re-read for every
+// vocabulary tile, must stay in L2 (16 MB of the card's 50, the rest for the
+// W tiles the splits stream); each group reads all of W once.
+// FLASH_CCE_FWD_L2_MB sets another budget (benchmarks).
+int forward_group(int64_t m_tiles, int64_t tile_rows, int64_t H, int64_t elt) {
+  int64_t budget = 16;
+  if (const char* env = std::getenv("FLASH_CCE_FWD_L2_MB")) {
+    budget = std::max<int64_t>(1, std::atoll(env));
+  }
+  const int64_t fit = (budget << 20) / (tile_rows * H * elt);
+  return static_cast<int>(std::clamp<int64_t>(fit, 1, m_tiles));
+}
+
 // Width of the vocabulary chunk of the backward and the fused forward, a
 // multiple of both tile widths: the [M, width] dS buffer stays under 48 MB.
 // FLASH_CCE_VOCAB_CHUNK asks for narrower chunks (tests of the chunk loop).
@@ -348,6 +361,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
+  fp.m_group = forward_group(fp.m_tiles, rs ? kRsTileM : kTileM, p.H, mx::size_of(p.h_dtype));
   fp.cap = p.cfg.softcap;
 
   auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);

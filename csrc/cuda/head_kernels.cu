@@ -430,10 +430,16 @@ __device__ __forceinline__ void gemm_tile(const Operand& A, const Operand& B, in
 // softmax sum here misses (its terms are relative to a row maximum or the
 // cap), and the form without ftz costs three more instructions a call
 // (range scaling around the MUFU) in epilogues that are issue-bound.
-__device__ __forceinline__ float exp_ftz(float x) {
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float ex2_ftz(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+__device__ __forceinline__ float exp_ftz(float x) {
+  return ex2_ftz(x * kLog2e);
 }
 
 // tanh through one exponential, accurate to a few fp32 ulps of cap * tanh.
@@ -591,7 +597,7 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float red_max[4][BM], red_sum[4][BM];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
+  const auto [mt, split] = fwd_block(p, blockIdx.x);
   const int64_t m0 = int64_t(mt) * BM;
   const int t_begin = split * p.tiles_per_split;
   const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);

@@ -554,6 +554,67 @@ __host__ __device__ constexpr int full_arrivals(int qb) {
   return qb ? 1 + 128 : 1;
 }
 
+// One tile's logits into this thread's running (max, sum of exp) of its two
+// rows. The epilogue is issue- and latency-bound (it does not overlap the
+// MMAs), so: the softcap is a template branch, columns past V are masked only
+// in the last tile, only the lane that holds a row's target column looks for
+// it, and the max and sum run as 4 independent chains each.
+template <bool CAP>
+__device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pipe,
+                                            float (&acc)[128], int64_t m0, int v0, int cols,
+                                            const int32_t (&y)[2], float (&run_max)[2],
+                                            float (&run_sum)[2]) {
+  if constexpr (CAP) {
+    const float inv_cap = 1.0f / p.cap;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) {
+      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+    }
+  }
+  if (cols < WBN) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (pipe.col(j, e) >= cols) {
+          acc[j * 4 + e] = -INFINITY;
+          acc[j * 4 + 2 + e] = -INFINITY;
+        }
+  }
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int yc = y[ri] - v0;
+    if (yc >= 0 && yc < cols && ((yc >> 1) & 3) == (pipe.tid & 3)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (pipe.col(j, e) == yc) {
+            p.target_logit[m0 + pipe.row(ri)] = acc[j * 4 + ri * 2 + e];
+          }
+    }
+    float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        tm[j & 3] = fmaxf(tm[j & 3], acc[j * 4 + ri * 2 + e]);
+    const float tmax = fmaxf(fmaxf(tm[0], tm[1]), fmaxf(tm[2], tm[3]));
+    if (tmax == -INFINITY) {
+      continue;
+    }
+    const float nm = fmaxf(run_max[ri], tmax);
+    const float nl = nm * kLog2e;
+    float sm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        sm[j & 3] += ex2_ftz(fmaf(acc[j * 4 + ri * 2 + e], kLog2e, -nl));
+    run_sum[ri] = run_sum[ri] * exp_ftz(run_max[ri] - nm) + ((sm[0] + sm[1]) + (sm[2] + sm[3]));
+    run_max[ri] = nm;
+  }
+}
 #endif // FLASH_CCE_WGMMA
 
 template <class T, int QB>
@@ -563,7 +624,7 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
   __shared__ __align__(8) uint64_t full[WST], empty[WST];
   const FwdParams& p = P.p;
   const WgPipe pipe = wg_setup(smem_raw, full, empty, full_arrivals(QB));
-  const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
+  const auto [mt, split] = fwd_block(p, blockIdx.x);
   const int m0 = mt * WBM;
   const int t_begin = split * p.tiles_per_split;
   const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
@@ -578,7 +639,6 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     return;
   }
   wg_consumer_regs<QB>();
-  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   int32_t y[2];
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -594,40 +654,10 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     // Columns relative to the tile, in 32 bits.
     const int v0 = vt * WBN;
     const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      const int64_t gm = m0 + pipe.row(ri);
-      const int yc = y[ri] - v0;
-      float tmax = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = pipe.col(j, e);
-          float x = acc[j * 4 + ri * 2 + e];
-          if (p.cap > 0.0f) {
-            x = p.cap * tanh_fast(x * inv_cap);
-          }
-          if (c >= cols) {
-            x = -INFINITY;
-          } else if (c == yc) {
-            p.target_logit[gm] = x;
-          }
-          acc[j * 4 + ri * 2 + e] = x;
-          tmax = fmaxf(tmax, x);
-        }
-      if (tmax == -INFINITY) {
-        continue;
-      }
-      const float nm = fmaxf(run_max[ri], tmax);
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          sum += exp_ftz(acc[j * 4 + ri * 2 + e] - nm);
-      run_sum[ri] = run_sum[ri] * exp_ftz(run_max[ri] - nm) + sum;
-      run_max[ri] = nm;
+    if (p.cap > 0.0f) {
+      fwd_wg_tile<true>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum);
+    } else {
+      fwd_wg_tile<false>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum);
     }
   }
   // A warp holds whole rows: reduce over the 4 lanes that share one.
@@ -649,6 +679,91 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
 }
 
 #ifdef FLASH_CCE_WGMMA
+// The fused forward's P = exp(s - r) dcap of one 128 x 256 tile (see
+// p_value), in 32-bit column arithmetic: a warp holds whole rows, 4 lanes
+// each, and P overwrites the logits in place. As in fwd_wg_tile: softcap by
+// template, masking in the last tile only, the target looked up by its lane,
+// 4 independent chains for the row's sum and max.
+template <class T, bool CAP>
+__device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
+                                          float (&acc)[128], int m0, int64_t v0, int vt_local) {
+  const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
+  const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
+  const float inv_cap = CAP ? 1.0f / p.cap : 0.0f;
+  if constexpr (CAP) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) {
+      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+    }
+  }
+  if (cols < WBN) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (pipe.col(j, e) >= cols) {
+          acc[j * 4 + e] = -INFINITY;
+          acc[j * 4 + 2 + e] = -INFINITY;
+        }
+  }
+  T* ds = static_cast<T*>(p.ds);
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t gm = m0 + pipe.row(ri);
+    const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
+    if (yc >= 0 && yc < cols && ((yc >> 1) & 3) == (pipe.tid & 3)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (pipe.col(j, e) == yc) {
+            p.target_logit[gm] = acc[j * 4 + ri * 2 + e];
+          }
+    }
+    const float nr = row_ref(p, gm) * kLog2e;
+    float sm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = acc[j * 4 + ri * 2 + e];
+        tm[j & 3] = fmaxf(tm[j & 3], x);
+        const float ex = ex2_ftz(fmaf(x, kLog2e, -nr));
+        sm[j & 3] += ex;
+        if constexpr (CAP) {
+          // 1 - tanh^2, from the capped logit (masked columns are never stored).
+          const float th = x * inv_cap;
+          x = ex * fmaf(-th, th, 1.0f);
+        } else {
+          x = ex;
+        }
+      }
+    float sum = (sm[0] + sm[1]) + (sm[2] + sm[3]);
+    float tmax = fmaxf(fmaxf(tm[0], tm[1]), fmaxf(tm[2], tm[3]));
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      sum += __shfl_xor_sync(0xffffffff, sum, off);
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, off));
+    }
+    if (gm >= p.M) {
+      continue;
+    }
+    if ((pipe.tid & 3) == 0) {
+      put_row_stats(p, vt_local, gm, sum, tmax);
+    }
+    T* row = ds + gm * p.ld_ds + (v0 - p.v0);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int c = pipe.col(j, 0);
+      if (c < wcols) {
+        *reinterpret_cast<uint32_t*>(row + c) =
+            pack2<T>(acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+      }
+    }
+  }
+}
+
 // dS (or the fused forward's P) of one 128 x 256 tile from its logits.
 // FWD_P: the fused forward's P (one kernel per epilogue keeps each within the
 // register budget; sharing one kernel spilled).
@@ -660,58 +775,10 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
   const int64_t v0 = int64_t(vt) * WBN;
   T* ds = static_cast<T*>(p.ds);
   if constexpr (FWD_P) {
-    // The fused forward (see p_value), in 32-bit column arithmetic: a warp
-    // holds whole rows, 4 lanes each. P overwrites the logits in place.
-    const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
-    const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
-    const bool capped = p.cap > 0.0f;
-#pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      const int64_t gm = m0 + pipe.row(ri);
-      const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
-      const float ref = row_ref(p, gm);
-      float sum = 0.0f, tmax = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = acc[j * 4 + ri * 2 + e];
-          const int c = pipe.col(j, e);
-          float dcap = 1.0f;
-          if (capped) {
-            const float t = tanh_fast(x * inv_cap);
-            x = p.cap * t;
-            dcap = 1.0f - t * t;
-          }
-          if (c == yc) {
-            p.target_logit[gm] = x;
-          }
-          const bool in = c < cols;
-          tmax = in ? fmaxf(tmax, x) : tmax;
-          const float ex = in ? exp_ftz(x - ref) : 0.0f;
-          sum += ex;
-          x = ex * dcap;
-        }
-#pragma unroll
-      for (int off = 1; off < 4; off <<= 1) {
-        sum += __shfl_xor_sync(0xffffffff, sum, off);
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffff, tmax, off));
-      }
-      if (gm >= p.M) {
-        continue;
-      }
-      if ((pipe.tid & 3) == 0) {
-        put_row_stats(p, vt_local, gm, sum, tmax);
-      }
-      T* row = ds + gm * p.ld_ds + (v0 - p.v0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int c = pipe.col(j, 0);
-        if (c < wcols) {
-          *reinterpret_cast<uint32_t*>(row + c) =
-              pack2<T>(acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
-        }
-      }
+    if (p.cap > 0.0f) {
+      p_wg_tile<T, true>(p, pipe, acc, m0, v0, vt_local);
+    } else {
+      p_wg_tile<T, false>(p, pipe, acc, m0, v0, vt_local);
     }
   } else {
 #pragma unroll

@@ -291,6 +291,59 @@ __device__ __forceinline__ void rs_tile_mainloop(const WgPipe& pipe, float (&acc
   }
 }
 
+// The forward epilogue of one tile, in place: acc[j * 4 + ri * 2 + e] holds
+// the logit of W row vrow0 + 8 ri and h row 8 j + 2 t + e; each (ri = 0, 1)
+// pair becomes its (max, sum of exp) in slots ri = 0 and 1. The softcap is a
+// template branch, and a warp compares logits with the targets of the tile's
+// h rows (ys) only when one of them falls in its 16 rows of W.
+template <bool CAP>
+__device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[128],
+                                             const int32_t* ys, int vrow0, int64_t m0,
+                                             int lane) {
+  const int t = lane & 3;
+  const int V = static_cast<int>(p.V);
+  if constexpr (CAP) {
+    const float inv_cap = 1.0f / p.cap;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) {
+      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+    }
+  }
+  // The warp's rows of W: vrow0 - g + [0, 16).
+  const int w0 = vrow0 - (lane >> 2);
+  bool hit = false;
+#pragma unroll
+  for (int i = 0; i < RBN / 32; ++i) {
+    const unsigned d = static_cast<unsigned>(ys[lane * (RBN / 32) + i] - w0);
+    hit |= d < 16u;
+  }
+  if (__any_sync(0xffffffff, hit)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int2 y = *reinterpret_cast<const int2*>(ys + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri)
+          if (vrow0 + 8 * ri < V && vrow0 + 8 * ri == (e ? y.y : y.x)) {
+            p.target_logit[m0 + 8 * j + 2 * t + e] = acc[j * 4 + ri * 2 + e];
+          }
+    }
+  }
+  const bool in0 = vrow0 < V, in1 = vrow0 + 8 < V;
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x0 = in0 ? acc[j * 4 + e] : kRsFloor;
+      const float x1 = in1 ? acc[j * 4 + 2 + e] : kRsFloor;
+      // The pair's (max, sum) in place of its two logits.
+      const float hi = fmaxf(x0, x1);
+      acc[j * 4 + e] = hi;
+      acc[j * 4 + 2 + e] = hi == kRsFloor ? 0.0f : 1.0f + exp_ftz(fminf(x0, x1) - hi);
+    }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -303,7 +356,7 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   float2* stats = reinterpret_cast<float2*>(stages + WST * kRsStageBytes);
   int32_t* ys = reinterpret_cast<int32_t*>(stats + 8 * RBN);
 
-  const int mt = blockIdx.x % p.m_tiles, split = blockIdx.x / p.m_tiles;
+  const auto [mt, split] = fwd_block(p, blockIdx.x);
   const int m0 = mt * RBN;
   const int t_begin = split * p.tiles_per_split;
   const int t_end = min(p.v_tiles, t_begin + p.tiles_per_split);
@@ -338,7 +391,6 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
 
-  const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
   // This thread's rows of the W tile: the A fragment rows g and g + 8 of its warp.
   const int trow[2] = {(pipe.wg - 1) * 64 + (lane >> 2) + (warp & 3) * 16,
                        (pipe.wg - 1) * 64 + (lane >> 2) + (warp & 3) * 16 + 8};
@@ -357,30 +409,10 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row trow[ri], h row 8 j + 2 t + e.
     // Rows of W in 32 bits (V fits in int).
     const int vrow0 = vt * RBV + trow[0];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int2 y = *reinterpret_cast<const int2*>(ys + 8 * j + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x[2];
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          x[ri] = acc[j * 4 + ri * 2 + e];
-          if (p.cap > 0.0f) {
-            x[ri] = p.cap * tanh_fast(x[ri] * inv_cap);
-          }
-          const int v = vrow0 + 8 * ri;
-          if (v >= static_cast<int>(p.V)) {
-            x[ri] = kRsFloor;
-          } else if (v == (e ? y.y : y.x)) {
-            p.target_logit[m0 + 8 * j + 2 * t + e] = x[ri];
-          }
-        }
-        // The pair's (max, sum) in place of its two logits.
-        const float hi = fmaxf(x[0], x[1]);
-        acc[j * 4 + e] = hi;
-        acc[j * 4 + 2 + e] = hi == kRsFloor ? 0.0f : 1.0f + exp_ftz(fminf(x[0], x[1]) - hi);
-      }
+    if (p.cap > 0.0f) {
+      fwd_rs_pairs<true>(p, acc, ys, vrow0, m0, lane);
+    } else {
+      fwd_rs_pairs<false>(p, acc, ys, vrow0, m0, lane);
     }
     // Butterfly: at each level a lane keeps the half of its columns that its
     // bit selects and merges in the partner's copy.
