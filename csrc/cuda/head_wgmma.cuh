@@ -565,10 +565,10 @@ __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pi
                                             const int32_t (&y)[2], float (&run_max)[2],
                                             float (&run_sum)[2]) {
   if constexpr (CAP) {
-    const float inv_cap = 1.0f / p.cap;
+    const float k2 = 2.0f * kLog2e / p.cap;
 #pragma unroll
     for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+      acc[i] = p.cap * tanh2(acc[i] * k2);
     }
   }
   if (cols < WBN) {
@@ -691,9 +691,10 @@ __device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
   const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
   const float inv_cap = CAP ? 1.0f / p.cap : 0.0f;
   if constexpr (CAP) {
+    const float k2 = 2.0f * kLog2e * inv_cap;
 #pragma unroll
     for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+      acc[i] = p.cap * tanh2(acc[i] * k2);
     }
   }
   if (cols < WBN) {

@@ -303,10 +303,10 @@ __device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[12
   const int t = lane & 3;
   const int V = static_cast<int>(p.V);
   if constexpr (CAP) {
-    const float inv_cap = 1.0f / p.cap;
+    const float k2 = 2.0f * kLog2e / p.cap;
 #pragma unroll
     for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh_fast(acc[i] * inv_cap);
+      acc[i] = p.cap * tanh2(acc[i] * k2);
     }
   }
   // The warp's rows of W: vrow0 - g + [0, 16).
