@@ -554,21 +554,18 @@ __host__ __device__ constexpr int full_arrivals(int qb) {
   return qb ? 1 + 128 : 1;
 }
 
-// One tile's logits into this thread's running (max, sum of exp) of its two
-// rows. The epilogue is issue- and latency-bound (it does not overlap the
-// MMAs), so: the softcap is a template branch, columns past V are masked only
-// in the last tile, only the lane that holds a row's target column looks for
-// it, and the max and sum run as 4 independent chains each.
+// Epilogue steps shared by the forward and P kernels, on a warpgroup's 64 x
+// 256 logits (acc[j * 4 + ri * 2 + e]: row pipe.row(ri), column pipe.col(j, e)).
+// The softcap (a template branch: a runtime one costs a branch a logit), then
+// -inf in the columns past V, which only the last tile has.
 template <bool CAP>
-__device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pipe,
-                                            float (&acc)[128], int64_t m0, int v0, int cols,
-                                            const int32_t (&y)[2], float (&run_max)[2],
-                                            float (&run_sum)[2]) {
+__device__ __forceinline__ void cap_and_mask(float (&acc)[128], const WgPipe& pipe, float cap,
+                                             int cols) {
   if constexpr (CAP) {
-    const float k2 = 2.0f * kLog2e / p.cap;
+    const float k2 = 2.0f * kLog2e / cap;
 #pragma unroll
     for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh2(acc[i] * k2);
+      acc[i] = cap * tanh2(acc[i] * k2);
     }
   }
   if (cols < WBN) {
@@ -581,18 +578,37 @@ __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pi
           acc[j * 4 + 2 + e] = -INFINITY;
         }
   }
+}
+
+// Row ri's logit at column yc (relative to the tile) into *dst: only the lane
+// that holds the column compares, so the other lanes skip 64 compares.
+__device__ __forceinline__ void store_target(const float (&acc)[128], const WgPipe& pipe, int ri,
+                                             int yc, int cols, float* dst) {
+  if (yc >= 0 && yc < cols && ((yc >> 1) & 3) == (pipe.tid & 3)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (pipe.col(j, e) == yc) {
+          *dst = acc[j * 4 + ri * 2 + e];
+        }
+  }
+}
+
+// One tile's logits into this thread's running (max, sum of exp) of its two
+// rows. The epilogue is issue- and latency-bound (it does not overlap the
+// MMAs), so besides the two steps above, the max and sum run as 4 independent
+// chains each.
+template <bool CAP>
+__device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pipe,
+                                            float (&acc)[128], int64_t m0, int v0, int cols,
+                                            const int32_t (&y)[2], float (&run_max)[2],
+                                            float (&run_sum)[2]) {
+  cap_and_mask<CAP>(acc, pipe, p.cap, cols);
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int yc = y[ri] - v0;
-    if (yc >= 0 && yc < cols && ((yc >> 1) & 3) == (pipe.tid & 3)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (pipe.col(j, e) == yc) {
-            p.target_logit[m0 + pipe.row(ri)] = acc[j * 4 + ri * 2 + e];
-          }
-    }
+    store_target(acc, pipe, ri, yc, cols, p.target_logit + m0 + pipe.row(ri));
     float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -681,46 +697,21 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
 #ifdef FLASH_CCE_WGMMA
 // The fused forward's P = exp(s - r) dcap of one 128 x 256 tile (see
 // p_value), in 32-bit column arithmetic: a warp holds whole rows, 4 lanes
-// each, and P overwrites the logits in place. As in fwd_wg_tile: softcap by
-// template, masking in the last tile only, the target looked up by its lane,
-// 4 independent chains for the row's sum and max.
+// each, and P overwrites the logits in place. As in fwd_wg_tile, 4
+// independent chains for the row's sum and max.
 template <class T, bool CAP>
 __device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
                                           float (&acc)[128], int m0, int64_t v0, int vt_local) {
   const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
   const int wcols = static_cast<int>(min(p.width - (v0 - p.v0), int64_t(WBN)));
   const float inv_cap = CAP ? 1.0f / p.cap : 0.0f;
-  if constexpr (CAP) {
-    const float k2 = 2.0f * kLog2e * inv_cap;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh2(acc[i] * k2);
-    }
-  }
-  if (cols < WBN) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (pipe.col(j, e) >= cols) {
-          acc[j * 4 + e] = -INFINITY;
-          acc[j * 4 + 2 + e] = -INFINITY;
-        }
-  }
+  cap_and_mask<CAP>(acc, pipe, p.cap, cols);
   T* ds = static_cast<T*>(p.ds);
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t gm = m0 + pipe.row(ri);
     const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
-    if (yc >= 0 && yc < cols && ((yc >> 1) & 3) == (pipe.tid & 3)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (pipe.col(j, e) == yc) {
-            p.target_logit[gm] = acc[j * 4 + ri * 2 + e];
-          }
-    }
+    store_target(acc, pipe, ri, yc, cols, p.target_logit + gm);
     const float nr = row_ref(p, gm) * kLog2e;
     float sm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
