@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "raster.h"
+
 namespace flash_cce::cuda {
 
 // How a loader reads an operand: straight copies of the compute type, a
@@ -41,20 +43,6 @@ struct FwdParams {
   float cap;
   int32_t m_group; // m tiles in flight together (see fwd_block)
 };
-
-// The (m tile, split) of forward block b. Blocks run in groups of m_group m
-// tiles, the m tile fastest within a group: the h rows in flight are those of
-// one group, and each split's W tiles are read by the group's blocks together.
-struct FwdBlock {
-  int mt, split;
-};
-#ifdef __CUDACC__
-__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p, int b) {
-  const int per = p.m_group * p.splits, g = b / per, r = b - g * per;
-  const int gm = min(p.m_group, p.m_tiles - g * p.m_group);
-  return {g * p.m_group + r % gm, r / gm};
-}
-#endif
 
 struct CombineParams {
   const float* part_max;
