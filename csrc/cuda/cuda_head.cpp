@@ -356,12 +356,13 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.V = V_used;
   fp.H = p.H;
   const bool rs = wg && use_rs(p);
-  fp.m_tiles = static_cast<int>(cdiv(p.M, rs ? kRsTileM : kTileM));
+  const int tile_rows = rs ? kRsTileM : kTileM;
+  fp.m_tiles = static_cast<int>(cdiv(p.M, tile_rows));
   fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
   fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
-  fp.m_group = forward_group(fp.m_tiles, rs ? kRsTileM : kTileM, p.H, mx::size_of(p.h_dtype));
+  fp.m_group = forward_group(fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
   fp.cap = p.cfg.softcap;
 
   auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);

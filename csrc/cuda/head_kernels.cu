@@ -977,39 +977,27 @@ extern "C" __global__ void fcce_row_max(RowMaxParams p) {
 FCCE_ALL_WEIGHTS(bf16, __nv_bfloat16)
 FCCE_ALL_WEIGHTS(f16, __half)
 
+// One Hopper kernel: NAME(params) runs the body named by the rest (a template
+// with commas in its arguments, hence variadic).
+#define FCCE_WG_KERNEL(NAME, PARAMS, ...)                                             \
+  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
+      NAME(const __grid_constant__ PARAMS p) {                                        \
+    __VA_ARGS__(p);                                                                   \
+  }
+
 // Hopper kernels: QNAME dense (TMA for both operands) or q4/q8 (B dequantized
 // by the producer warpgroup).
 #define FCCE_WG_GEMM_KERNELS(TNAME, T, QNAME, QB)                                     \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_fwd_wg_##TNAME##_##QNAME(const __grid_constant__ WgFwdParams p) {          \
-    fwd_wg_body<T, QB>(p);                                                            \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_ds_wg_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {            \
-    ds_wg_body<T, false, QB>(p);                                                      \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_p_wg_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {             \
-    ds_wg_body<T, true, QB>(p);                                                       \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_dh_wg_##TNAME##_##QNAME(const __grid_constant__ WgDhParams p) {            \
-    dh_wg_body<T, QB>(p);                                                             \
-  }
+  FCCE_WG_KERNEL(fcce_fwd_wg_##TNAME##_##QNAME, WgFwdParams, fwd_wg_body<T, QB>)      \
+  FCCE_WG_KERNEL(fcce_ds_wg_##TNAME##_##QNAME, WgDsParams, ds_wg_body<T, false, QB>)  \
+  FCCE_WG_KERNEL(fcce_p_wg_##TNAME##_##QNAME, WgDsParams, ds_wg_body<T, true, QB>)    \
+  FCCE_WG_KERNEL(fcce_dh_wg_##TNAME##_##QNAME, WgDhParams, dh_wg_body<T, QB>)
 
+// q4/q8 with W as the register operand (head_wgmma_rs.cuh).
 #define FCCE_WG_RS_KERNEL(TNAME, T, QNAME, QB)                                        \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_fwd_rs_##TNAME##_##QNAME(const __grid_constant__ WgFwdParams p) {          \
-    fwd_rs_entry<T, QB>(p);                                                           \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_dh_rs_##TNAME##_##QNAME(const __grid_constant__ WgDhParams p) {            \
-    dh_rs_entry<T, QB>(p);                                                            \
-  }                                                                                   \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_p_rs_##TNAME##_##QNAME(const __grid_constant__ WgDsParams p) {             \
-    p_rs_entry<T, QB>(p);                                                             \
-  }
+  FCCE_WG_KERNEL(fcce_fwd_rs_##TNAME##_##QNAME, WgFwdParams, fwd_rs_entry<T, QB>)     \
+  FCCE_WG_KERNEL(fcce_dh_rs_##TNAME##_##QNAME, WgDhParams, dh_rs_entry<T, QB>)        \
+  FCCE_WG_KERNEL(fcce_p_rs_##TNAME##_##QNAME, WgDsParams, p_rs_entry<T, QB>)
 
 #define FCCE_WG_KERNELS(TNAME, T)                                                     \
   FCCE_WG_GEMM_KERNELS(TNAME, T, dense, 0)                                            \
@@ -1017,10 +1005,7 @@ FCCE_ALL_WEIGHTS(f16, __half)
   FCCE_WG_GEMM_KERNELS(TNAME, T, q8, 8)                                               \
   FCCE_WG_RS_KERNEL(TNAME, T, q4, 4)                                                  \
   FCCE_WG_RS_KERNEL(TNAME, T, q8, 8)                                                  \
-  extern "C" __global__ void __launch_bounds__(kWgThreads, 1)                         \
-      fcce_dw_wg_##TNAME(const __grid_constant__ WgDwParams p) {                      \
-    dw_wg_body<T>(p);                                                                 \
-  }
+  FCCE_WG_KERNEL(fcce_dw_wg_##TNAME, WgDwParams, dw_wg_body<T>)
 
 FCCE_WG_KERNELS(bf16, __nv_bfloat16)
 FCCE_WG_KERNELS(f16, __half)

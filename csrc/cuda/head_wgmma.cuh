@@ -554,6 +554,15 @@ __host__ __device__ constexpr int full_arrivals(int qb) {
   return qb ? 1 + 128 : 1;
 }
 
+// cap * tanh(x / cap) of a thread's 128 accumulators, in place.
+__device__ __forceinline__ void softcap_all(float (&acc)[128], float cap) {
+  const float k2 = 2.0f * kLog2e / cap;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) {
+    acc[i] = cap * tanh2(acc[i] * k2);
+  }
+}
+
 // Epilogue steps shared by the forward and P kernels, on a warpgroup's 64 x
 // 256 logits (acc[j * 4 + ri * 2 + e]: row pipe.row(ri), column pipe.col(j, e)).
 // The softcap (a template branch: a runtime one costs a branch a logit), then
@@ -562,11 +571,7 @@ template <bool CAP>
 __device__ __forceinline__ void cap_and_mask(float (&acc)[128], const WgPipe& pipe, float cap,
                                              int cols) {
   if constexpr (CAP) {
-    const float k2 = 2.0f * kLog2e / cap;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) {
-      acc[i] = cap * tanh2(acc[i] * k2);
-    }
+    softcap_all(acc, cap);
   }
   if (cols < WBN) {
 #pragma unroll

@@ -303,11 +303,7 @@ __device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[12
   const int t = lane & 3;
   const int V = static_cast<int>(p.V);
   if constexpr (CAP) {
-    const float k2 = 2.0f * kLog2e / p.cap;
-#pragma unroll
-    for (int i = 0; i < 128; ++i) {
-      acc[i] = p.cap * tanh2(acc[i] * k2);
-    }
+    softcap_all(acc, p.cap);
   }
   // The warp's rows of W: vrow0 - g + [0, 16).
   const int w0 = vrow0 - (lane >> 2);
