@@ -104,7 +104,10 @@ def _attention_block(cfg):
 def _logprobs(lm, h, targets, flash):
     h = lm.norm(h)
     if flash:
-        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap)
+        # The targets are the pair's tokens, range-checked on the host (`_check`);
+        # the head's own check would evaluate them in the middle of the step.
+        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
+                               validate_targets=False)
     logits = lm.logits(h).astype(mx.float32)
     picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     return picked - mx.logsumexp(logits, axis=-1)
