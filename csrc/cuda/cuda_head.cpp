@@ -198,11 +198,15 @@ bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
   const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
   const bool off = env && env[0] == '1';
   const auto& dev = mx::cu::device(s.device);
-  // The dequantizing producer reads packed rows as 16-byte vectors and finds
-  // a column's group with a shift.
+  // The Hopper kernels read packed rows as 16-byte vectors and find a column's
+  // group with a shift. They dequantize 4-bit codes two at a time with one fma
+  // in the operand type, exact only for scales and biases of that type; others
+  // (fp16 ones with bf16 h, fp32 ones) take the portable kernels' fp32 fma.
   const int gs = p.cfg.group_size;
+  const bool q4_exact = p.cfg.bits != 4 || p.sb_dtype == compute_dtype(p);
   const bool weight_ok = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
-      (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 && (gs & (gs - 1)) == 0
+      (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 &&
+                             (gs & (gs - 1)) == 0 && q4_exact
                        : p.w_dtype == p.h_dtype);
   return !off && dev.compute_capability_major() == 9 && weight_ok &&
       (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
