@@ -276,6 +276,37 @@ def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
 
 
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("chunk", ["1000000", "1024"])
+def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
+    """A dh launch whose last round would leave most multiprocessors idle
+    splits those tiles along the chunk, and the pieces add into the
+    accumulator in a fixed order. Here every tile is in that round (bf16: 10
+    row tiles x 2 column tiles; 4-bit: 5 x 4), in 4 pieces of 16 k-steps, over
+    one or four vocabulary chunks (the first, middle and last chunk's updates,
+    and without a softcap the running reference's rescaling, all meet
+    pieces). dh matches the CPU as unsplit tiles do, and is the same bit for
+    bit on a second run."""
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", chunk)
+    m, h, v, gs = 1280, 512, 4000, 64
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=11, ignore=2)
+    q = mx.quantize(w, group_size=gs, bits=bits) if bits else (w, None, None)
+    w_dense = mx.dequantize(*q, group_size=gs, bits=bits) if bits else w
+    g = mx.random.normal((m,), key=mx.random.key(8))
+    g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(9))
+    grads = []
+    for splits in ("4", "4", "1"):
+        monkeypatch.setenv("FLASH_CCE_DH_SPLITS", splits)
+        grads.append(h_grad(hid, q[0], y, g, g_lse, softcap, mx.gpu, fused, q[1], q[2], gs)[2])
+    r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16), y, g, g_lse,
+                  softcap, mx.cpu, True)[2]
+    assert mx.array_equal(grads[0], grads[1])
+    for dh in (grads[0], grads[2]):
+        assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
 def test_fused_forward_extreme_logits():
     """Rows whose logits all sit near -cap (the smallest exp(s - cap) the
     fused path keeps, ~e^-60) and rows with one logit near +cap: lse and the

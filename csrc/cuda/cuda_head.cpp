@@ -445,6 +445,12 @@ class ChunkPasses {
     wg_ = use_wgmma(s, p);
     sms_ = sm_count(s.device.index);
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
+    if (wg_) {
+      flags_ = scratch(enc, {sms_}, mx::int32);
+      ZeroParams z{mx::gpu_ptr<int32_t>(flags_), sms_};
+      enc.set_output_array(flags_);
+      launch_("fcce_zero", 1, 0, z);
+    }
 
     ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
     ds_.w = weight(p, ct);
@@ -530,21 +536,18 @@ class ChunkPasses {
     for (auto& a : outs) {
       enc_.set_output_array(a);
     }
-    if (rs_) {
-      wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, kRsTileM, chunk_);
+    if (wg_) {
+      const int64_t tile_rows = rs_ ? kRsTileM : kWgTileM;
+      const int64_t tiles = cdiv(M_, tile_rows) * cdiv(p_.H, rs_ ? kRsTileV : kWgTileN);
+      enc_.set_output_array(flags_);
+      wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, tile_rows, chunk_);
       wg_dh_.p = dh_;
       wg_dh_.v0 = v0;
       wg_dh_.width = width;
-      launch_("fcce_dh_rs_" + wg_variant(p_),
-              std::min<int64_t>(cdiv(M_, kRsTileM) * cdiv(p_.H, kRsTileV), sms_),
-              kRsDhSmemBytes, wg_dh_, kWgThreads);
-    } else if (wg_) {
-      wg_dh_.a_map = tensor_map(ds_.ds, compute_dtype(p_), M_, width, kWgTileM, chunk_);
-      wg_dh_.p = dh_;
-      wg_dh_.v0 = v0;
-      wg_dh_.width = width;
-      launch_("fcce_dh_wg_" + wg_variant(p_), std::min<int64_t>(m_tiles_ * cdiv(p_.H, kWgTileN), sms_),
-              kWgSmemBytes, wg_dh_, kWgThreads);
+      wg_dh_.split = dh_split(tiles, width);
+      launch_((rs_ ? "fcce_dh_rs_" : "fcce_dh_wg_") + wg_variant(p_),
+              std::min<int64_t>(dh_units(wg_dh_.split), sms_),
+              rs_ ? kRsDhSmemBytes : kWgSmemBytes, wg_dh_, kWgThreads);
     } else {
       launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
               dh_);
@@ -552,12 +555,27 @@ class ChunkPasses {
   }
 
  private:
+  // The split of the last round of a dh launch over `tiles` output tiles.
+  // FLASH_CCE_DH_SPLITS caps the pieces a tile (1: none; benchmarks).
+  DhSplit dh_split(int64_t tiles, int64_t width) {
+    int max_splits = 4;
+    if (const char* env = std::getenv("FLASH_CCE_DH_SPLITS")) {
+      max_splits = std::max(1, std::atoi(env));
+    }
+    DhSplit sp{};
+    sp.flags = mx::gpu_ptr<int32_t>(flags_);
+    plan_dh_split(sp, static_cast<int>(tiles), sms_, static_cast<int>(cdiv(width, kWgTileK)),
+                  max_splits, 4);
+    return sp;
+  }
+
   mx::cu::CommandEncoder& enc_;
   Launch launch_;
   HeadProblem p_;
   const std::vector<mx::array>& inputs_;
   mx::array acc_;
   mx::array buf_;
+  mx::array flags_{0}; // the dh kernels' DhSplit flags
   int64_t M_ = 0, chunk_ = 0;
   int m_tiles_ = 0, sms_ = 0;
   bool wg_ = false, rs_ = false;

@@ -478,12 +478,13 @@ __device__ __forceinline__ float row_scale(const DhParams& p, int64_t gm) {
 // dh[gm, c] and dh[gm, c + 1] (when c + 1 < H) (+)= v0, v1, the old values
 // scaled by f: fp32 accumulation in p.acc, and the last vocabulary chunk
 // writes p.out in its dtype.
+// first, last: p.first and p.last, or those of a piece of a split tile.
 __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t c, float v0,
-                                          float v1, float f) {
+                                          float v1, float f, bool first, bool last) {
   const bool pairs = (p.H & 1) == 0;
   const int64_t i = gm * p.H + c;
   const bool two = c + 1 < p.H;
-  if (!p.first) {
+  if (!first) {
     if (pairs) {
       const float2 old = *reinterpret_cast<const float2*>(p.acc + i);
       v0 += f * old.x;
@@ -493,7 +494,7 @@ __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t
       v1 += two ? f * p.acc[i + 1] : 0.0f;
     }
   }
-  if (p.last) {
+  if (last) {
     store_from_float(p.out, p.out_kind, i, v0);
     if (two) {
       store_from_float(p.out, p.out_kind, i + 1, v1);
@@ -821,7 +822,8 @@ __device__ __forceinline__ void dh_body(const DhParams& p) {
         if (c >= p.H) {
           continue;
         }
-        dh_update(p, gm, c, acc[mi][ni][hf * 2], acc[mi][ni][hf * 2 + 1], scale);
+        dh_update(p, gm, c, acc[mi][ni][hf * 2], acc[mi][ni][hf * 2 + 1], scale, p.first,
+                  p.last);
       }
     }
 }
@@ -949,6 +951,12 @@ extern "C" __global__ void fcce_row_max(RowMaxParams p) {
     mx = fmaxf(mx, p.part_max[int64_t(s) * p.M + m]);
   }
   p.ref[m] = mx;
+}
+
+extern "C" __global__ void fcce_zero(ZeroParams p) {
+  for (int i = threadIdx.x; i < p.n; i += blockDim.x) {
+    p.data[i] = 0;
+  }
 }
 
 #define FCCE_GEMM_KERNELS(TNAME, T, QNAME, QB)                                        \

@@ -136,8 +136,9 @@ __device__ __forceinline__ WgPipe wg_setup(unsigned char* smem_raw, uint64_t* fu
 template <bool TA, bool TB>
 __device__ __forceinline__ void wg_produce_tile(const WgPipe& pipe, const CUtensorMap* a_map,
                                                 const CUtensorMap* b_map, int a0, int b0,
-                                                int k_row0, int kt_count, int& s, int& phase) {
-  for (int kt = 0; kt < kt_count; ++kt) {
+                                                int k_row0, int kt0, int kt_count, int& s,
+                                                int& phase) {
+  for (int kt = kt0; kt < kt0 + kt_count; ++kt) {
     mbar_wait(&pipe.empty[s], phase ^ 1);
     mbar_expect_tx(&pipe.full[s], kWgABytes + kWgBBytes);
     if (TA) {
@@ -484,12 +485,12 @@ struct QTile {
 template <class T, int QB, bool TB>
 __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUtensorMap* a_map,
                                                   const Operand& w, int a0, int b0, int k_row0,
-                                                  int kt_count, int& s, int& phase) {
+                                                  int kt0, int kt_count, int& s, int& phase) {
   QTile<QB, TB ? WBK : WBN, TB ? WBN / 64 : 1> tile;
   const int lg = __ffs(w.group_size) - 1;
-  // Origin of k-step kt's tile of W.
-  auto r0 = [&](int kt) { return TB ? k_row0 + int64_t(kt) * WBK : int64_t(b0); };
-  auto c0 = [&](int kt) { return TB ? int64_t(b0) : int64_t(kt) * WBK; };
+  // Origin of k-step kt0 + kt's tile of W.
+  auto r0 = [&](int kt) { return TB ? k_row0 + int64_t(kt0 + kt) * WBK : int64_t(b0); };
+  auto c0 = [&](int kt) { return TB ? int64_t(b0) : int64_t(kt0 + kt) * WBK; };
   using Tile = decltype(tile);
   unsigned char* ring = pipe.base + WST * kWgStageBytes;
   auto slot = [&](int kt) { return ring + (kt % kWgQDepth) * kWgQStageBytes; };
@@ -506,7 +507,7 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
     mbar_wait(&pipe.empty[s], phase ^ 1);
     if (pipe.tid == 0) {
       mbar_expect_tx(&pipe.full[s], kWgABytes);
-      tma_load(pipe.a(s), a_map, &pipe.full[s], kt * WBK, a0);
+      tma_load(pipe.a(s), a_map, &pipe.full[s], (kt0 + kt) * WBK, a0);
     }
     tile.template cycle<T, decltype(parity)::value>(pipe.b(s), pipe.tid, lg, w,
                                                     kt + 1 < kt_count, r0(kt + 1), c0(kt + 1));
@@ -536,17 +537,18 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
 
 // The producer warpgroup's work on one output tile: TMA for both operands
 // from thread 0 (QB = 0), or TMA for A and dequantization of B (QB = 4, 8).
+// kt0: the first k-step (a piece of a split tile starts past 0).
 template <class T, int QB, bool TB>
 __device__ __forceinline__ void wg_produce(const WgPipe& pipe, const CUtensorMap* a_map,
                                            const CUtensorMap* b_map, const Operand& w, int a0,
-                                           int b0, int k_row0, int kt_count, int& s,
+                                           int b0, int k_row0, int kt0, int kt_count, int& s,
                                            int& phase) {
   if constexpr (QB == 0) {
     if (pipe.tid == 0) {
-      wg_produce_tile<false, TB>(pipe, a_map, b_map, a0, b0, k_row0, kt_count, s, phase);
+      wg_produce_tile<false, TB>(pipe, a_map, b_map, a0, b0, k_row0, kt0, kt_count, s, phase);
     }
   } else {
-    wg_produce_tile_q<T, QB, TB>(pipe, a_map, w, a0, b0, k_row0, kt_count, s, phase);
+    wg_produce_tile_q<T, QB, TB>(pipe, a_map, w, a0, b0, k_row0, kt0, kt_count, s, phase);
   }
 }
 
@@ -654,7 +656,7 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     wg_producer_regs<QB>();
     int s = 0, phase = 0;
     for (int vt = t_begin; vt < t_end; ++vt) {
-      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, m0, vt * WBN, 0, kt_count, s,
+      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, m0, vt * WBN, 0, 0, kt_count, s,
                                phase);
     }
     return;
@@ -825,7 +827,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
     wg_producer_regs<QB>();
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const int mt = t / v_tiles, vl = t % v_tiles;
-      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, mt * WBM, (vt0 + vl) * WBN, 0,
+      wg_produce<T, QB, false>(pipe, &P.h_map, &P.w_map, p.w, mt * WBM, (vt0 + vl) * WBN, 0, 0,
                                kt_count, s, phase);
     }
     return;
@@ -841,6 +843,35 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 }
 
 
+// Split tiles (DhSplit): a piece waits for the tile's previous one before its
+// epilogue and hands over after it. ct: the consumer thread (0..255).
+__device__ __forceinline__ void dh_piece_wait(const DhSplit& sp, const DhUnit& u, int ct) {
+  if (u.piece == 0) {
+    return;
+  }
+  if (ct == 0) {
+    const int32_t* flag = sp.flags + (u.tile - sp.whole);
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+    } while (v != u.piece);
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void dh_piece_done(const DhSplit& sp, const DhUnit& u, int ct) {
+  if (u.pieces == 1) {
+    return;
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  if (ct == 0) {
+    const int next = u.piece + 1 == u.pieces ? 0 : u.piece + 1;
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(sp.flags + (u.tile - sp.whole)),
+                 "r"(next)
+                 : "memory");
+  }
+}
+
 // dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
 // [k = v][n = h] (N-major).
 template <class T, int QB>
@@ -853,10 +884,9 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
     return;
   }
   const WgPipe pipe = wg_setup(smem_raw, full, empty, full_arrivals(QB));
-  // Persistent, the row tile fastest: the blocks in flight share a few column
-  // tiles of the chunk of W.
-  const int n_tiles = static_cast<int>((p.H + WBN - 1) / WBN);
-  const int tiles = n_tiles * p.m_tiles;
+  // Persistent over the units of P.split, the row tile fastest: the blocks in
+  // flight share a few column tiles of the chunk of W.
+  const int units = dh_units(P.split);
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   int s = 0, phase = 0;
   if (pipe.wg == 0) {
@@ -866,38 +896,43 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
       fold_row_sums(p, p.m_tiles, WBM, pipe.tid - 32, 96);
       return;
     }
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      wg_produce<T, QB, true>(pipe, &P.a_map, &P.b_map, p.w, (t % p.m_tiles) * WBM,
-                              (t / p.m_tiles) * WBN, static_cast<int>(P.v0), kt_count, s,
-                              phase);
+    for (int i = blockIdx.x; i < units; i += gridDim.x) {
+      const DhUnit u = dh_unit(P.split, i, kt_count);
+      wg_produce<T, QB, true>(pipe, &P.a_map, &P.b_map, p.w, (u.tile % p.m_tiles) * WBM,
+                              (u.tile / p.m_tiles) * WBN, static_cast<int>(P.v0), u.kt0,
+                              u.kt1 - u.kt0, s, phase);
     }
     return;
   }
   wg_consumer_regs<QB>();
   float acc[128];
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int m0 = (t % p.m_tiles) * WBM, n0 = (t / p.m_tiles) * WBN;
-    wg_consume<T, false, true>(pipe, acc, kt_count, s, phase);
-    const int r = threadIdx.x - 128; // consumer threads only reach here
-    if (QB != 0 && n0 == 0 && r < WBM) {
+  const int r = threadIdx.x - 128; // consumer threads only reach here
+  for (int i = blockIdx.x; i < units; i += gridDim.x) {
+    const DhUnit u = dh_unit(P.split, i, kt_count);
+    const int m0 = (u.tile % p.m_tiles) * WBM, n0 = (u.tile / p.m_tiles) * WBN;
+    wg_consume<T, false, true>(pipe, acc, u.kt1 - u.kt0, s, phase);
+    if (QB != 0 && n0 == 0 && r < WBM && u.piece == 0) {
       add_row_sums(p, m0 + r);
     }
+    dh_piece_wait(P.split, u, r);
+    const bool first = p.first && u.piece == 0, last = p.last && u.piece + 1 == u.pieces;
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       const int64_t gm = m0 + pipe.row(ri);
       if (gm >= p.M) {
         continue;
       }
-      const float scale = row_scale(p, gm);
+      const float scale = u.piece == 0 ? row_scale(p, gm) : 1.0f;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int64_t c = n0 + pipe.col(j, 0);
         if (c >= p.H) {
           continue;
         }
-        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale);
+        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale, first, last);
       }
     }
+    dh_piece_done(P.split, u, r);
   }
 #endif
 }
@@ -918,7 +953,7 @@ __device__ __forceinline__ void dw_wg_body(const WgDwParams& P) {
   if (pipe.wg == 0) {
     wg_producer_regs<0>();
     if (pipe.tid == 0) {
-      wg_produce_tile<true, true>(pipe, &P.a_map, &P.b_map, r0, n0, 0, kt_count, s, phase);
+      wg_produce_tile<true, true>(pipe, &P.a_map, &P.b_map, r0, n0, 0, 0, kt_count, s, phase);
     }
     return;
   }

@@ -557,8 +557,7 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + WBK);
   auto stage = [&](int s) { return RsDhStage{pipe.base + s * kRsDhStageBytes}; };
   const int m_tiles = static_cast<int>((p.M + RBN - 1) / RBN);
-  const int n_tiles = static_cast<int>((p.H + RBV - 1) / RBV);
-  const int tiles = m_tiles * n_tiles;
+  const int units = dh_units(P.split);
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   const int lg = __ffs(p.w.group_size) - 1;
   constexpr int kWBytes = WBK * RBV * QB / 8;
@@ -586,17 +585,20 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     };
     uint32_t cur[2][4], next[2][4] = {};
     int s = 0, phase = 0;
-    if (int(blockIdx.x) < tiles) {
-      fetch(blockIdx.x, 0, cur);
+    if (int(blockIdx.x) < units) {
+      const DhUnit u = dh_unit(P.split, blockIdx.x, kt_count);
+      fetch(u.tile, u.kt0, cur);
     }
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const int m0 = (t % m_tiles) * RBN, n0 = (t / m_tiles) * RBV;
-      for (int kt = 0; kt < kt_count; ++kt) {
-        const bool last = kt + 1 == kt_count;
+    for (int i = blockIdx.x; i < units; i += gridDim.x) {
+      const DhUnit u = dh_unit(P.split, i, kt_count);
+      const int m0 = (u.tile % m_tiles) * RBN, n0 = (u.tile / m_tiles) * RBV;
+      for (int kt = u.kt0; kt < u.kt1; ++kt) {
+        const bool last = kt + 1 == u.kt1;
         if (!last) {
-          fetch(t, kt + 1, next);
-        } else if (t + int(gridDim.x) < tiles) {
-          fetch(t + gridDim.x, 0, next);
+          fetch(u.tile, kt + 1, next);
+        } else if (i + int(gridDim.x) < units) {
+          const DhUnit n = dh_unit(P.split, i + gridDim.x, kt_count);
+          fetch(n.tile, n.kt0, next);
         }
         mbar_wait(&pipe.empty[s], phase ^ 1);
         const RsDhStage st = stage(s);
@@ -640,11 +642,14 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   auto build = [&](uint32_t(&f)[4][4], int st) {
     rs_dh_dequant<T, QB>(f, stage(st), wg_col, warp, lane, group, p.w.sb_kind);
   };
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, parity ^= 1) {
-    const int m0 = (tile % m_tiles) * RBN, n0 = (tile / m_tiles) * RBV;
-    const float my_scale = m0 + ct < p.M ? row_scale(p, m0 + ct) : 0.0f;
-    rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
+  for (int i = blockIdx.x; i < units; i += gridDim.x, parity ^= 1) {
+    const DhUnit u = dh_unit(P.split, i, kt_count);
+    const int m0 = (u.tile % m_tiles) * RBN, n0 = (u.tile / m_tiles) * RBV;
+    const float my_scale = u.piece > 0 ? 1.0f : m0 + ct < p.M ? row_scale(p, m0 + ct) : 0.0f;
+    rs_tile_mainloop<T>(pipe, acc, frag, u.kt1 - u.kt0, lane, s, phase, build,
                         [&](int st) { return stage(st).ds(); });
+    dh_piece_wait(P.split, u, ct);
+    const bool first = p.first && u.piece == 0, last = p.last && u.piece + 1 == u.pieces;
     // Double-buffered by tile parity: a thread writes this buffer again only
     // after the next tile's barrier, which every reader of this tile passes.
     float* scales = scale_buf + parity * RBN;
@@ -659,9 +664,11 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
       for (int e = 0; e < 2; ++e) {
         const int64_t gm = m0 + 8 * j + 2 * t4 + e;
         if (gm < p.M && c < p.H) {
-          dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e]);
+          dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e],
+                    first, last);
         }
       }
+    dh_piece_done(P.split, u, ct);
   }
 }
 

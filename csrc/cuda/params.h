@@ -211,11 +211,29 @@ struct WgDsParams {
   DsParams p;
 };
 
+// Work units of a persistent dh kernel. One block per multiprocessor walks
+// whole tiles, units [0, whole); when the tiles leave a last round that would
+// keep few blocks busy, its `tail` tiles are split along K (the chunk) into
+// `splits` pieces each, unit whole + s * tail + i being piece s of tile whole
+// + i. The pieces of a tile add into the accumulator in order of s (the
+// result does not depend on timing): piece s waits until flags[i] == s and
+// sets it to s + 1, the last piece back to 0 for the next launch.
+struct DhSplit {
+  int32_t* flags; // [tail], zero before the first launch
+  int32_t whole, tail, splits, pad_;
+};
+
+struct ZeroParams {
+  int32_t* data;
+  int32_t n, pad_;
+};
+
 // a_map: dS [M, width] in 64 x 128 boxes; b_map: W [V, H] in 64 x 64 boxes.
 struct WgDhParams {
   CUtensorMap a_map, b_map;
   DhParams p;
   int64_t v0, width;
+  DhSplit split;
 };
 
 // a_map: dS [M, width] and b_map: h [M, H], both in 64 x 64 boxes.

@@ -1,17 +1,24 @@
-// The forward's block order (cuda/raster.h) on the host: every (m tile, split)
-// exactly once, each group's blocks on that group's m tiles only, the m tile
-// fastest within a group.
+// The persistent kernels' work orders (cuda/raster.h) on the host. Forward:
+// every (m tile, split) exactly once, each group's blocks on that group's m
+// tiles only, the m tile fastest within a group. dh: every k-step of every
+// tile exactly once, split tiles only in the last round.
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "cuda/raster.h"
 
+using flash_cce::cuda::dh_unit;
+using flash_cce::cuda::dh_units;
 using flash_cce::cuda::fwd_block;
+using flash_cce::cuda::plan_dh_split;
 
 namespace {
 struct Grid {
   int m_tiles, splits, m_group;
+};
+struct Split {
+  int whole, tail, splits;
 };
 } // namespace
 
@@ -59,5 +66,48 @@ TEST(Raster, OneGroupIsThePlainOrder) {
     const auto [mt, split] = fwd_block(p, b);
     EXPECT_EQ(mt, b % 13);
     EXPECT_EQ(split, b / 13);
+  }
+}
+
+TEST(DhSplit, EveryKStepOfEveryTileOnceInOrder) {
+  for (int grid : {1, 7, 132})
+    for (int tiles = 1; tiles <= 3 * grid + 5; ++tiles)
+      for (int kt : {1, 3, 8, 17, 96}) {
+        Split s{};
+        plan_dh_split(s, tiles, grid, kt, 4, 4);
+        const int units = dh_units(s);
+        ASSERT_LE(units - s.whole, grid) << "pieces run in one round";
+        std::vector<int> next(tiles, 0); // the k-step each tile's pieces reached
+        for (int u = 0; u < units; ++u) {
+          const auto d = dh_unit(s, u, kt);
+          ASSERT_TRUE(d.tile >= 0 && d.tile < tiles);
+          ASSERT_EQ(d.kt0, next[d.tile]) << "pieces of a tile in order of k";
+          ASSERT_LT(d.kt0, d.kt1);
+          ASSERT_TRUE(d.pieces == 1 || d.kt1 - d.kt0 >= 4) << "pieces of at least 4 k-steps";
+          next[d.tile] = d.kt1;
+        }
+        for (int t = 0; t < tiles; ++t) {
+          ASSERT_EQ(next[t], kt) << grid << " " << tiles << " " << kt;
+        }
+      }
+}
+
+TEST(DhSplit, LastRoundSplitsOnlyWhenItIsShort) {
+  // 320 tiles on 132 blocks: two whole rounds, 56 tiles left in two pieces.
+  Split s{};
+  plan_dh_split(s, 320, 132, 96, 4, 4);
+  EXPECT_EQ(s.whole, 264);
+  EXPECT_EQ(s.tail, 56);
+  EXPECT_EQ(s.splits, 2);
+  // 160 tiles: 28 left, four pieces each.
+  plan_dh_split(s, 160, 132, 192, 4, 4);
+  EXPECT_EQ(s.tail, 28);
+  EXPECT_EQ(s.splits, 4);
+  // Whole rounds, a last round more than half full, or too few k-steps: none.
+  for (auto [tiles, kt] : {std::pair{264, 96}, {200, 96}, {30, 7}}) {
+    plan_dh_split(s, tiles, 132, kt, 4, 4);
+    EXPECT_EQ(s.splits, 1);
+    EXPECT_EQ(s.whole, tiles);
+    EXPECT_EQ(dh_units(s), tiles);
   }
 }
