@@ -3,7 +3,9 @@ dense bf16 with dW, fp32 and fp16 operands, and 4-, 8- (a partial 64-column
 block of H) and 3-bit weights, a 4-bit head of 6 x 2 W x h tiles and an 8-bit
 fp16 one, all on ragged shapes (partial tiles in every dimension); then the
 fused forward with its gradient (softcap and running reference, 256-column
-chunks, and a late logit that sends it through its exact second pass)."""
+chunks, and a late logit that sends it through its exact second pass). The
+small shapes leave the dh kernels few tiles, so they split them along the
+chunk (one wide chunk of 33 k-steps below takes four pieces a tile)."""
 
 import os
 
@@ -55,6 +57,7 @@ if __name__ == "__main__":
     run(40, 128, 260, mx.bfloat16, bits=3)
     run(300, 512, 700, mx.bfloat16, bits=4)
     run(150, 256, 300, mx.float16, bits=8, group_size=32)
+    run_fused(150, 136, 2100, None)
     os.environ["FLASH_CCE_VOCAB_CHUNK"] = "256"
     run_fused(150, 136, 700, 30.0)
     run_fused(150, 136, 700, None)

@@ -592,8 +592,9 @@ class ChunkPasses {
 //
 // The row reference r: with a softcap <= kMaxFixedCap, the cap itself (an
 // upper bound of every logit). Otherwise a running one: the exact row maxima
-// of the first chunk (one extra chunk-wide GEMM), then the maxima of the
-// chunks seen so far, with acc and the sums rescaled whenever it grows. A
+// of the first chunk (one extra chunk-wide GEMM), raised to the maximum of the
+// chunks seen so far when that passes it by more than kRefStep, with acc and
+// the sums rescaled then. A
 // chunk whose logits outrun their reference by more than kMaxRefGap raises a
 // flag, and a second pass, which does nothing unless the flag is set, redoes
 // the chunks against the exact row maxima.

@@ -89,6 +89,11 @@ constexpr float kMaxFixedCap = 40.0f;
 // over a chunk keep the headroom).
 constexpr float kMaxRefGap = 64.0f;
 
+// The running reference moves up only when a chunk's row maximum passes it by
+// more than this (the weights then stay below e^16): a row whose reference
+// stays needs no rescaling, and its dh update is a plain addition.
+constexpr float kRefStep = 16.0f;
+
 // dh (+)= dS @ W[v0 : v0 + width]; fp32 accumulation in acc, the last chunk
 // writes out in out_kind. With part_sum set (the fused forward), the blocks of
 // the first column tile also add the chunk's sum_tiles row sums to run_sum
