@@ -594,10 +594,9 @@ class ChunkPasses {
 // upper bound of every logit). Otherwise a running one: the exact row maxima
 // of the first chunk (one extra chunk-wide GEMM), raised to the maximum of the
 // chunks seen so far when that passes it by more than kRefStep, with acc and
-// the sums rescaled then. A
-// chunk whose logits outrun their reference by more than kMaxRefGap raises a
-// flag, and a second pass, which does nothing unless the flag is set, redoes
-// the chunks against the exact row maxima.
+// the sums rescaled then. A chunk whose logits outrun their reference by more
+// than kMaxRefGap raises a flag, and a second pass, which does nothing unless
+// the flag is set, redoes the chunks against the exact row maxima.
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);

@@ -45,7 +45,7 @@ struct DhUnit {
 // tail and splits of S.
 template <class S>
 inline void plan_dh_split(S& s, int tiles, int grid, int kt_count, int max_splits,
-                                    int min_steps) {
+                          int min_steps) {
   const int rounds = (tiles + grid - 1) / grid;
   const int tail = tiles - (rounds - 1) * grid;
   const int splits = std::min(std::min(max_splits, grid / tail), kt_count / min_steps);
