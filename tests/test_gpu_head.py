@@ -284,11 +284,11 @@ def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
     """A dh launch whose last round would leave most multiprocessors idle
     splits those tiles along the chunk, and the pieces add into the
     accumulator in a fixed order. Here every tile is in that round (bf16: 10
-    row tiles x 2 column tiles; 4-bit: 5 x 4), in 4 pieces of 16 k-steps, over
-    one or four vocabulary chunks (the first, middle and last chunk's updates,
-    and without a softcap the running reference's rescaling, all meet
-    pieces). dh matches the CPU as unsplit tiles do, and is the same bit for
-    bit on a second run."""
+    row tiles x 2 column tiles; 4-bit: 5 x 4), in 4 pieces (16 k-steps each
+    with one vocabulary chunk, 4 with four chunks, whose first, middle and last
+    updates all meet pieces; without a softcap the running reference stays
+    within 16 of these logits' chunk maxima, so no row rescales). dh matches
+    the CPU as unsplit tiles do, and is the same bit for bit on a second run."""
     monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", chunk)
     m, h, v, gs = 1280, 512, 4000, 64
     hid, w, y = make(m, h, v, mx.bfloat16, seed=11, ignore=2)
