@@ -276,24 +276,13 @@ def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
 
 
-@pytest.mark.parametrize("bits", [0, 4])
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("chunk", ["1000000", "1024"])
-def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
-    """A dh launch whose last round would leave most multiprocessors idle
-    splits those tiles along the chunk, and the pieces add into the
-    accumulator in a fixed order. Here every tile is in that round (bf16: 10
-    row tiles x 2 column tiles; 4-bit: 5 x 4), in 4 pieces (16 k-steps each
-    with one vocabulary chunk, 4 with four chunks, whose first, middle and last
-    updates all meet pieces; without a softcap the running reference stays
-    within 16 of these logits' chunk maxima, so no row rescales). dh matches
-    the CPU as unsplit tiles do, and is the same bit for bit on a second run."""
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", chunk)
-    m, h, v, gs = 1280, 512, 4000, 64
-    hid, w, y = make(m, h, v, mx.bfloat16, seed=11, ignore=2)
+def check_split_tiles(hid, w, y, bits, fused, softcap, monkeypatch):
+    """dh with its short last round split in 4 pieces (twice) and unsplit:
+    both match the CPU, and the split result is the same bit for bit."""
+    gs = 64
     q = mx.quantize(w, group_size=gs, bits=bits) if bits else (w, None, None)
     w_dense = mx.dequantize(*q, group_size=gs, bits=bits) if bits else w
+    m = hid.shape[0]
     g = mx.random.normal((m,), key=mx.random.key(8))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(9))
     grads = []
@@ -305,6 +294,49 @@ def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
     assert mx.array_equal(grads[0], grads[1])
     for dh in (grads[0], grads[2]):
         assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+
+
+# 1280 x 512 x 4000: every dh tile is in the short last round (bf16: 10 row
+# tiles x 2 column tiles; 4-bit: 5 x 4) and becomes 4 pieces.
+SPLIT_SHAPE = (1280, 512, 4000)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("chunk", ["1000000", "1024"])
+def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
+    """A dh launch whose last round would leave most multiprocessors idle
+    splits those tiles along the chunk, and the pieces add into the
+    accumulator in a fixed order: 16 k-steps a piece with one vocabulary
+    chunk, 4 with four chunks, whose first, middle and last updates all meet
+    pieces. Without a softcap the running reference stays within 16 of these
+    logits' chunk maxima, so no row rescales (the next test has them)."""
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", chunk)
+    hid, w, y = make(*SPLIT_SHAPE, mx.bfloat16, seed=11, ignore=2)
+    check_split_tiles(hid, w, y, bits, fused, softcap, monkeypatch)
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_split_tiles_rescale(bits, softcap, monkeypatch):
+    """Split tiles where the fused forward's running reference moves: half
+    the rows have a logit in the second vocabulary chunk 25-45 above the first
+    chunk's maximum, so the third chunk's update rescales their old values
+    (piece 0 reads, scales and writes; the later pieces add)."""
+    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1024")
+    m, h, v = SPLIT_SHAPE
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=12, ignore=2)
+    w = w / 3  # logits ~ N(0, 2.3^2): chunk maxima near 8
+    hid[: m // 2, 0] = 6.0
+    w[1500, 0] = 8.0  # + 48 on column 1500 for the first half of the rows
+    hid, w = hid.astype(mx.bfloat16), w.astype(mx.bfloat16)
+    s = np.array(rounded(hid, mx.bfloat16) @ rounded(w, mx.bfloat16).T)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    jump = s[: m // 2, 1024:2048].max(axis=1) - s[: m // 2, :1024].max(axis=1)
+    assert 16 < jump.min() and jump.max() < 64  # moves the reference, no second pass
+    check_split_tiles(hid, w, y, bits, True, softcap, monkeypatch)
 
 
 def test_fused_forward_extreme_logits():

@@ -427,30 +427,39 @@ int64_t stats_tile_width(bool wgmma, bool rs) {
   return !wgmma ? kTileN : rs ? kRsTileV : kWgTileN;
 }
 
+// The dh kernels' DhSplit flags (at most one per multiprocessor), zeroed once
+// per call: each split tile's last piece sets its flag back to 0.
+mx::array split_flags(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProblem& p) {
+  if (!use_wgmma(s, p)) {
+    return mx::array(0);
+  }
+  const int n = sm_count(s.device.index);
+  auto flags = scratch(enc, {n}, mx::int32);
+  ZeroParams z{mx::gpu_ptr<int32_t>(flags), n};
+  enc.set_output_array(flags);
+  Launch{enc, s.device.index}("fcce_zero", 1, 0, z);
+  return flags;
+}
+
 // The vocabulary-chunked passes of the backward and of the fused forward: per
 // chunk, one kernel writes dS (or P) of the chunk to an [M, chunk] buffer and
 // a second adds buffer @ W[chunk] into the fp32 [M, H] accumulator.
 class ChunkPasses {
  public:
   // p: the rows of this block; acc: the fp32 accumulator, whose row 0 for this
-  // block is at float acc_at; buf: an [at least p.M, chunk] buffer.
+  // block is at float acc_at; buf: an [at least p.M, chunk] buffer; flags:
+  // from split_flags.
   ChunkPasses(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProblem& p,
               const std::vector<mx::array>& inputs, mx::array acc, int64_t acc_at,
-              mx::array buf, int64_t chunk)
+              mx::array buf, int64_t chunk, mx::array flags)
       : enc_(enc), launch_{enc, s.device.index}, p_(p), inputs_(inputs), acc_(std::move(acc)),
-        buf_(std::move(buf)) {
+        buf_(std::move(buf)), flags_(std::move(flags)) {
     const auto ct = compute_dtype(p);
     M_ = p.M;
     chunk_ = chunk;
     wg_ = use_wgmma(s, p);
     sms_ = sm_count(s.device.index);
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
-    if (wg_) {
-      flags_ = scratch(enc, {sms_}, mx::int32);
-      ZeroParams z{mx::gpu_ptr<int32_t>(flags_), sms_};
-      enc.set_output_array(flags_);
-      launch_("fcce_zero", 1, 0, z);
-    }
 
     ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
     ds_.w = weight(p, ct);
@@ -575,7 +584,7 @@ class ChunkPasses {
   const std::vector<mx::array>& inputs_;
   mx::array acc_;
   mx::array buf_;
-  mx::array flags_{0}; // the dh kernels' DhSplit flags
+  mx::array flags_;
   int64_t M_ = 0, chunk_ = 0;
   int m_tiles_ = 0, sms_ = 0;
   bool wg_ = false, rs_ = false;
@@ -610,10 +619,11 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
   // and the flag.
   const int64_t stats = tiles + 2 + (fixed ? 0 : tiles + 4);
   auto sums = scratch(enc, {static_cast<int>(stats), static_cast<int>(block)}, mx::float32);
+  auto flags = split_flags(s, enc, p);
   for (int64_t r0 = 0; r0 < p.M; r0 += block) {
     const int64_t M = std::min(block, p.M - r0);
     const HeadProblem pr = row_slice(p, r0, M);
-    ChunkPasses passes(s, enc, pr, inputs, outputs[2], r0 * H, buf, chunk);
+    ChunkPasses passes(s, enc, pr, inputs, outputs[2], r0 * H, buf, chunk, flags);
     float* part_sum = mx::gpu_ptr<float>(sums);
     float* run_sum = part_sum + tiles * M;
     float* target_logit = run_sum + M;
@@ -747,10 +757,11 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
       ? outputs[0]
       : scratch(enc, {static_cast<int>(block), static_cast<int>(H)}, mx::float32);
   const std::string t = use_f16(p) ? "f16" : "bf16";
+  auto flags = split_flags(s, enc, p);
   for (int64_t r0 = 0; r0 < p.M; r0 += block) {
     const int64_t M = std::min(block, p.M - r0);
     const HeadProblem pr = row_slice(p, r0, M);
-    ChunkPasses passes(s, enc, pr, inputs, acc, acc_in_out ? r0 * H : 0, buf, chunk);
+    ChunkPasses passes(s, enc, pr, inputs, acc, acc_in_out ? r0 * H : 0, buf, chunk, flags);
     passes.ds().lse = mx::gpu_ptr<float>(inputs[3]) + r0;
     passes.ds().g = mx::gpu_ptr<float>(inputs[4]) + r0;
     passes.ds().g_lse = mx::gpu_ptr<float>(inputs[5]) + r0;

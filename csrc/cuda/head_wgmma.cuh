@@ -872,6 +872,20 @@ __device__ __forceinline__ void dh_piece_done(const DhSplit& sp, const DhUnit& u
   }
 }
 
+// A piece's update: the chunk's first (no old value) only for the tile's first
+// piece, its last (the store in the output dtype) only for the last piece, and
+// the old value's row scale only where it is read, in the first piece.
+struct PieceUpdate {
+  bool first, last;
+  __device__ __forceinline__ float scale(const DhParams& p, const DhUnit& u, int64_t gm) const {
+    return u.piece == 0 ? row_scale(p, gm) : 1.0f;
+  }
+};
+
+__device__ __forceinline__ PieceUpdate piece_update(const DhParams& p, const DhUnit& u) {
+  return {p.first && u.piece == 0, p.last && u.piece + 1 == u.pieces};
+}
+
 // dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
 // [k = v][n = h] (N-major).
 template <class T, int QB>
@@ -915,21 +929,22 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
       add_row_sums(p, m0 + r);
     }
     dh_piece_wait(P.split, u, r);
-    const bool first = p.first && u.piece == 0, last = p.last && u.piece + 1 == u.pieces;
+    const PieceUpdate up = piece_update(p, u);
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
       const int64_t gm = m0 + pipe.row(ri);
       if (gm >= p.M) {
         continue;
       }
-      const float scale = u.piece == 0 ? row_scale(p, gm) : 1.0f;
+      const float scale = up.scale(p, u, gm);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int64_t c = n0 + pipe.col(j, 0);
         if (c >= p.H) {
           continue;
         }
-        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale, first, last);
+        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale, up.first,
+                  up.last);
       }
     }
     dh_piece_done(P.split, u, r);

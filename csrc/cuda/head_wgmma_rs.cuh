@@ -645,11 +645,11 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   for (int i = blockIdx.x; i < units; i += gridDim.x, parity ^= 1) {
     const DhUnit u = dh_unit(P.split, i, kt_count);
     const int m0 = (u.tile % m_tiles) * RBN, n0 = (u.tile / m_tiles) * RBV;
-    const float my_scale = u.piece > 0 ? 1.0f : m0 + ct < p.M ? row_scale(p, m0 + ct) : 0.0f;
+    const PieceUpdate up = piece_update(p, u);
+    const float my_scale = m0 + ct < p.M ? up.scale(p, u, m0 + ct) : 0.0f;
     rs_tile_mainloop<T>(pipe, acc, frag, u.kt1 - u.kt0, lane, s, phase, build,
                         [&](int st) { return stage(st).ds(); });
     dh_piece_wait(P.split, u, ct);
-    const bool first = p.first && u.piece == 0, last = p.last && u.piece + 1 == u.pieces;
     // Double-buffered by tile parity: a thread writes this buffer again only
     // after the next tile's barrier, which every reader of this tile passes.
     float* scales = scale_buf + parity * RBN;
@@ -665,7 +665,7 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
         const int64_t gm = m0 + 8 * j + 2 * t4 + e;
         if (gm < p.M && c < p.H) {
           dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e],
-                    first, last);
+                    up.first, up.last);
         }
       }
     dh_piece_done(P.split, u, ct);
