@@ -886,6 +886,54 @@ __device__ __forceinline__ PieceUpdate piece_update(const DhParams& p, const DhU
   return {p.first && u.piece == 0, p.last && u.piece + 1 == u.pieces};
 }
 
+#ifdef FLASH_CCE_WGMMA
+// A dense dh tile's update through shared memory (the 4-bit heads' ring of
+// packed words, unused by dense heads): each warp owns 16 rows of the tile and
+// passes them on in pieces of 32 columns, after which a lane adds 4 adjacent
+// columns of one row. Fewer, wider reductions than the fragments' column pairs
+// (8 rows of 32 bytes a warp instruction). 16-byte units XOR the row, so that
+// both the pair stores and the unit loads spread over the banks.
+static_assert(8 * 16 * 32 * 4 <= kWgQDepth * kWgQStageBytes, "dh staging space");
+__device__ __forceinline__ void dh_wg_staged_update(const DhParams& p, const DhUnit& u,
+                                                    const PieceUpdate& up, const WgPipe& pipe,
+                                                    const float (&acc)[128], int m0, int n0) {
+  const int warp = pipe.tid >> 5, lane = pipe.tid & 31;
+  float* buf = reinterpret_cast<float*>(pipe.base + WST * kWgStageBytes) +
+               ((pipe.wg - 1) * 4 + warp) * 16 * 32;
+  const int64_t row0 = m0 + (pipe.wg - 1) * 64 + warp * 16;
+  // The lane's rows when it reads: lane / 8 + 4 i.
+  float scale[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t gm = row0 + (lane >> 3) + 4 * i;
+    scale[i] = gm < p.M ? up.scale(p, u, gm) : 0.0f;
+  }
+  auto unit = [](int r, int c) { return 32 * r + 4 * ((c >> 2) ^ (r & 7)); };
+#pragma unroll
+  for (int piece = 0; piece < 8; ++piece) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const int j = 4 * piece + jj, r = (lane >> 2) + 8 * ri, c = 8 * jj + 2 * (lane & 3);
+        *reinterpret_cast<float2*>(buf + unit(r, c) + (c & 3)) =
+            make_float2(acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1]);
+      }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = (lane >> 3) + 4 * i, k = lane & 7;
+      const float4 v = *reinterpret_cast<const float4*>(buf + unit(r, 4 * k));
+      const int64_t gm = row0 + r, c = n0 + 32 * piece + 4 * k;
+      if (gm < p.M && c < p.H) {
+        dh_update4(p, gm, c, v, scale[i], up.first, up.last);
+      }
+    }
+    __syncwarp();
+  }
+}
+#endif
+
 // dh (+)= dS[:, chunk] . W[v0 : v0 + width]: A = dS (K-major), B = W rows as
 // [k = v][n = h] (N-major).
 template <class T, int QB>
@@ -930,21 +978,25 @@ __device__ __forceinline__ void dh_wg_body(const WgDhParams& P) {
     }
     dh_piece_wait(P.split, u, r);
     const PieceUpdate up = piece_update(p, u);
+    if constexpr (QB == 0) {
+      dh_wg_staged_update(p, u, up, pipe, acc, m0, n0);
+    } else {
 #pragma unroll
-    for (int ri = 0; ri < 2; ++ri) {
-      const int64_t gm = m0 + pipe.row(ri);
-      if (gm >= p.M) {
-        continue;
-      }
-      const float scale = up.scale(p, u, gm);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int64_t c = n0 + pipe.col(j, 0);
-        if (c >= p.H) {
+      for (int ri = 0; ri < 2; ++ri) {
+        const int64_t gm = m0 + pipe.row(ri);
+        if (gm >= p.M) {
           continue;
         }
-        dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale, up.first,
-                  up.last);
+        const float scale = up.scale(p, u, gm);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int64_t c = n0 + pipe.col(j, 0);
+          if (c >= p.H) {
+            continue;
+          }
+          dh_update(p, gm, c, acc[j * 4 + ri * 2], acc[j * 4 + ri * 2 + 1], scale, up.first,
+                    up.last);
+        }
       }
     }
     dh_piece_done(P.split, u, r);

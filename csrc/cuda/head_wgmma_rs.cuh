@@ -545,6 +545,18 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
   }
 }
 
+// Word of column c (of a warpgroup's 64) of row r (of a piece's 32) in an
+// epilogue piece: 16-byte units XOR the row, and 8-byte halves swapped in rows
+// with bit 1 set, so that the fragments' pair stores and the rows' 16-byte
+// loads both spread over the banks.
+constexpr int kDhPieceFloats = 32 * 64;
+__device__ __forceinline__ int dh_piece_unit(int r, int c) {
+  return 64 * r + 4 * ((c >> 2) ^ (r & 7));
+}
+__device__ __forceinline__ int dh_piece_word(int r, int c) {
+  return dh_piece_unit(r, c) + ((c & 3) ^ (r & 2));
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -636,6 +648,8 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   const int group = (wg_col + dh_col<QB>(warp, 0, 0)) >> lg;
   // Per tile parity, the rows' old-value scales (row_scale), shared by column.
   float* scale_buf = reinterpret_cast<float*>(pipe.base + WST * kRsDhStageBytes);
+  // Per warpgroup, two pieces of the epilogue (dh_piece_word).
+  float* out_buf = scale_buf + 2 * RBN;
   float acc[128];
   uint32_t frag[2][4][4];
   int s = 0, phase = 0, parity = 0;
@@ -655,19 +669,39 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     float* scales = scale_buf + parity * RBN;
     scales[ct] = my_scale;
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    // acc[j * 4 + ri * 2 + e]: column n0 + wg_col + dh_col(ri) of dh, row m0 +
-    // 8 j + 2 t + e.
-    const int64_t c = n0 + wg_col + dh_col<QB>(warp, g, 0);
+    // acc[j * 4 + ri * 2 + e]: column wg_col + dh_col(ri) of the tile, row 8 j
+    // + 2 t + e. Through shared memory in pieces of 32 rows, so that each
+    // thread adds 4 adjacent columns of one row and a warp's updates cover
+    // whole 32-byte sectors (4-bit columns leave every other 8 bytes of a warp's
+    // row to the neighbouring warp, which doubled the L2's reductions).
+    const int wgi = pipe.wg - 1, wct = ct & 127;
+    const int col = dh_col<QB>(warp, g, 0);
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
+    for (int piece = 0; piece < RBN / 32; ++piece) {
+      float* buf = out_buf + (2 * wgi + (piece & 1)) * kDhPieceFloats;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t gm = m0 + 8 * j + 2 * t4 + e;
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 4 * piece + jj;
+          *reinterpret_cast<float2*>(buf + dh_piece_word(8 * jj + 2 * t4 + e, col)) =
+              make_float2(acc[j * 4 + e], acc[j * 4 + 2 + e]);
+        }
+      // Two buffers: a thread writes this one again two pieces later, after
+      // the next piece's barrier, which every reader of this piece passes.
+      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wgi) : "memory");
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = (128 * i + wct) >> 4, chunk = wct & 15;
+        const float4 w = *reinterpret_cast<const float4*>(buf + dh_piece_unit(r, 4 * chunk));
+        const bool swap = (r >> 1) & 1;
+        const float4 v = swap ? make_float4(w.z, w.w, w.x, w.y) : w;
+        const int64_t gm = m0 + 32 * piece + r, c = n0 + wg_col + 4 * chunk;
         if (gm < p.M && c < p.H) {
-          dh_update(p, gm, c, acc[j * 4 + e], acc[j * 4 + 2 + e], scales[8 * j + 2 * t4 + e],
-                    up.first, up.last);
+          dh_update4(p, gm, c, v, scales[32 * piece + r], up.first, up.last);
         }
       }
+    }
     dh_piece_done(P.split, u, ct);
   }
 }

@@ -198,10 +198,12 @@ constexpr int kRsStageBytes = kRsTileM * kWgTileK * 2 + kRsTileV * kWgTileK + 2 
 constexpr int kRsSmemBytes = kWgStages * kRsStageBytes + 8 * kRsTileM * 8 + kRsTileM * 4 + 1024;
 // Its dh GEMM (dh^T = W^T dS^T): 128 columns of h against 256 rows of dS a
 // tile; a stage holds the dS tile, 64 rows x 128 columns of packed W and
-// their scales and biases (up to 4 groups); then the rows' old-value scales
-// by tile parity (2 x 256 floats).
+// their scales and biases (up to 4 groups); after the stages, the rows'
+// old-value scales by tile parity (2 x 256 floats) and two epilogue pieces of
+// 32 x 64 floats per consumer warpgroup.
 constexpr int kRsDhStageBytes = kRsTileM * kWgTileK * 2 + kWgTileK * kRsTileV + 1024;
-constexpr int kRsDhSmemBytes = kWgStages * kRsDhStageBytes + 2 * kRsTileM * 4 + 1024;
+constexpr int kRsDhSmemBytes =
+    kWgStages * kRsDhStageBytes + 2 * kRsTileM * 4 + 4 * 32 * 64 * 4 + 1024;
 // The fused forward's P kernel in that form: the forward's stages, then two
 // per-warp column tables (8 x 256 float2 each).
 constexpr int kRsPSmemBytes = kWgStages * kRsStageBytes + 2 * 8 * kRsTileM * 8 + 1024;
