@@ -288,18 +288,26 @@ class PackedMask:
 
     def __init__(self, prompt_len, window):
         self.prompt_len, self.window = prompt_len, window
+        self.masks = {}  # width -> the two rows' masks, built once for every layer
+
+    def _masks(self, n):
+        if n not in self.masks:
+            self.masks[n] = (causal_mask(n, 0, self.window),
+                             causal_mask(n, self.prompt_len, self.window))
+        return self.masks[n]
 
     def attend(self, q, k, v, scale, sdpa):
         """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`."""
         p, n = self.prompt_len, q.shape[2]
-        head = sdpa(q[:1], k[:1], v[:1], None, scale, causal_mask(n, 0, self.window))
+        head_mask, rest_mask = self._masks(n)
+        head = sdpa(q[:1], k[:1], v[:1], None, scale, head_mask)
 
         def with_prompt(x):
             rows, heads, _, dim = x.shape
             prompt = mx.broadcast_to(x[:1, :, :p], (rows - 1, heads, p, dim))
             return mx.concatenate([prompt, x[1:]], axis=2)
 
-        rest = sdpa(q[1:], with_prompt(k), with_prompt(v), None, scale, causal_mask(n, p, self.window))
+        rest = sdpa(q[1:], with_prompt(k), with_prompt(v), None, scale, rest_mask)
         return mx.concatenate([head, rest], axis=0)
 
 

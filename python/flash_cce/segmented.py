@@ -16,14 +16,15 @@ from .attention import PackedMask, causal_mask
 from .prefix import PackedCache, PrefixCache, RecordCache
 
 
-def _body(lm, lo, hi, offset, keep_kv, packed):
+def _body(lm, lo, hi, offset, keep_kv, packed, masks):
     """The plain function of layers [lo, hi): (h, aux, prompt_kv, shared) ->
     (h, recorded kv per cached layer, shared kv produced here). With `packed`
-    (a prompt length) the rows are a packed prefix batch (see `prefix`)."""
+    (a prompt length) the rows are a packed prefix batch (see `prefix`).
+    `masks` (window -> mask) is shared by every segment of a stack and its
+    recomputation, so each mask is built once per stack, not per layer call."""
 
     def run(h, aux, prompt_kv, shared_in):
         n = h.shape[1]
-        masks = {}
         shared = dict(shared_in)
         produced, recorded = {}, []
         cached = [i for i in range(lo, hi) if lm.has_cache(i)]
@@ -144,13 +145,13 @@ def run_stack(
     """
     n = len(lm.layers)
     k = n if not segment_size else segment_size
-    shared, kv_out, kv_in = {}, [], list(prompt_kv or [])
+    shared, kv_out, kv_in, masks = {}, [], list(prompt_kv or []), {}
     for lo in range(0, n, k):
         hi = min(n, lo + k)
         n_cached = sum(lm.has_cache(i) for i in range(lo, hi))
         seg_kv, kv_in = kv_in[:n_cached], kv_in[n_cached:]
         seg_aux = [] if aux is None else aux[:, :, lo:hi]
-        run = _body(lm, lo, hi, offset, keep_kv, packed)
+        run = _body(lm, lo, hi, offset, keep_kv, packed, masks)
         if segment_size:
             run = _checkpointed(lm, lo, hi, run)
         h, recorded, produced = run(h, seg_aux, seg_kv, shared)
