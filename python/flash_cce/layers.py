@@ -75,7 +75,12 @@ def _quantized_call(original):
 def _lora_call(self, x):
     a = self.lora_a.astype(x.dtype)
     b = (self.scale * self.lora_b).astype(x.dtype)
-    return self.linear(x) + (self.dropout(x) @ a) @ b
+    # Rows as one matrix: each matmul of [B, L, d] by a matrix would flatten and
+    # unflatten its input (two more ops per matmul, and their gradients).
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    y = self.linear(x) + (self.dropout(x) @ a) @ b
+    return y.reshape(*lead, y.shape[-1])
 
 
 @mx.custom_function
