@@ -647,6 +647,23 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
       enc.set_output_array(sums);
       passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
     }
+    if (wg && use_rs(p)) {
+      // The register-operand P kernel leaves the target logits to this pass.
+      TargetParams tp{};
+      tp.h = dense(pr.h, p.h_dtype, M, H, H, compute_dtype(p));
+      tp.w = weight(p, compute_dtype(p));
+      tp.targets = pr.targets;
+      tp.target_logit = target_logit;
+      tp.M = M;
+      tp.V = p.V;
+      tp.H = H;
+      tp.cap = p.cfg.softcap;
+      for (auto& a : inputs) {
+        enc.set_input_array(a);
+      }
+      enc.set_output_array(sums);
+      passes.launch()("fcce_target_rs_" + wg_variant(p), cdiv(M, kThreads / 32), 0, tp);
+    }
     auto& ds = passes.ds();
     auto& dh = passes.dh();
     ds.part_sum = part_sum;

@@ -120,6 +120,17 @@ struct DhParams {
 // state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
 // ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
 // was redone against the exact row maxima).
+// The register-operand P kernel's target logits (fcce_target_rs_*): h rows
+// of T, W quantized.
+struct TargetParams {
+  Operand h, w;
+  const int32_t* targets;
+  float* target_logit;
+  int64_t M, V, H;
+  float cap;
+  int32_t pad_;
+};
+
 struct FinishParams {
   const float* run_sum;
   const float* target_logit;
