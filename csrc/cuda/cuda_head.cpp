@@ -647,8 +647,11 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
       enc.set_output_array(sums);
       passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
     }
-    if (wg && use_rs(p)) {
-      // The register-operand P kernel leaves the target logits to this pass.
+    // The register-operand P kernel leaves the target logits to a gather pass;
+    // the dense one too unless FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
+    const char* env = std::getenv("FLASH_CCE_GATHER_TARGETS");
+    const bool gather = wg && (use_rs(p) || (!p.cfg.quantized && !(env && env[0] == '0')));
+    if (gather) {
       TargetParams tp{};
       tp.h = dense(pr.h, p.h_dtype, M, H, H, compute_dtype(p));
       tp.w = weight(p, compute_dtype(p));
@@ -662,12 +665,12 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
         enc.set_input_array(a);
       }
       enc.set_output_array(sums);
-      passes.launch()("fcce_target_rs_" + wg_variant(p), cdiv(M, kThreads / 32), 0, tp);
+      passes.launch()("fcce_target_" + wg_variant(p), cdiv(M, kThreads / 32), 0, tp);
     }
     auto& ds = passes.ds();
     auto& dh = passes.dh();
     ds.part_sum = part_sum;
-    ds.target_logit = target_logit;
+    ds.target_logit = gather ? nullptr : target_logit;
     ds.part_max = part_max;
     ds.flag = flag;
     dh.part_sum = part_sum;

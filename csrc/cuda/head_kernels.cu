@@ -1068,10 +1068,10 @@ FCCE_ALL_WEIGHTS(f16, __half)
   FCCE_WG_KERNEL(fcce_dh_rs_##TNAME##_##QNAME, WgDhParams, dh_rs_entry<T, QB>)        \
   FCCE_WG_KERNEL(fcce_p_rs_##TNAME##_##QNAME, WgDsParams, p_rs_entry<T, QB>)
 
-#define FCCE_TARGET_RS_KERNEL(TNAME, T, QNAME, QB)                                    \
-  extern "C" __global__ void fcce_target_rs_##TNAME##_##QNAME(                         \
+#define FCCE_TARGET_KERNEL(TNAME, T, QNAME, QB)                                       \
+  extern "C" __global__ void fcce_target_##TNAME##_##QNAME(                            \
       const __grid_constant__ TargetParams p) {                                         \
-    target_rs_entry<T, QB>(p);                                                        \
+    target_entry<T, QB>(p);                                                           \
   }
 
 #define FCCE_WG_KERNELS(TNAME, T)                                                     \
@@ -1080,8 +1080,9 @@ FCCE_ALL_WEIGHTS(f16, __half)
   FCCE_WG_GEMM_KERNELS(TNAME, T, q8, 8)                                               \
   FCCE_WG_RS_KERNEL(TNAME, T, q4, 4)                                                  \
   FCCE_WG_RS_KERNEL(TNAME, T, q8, 8)                                                  \
-  FCCE_TARGET_RS_KERNEL(TNAME, T, q4, 4)                                              \
-  FCCE_TARGET_RS_KERNEL(TNAME, T, q8, 8)                                              \
+  FCCE_TARGET_KERNEL(TNAME, T, dense, 0)                                              \
+  FCCE_TARGET_KERNEL(TNAME, T, q4, 4)                                                 \
+  FCCE_TARGET_KERNEL(TNAME, T, q8, 8)                                                 \
   FCCE_WG_KERNEL(fcce_dw_wg_##TNAME, WgDwParams, dw_wg_body<T>)
 
 FCCE_WG_KERNELS(bf16, __nv_bfloat16)

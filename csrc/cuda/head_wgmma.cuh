@@ -717,8 +717,10 @@ __device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t gm = m0 + pipe.row(ri);
-    const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
-    store_target(acc, pipe, ri, yc, cols, p.target_logit + gm);
+    if (p.target_logit) { // else a gather pass has them
+      const int yc = gm < p.M ? p.targets[gm] - static_cast<int>(v0) : -1;
+      store_target(acc, pipe, ri, yc, cols, p.target_logit + gm);
+    }
     const float nr = row_ref(p, gm) * kLog2e;
     float sm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};

@@ -850,13 +850,14 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   }
 }
 
-// The P kernel's target logits, one warp a row: s[m, y_m] from the values
-// the MMA multiplies (h in T, W dequantized as the fragments are), summed in
-// fp32 in another order (differences ~1e-6 relative), softcapped the same way.
-// A separate pass costs M x H reads; looking for the targets in the P
-// epilogue, 64 rows a thread, cost 1.7 ms of its 26 at (8192, 2560, 262144).
+// The P kernels' target logits, one warp a row: s[m, y_m] from the values the
+// MMA multiplies (h and a dense W in T, a quantized W dequantized as the
+// fragments are), summed in fp32 in another order (differences ~1e-6
+// relative), softcapped the same way. A separate pass costs M x H reads;
+// looking for the targets in the 4-bit P epilogue, 64 rows a thread, cost 5.4
+// of its 26.6 ms at (8192, 2560, 262144) with softcap 30.
 template <class T, int QB>
-__device__ __forceinline__ void target_rs_body(const TargetParams& p) {
+__device__ __forceinline__ void target_body(const TargetParams& p) {
   const int lane = threadIdx.x & 31;
   const int64_t m = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (m >= p.M) {
@@ -866,36 +867,47 @@ __device__ __forceinline__ void target_rs_body(const TargetParams& p) {
   if (y < 0 || y >= p.V) {
     return;
   }
-  const Operand& w = p.w;
-  const int lg = __ffs(w.group_size) - 1;
-  const int64_t groups = w.cols >> lg;
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(w.ptr) + y * (w.cols * QB / 32);
-  const uint16_t* scales = static_cast<const uint16_t*>(w.scales) + y * groups;
-  const uint16_t* biases = static_cast<const uint16_t*>(w.biases) + y * groups;
-  const T* h = static_cast<const T*>(p.h.ptr) + m * p.h.ld;
-  constexpr int kPer = 32 / QB; // columns a word
   constexpr int kT = std::is_same_v<T, __half> ? kF16 : kBF16;
+  const Operand& w = p.w;
+  const T* h = static_cast<const T*>(p.h.ptr) + m * p.h.ld;
   float sum = 0.0f;
-  for (int64_t i = lane; i < p.H / kPer; i += 32) {
-    const int64_t c = i * kPer, g = c >> lg;
-    const float s = half_bits(scales[g], w.sb_kind), b = half_bits(biases[g], w.sb_kind);
-    const uint32_t word = words[i];
-    uint32_t wp[kPer / 2];
-    if constexpr (QB == 4) {
-      const uint4 d = dequant_q4<T>(word, pack2<T>(s, s), pack2<T>(b, b));
-      wp[0] = d.x, wp[1] = d.y, wp[2] = d.z, wp[3] = d.w;
-    } else {
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        wp[k] = pack2<T>(fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * k)), b),
-                         fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * k)), b));
-      }
+  auto dot_pair = [&](uint32_t hp, uint32_t wp) {
+    sum = fmaf(half_bits(hp & 0xffff, kT), half_bits(wp & 0xffff, kT), sum);
+    sum = fmaf(half_bits(hp >> 16, kT), half_bits(wp >> 16, kT), sum);
+  };
+  if constexpr (QB == 0) {
+    const T* wr = static_cast<const T*>(w.ptr) + y * w.ld;
+    for (int64_t c = 8 * lane; c < p.H; c += 256) {
+      const uint4 hv = *reinterpret_cast<const uint4*>(h + c);
+      const uint4 wv = *reinterpret_cast<const uint4*>(wr + c);
+      dot_pair(hv.x, wv.x), dot_pair(hv.y, wv.y), dot_pair(hv.z, wv.z), dot_pair(hv.w, wv.w);
     }
+  } else {
+    const int lg = __ffs(w.group_size) - 1;
+    const int64_t groups = w.cols >> lg;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(w.ptr) + y * (w.cols * QB / 32);
+    const uint16_t* scales = static_cast<const uint16_t*>(w.scales) + y * groups;
+    const uint16_t* biases = static_cast<const uint16_t*>(w.biases) + y * groups;
+    constexpr int kPer = 32 / QB; // columns a word
+    for (int64_t i = lane; i < p.H / kPer; i += 32) {
+      const int64_t c = i * kPer, g = c >> lg;
+      const float s = half_bits(scales[g], w.sb_kind), b = half_bits(biases[g], w.sb_kind);
+      const uint32_t word = words[i];
+      uint32_t wp[kPer / 2];
+      if constexpr (QB == 4) {
+        const uint4 d = dequant_q4<T>(word, pack2<T>(s, s), pack2<T>(b, b));
+        wp[0] = d.x, wp[1] = d.y, wp[2] = d.z, wp[3] = d.w;
+      } else {
 #pragma unroll
-    for (int k = 0; k < kPer / 2; ++k) {
-      const uint32_t hp = *reinterpret_cast<const uint32_t*>(h + c + 2 * k);
-      sum = fmaf(half_bits(hp & 0xffff, kT), half_bits(wp[k] & 0xffff, kT), sum);
-      sum = fmaf(half_bits(hp >> 16, kT), half_bits(wp[k] >> 16, kT), sum);
+        for (int k = 0; k < 2; ++k) {
+          wp[k] = pack2<T>(fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * k)), b),
+                           fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * k)), b));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kPer / 2; ++k) {
+        dot_pair(*reinterpret_cast<const uint32_t*>(h + c + 2 * k), wp[k]);
+      }
     }
   }
 #pragma unroll
@@ -910,9 +922,9 @@ __device__ __forceinline__ void target_rs_body(const TargetParams& p) {
 #endif // FLASH_CCE_WGMMA
 
 template <class T, int QB>
-__device__ __forceinline__ void target_rs_entry(const TargetParams& P) {
+__device__ __forceinline__ void target_entry(const TargetParams& P) {
 #ifdef FLASH_CCE_WGMMA
-  target_rs_body<T, QB>(P);
+  target_body<T, QB>(P);
 #endif
 }
 
