@@ -345,6 +345,35 @@ int64_t backward_chunk(int64_t M, int64_t V) {
 
 // The forward GEMM over the vocabulary [0, V_used): per-split row partials
 // (max, sum of exp) and the target logits, in parts[2 * splits + 1, M].
+// Whether the Hopper kernels leave the target logits to gather_targets: the
+// register-operand (4/8-bit) ones always, the dense ones unless
+// FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
+bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
+  const char* env = std::getenv("FLASH_CCE_GATHER_TARGETS");
+  return use_wgmma(s, p) && (use_rs(p) || (!p.cfg.quantized && !(env && env[0] == '0')));
+}
+
+// target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
+// `out` is the array that holds target_logit.
+void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProblem& p,
+                    const std::vector<mx::array>& inputs, const mx::array& out,
+                    float* target_logit) {
+  TargetParams tp{};
+  tp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, compute_dtype(p));
+  tp.w = weight(p, compute_dtype(p));
+  tp.targets = p.targets;
+  tp.target_logit = target_logit;
+  tp.M = p.M;
+  tp.V = p.V;
+  tp.H = p.H;
+  tp.cap = p.cfg.softcap;
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  launch("fcce_target_" + wg_variant(p), cdiv(p.M, kThreads / 32), 0, tp);
+}
+
 std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
                                              const std::vector<mx::array>& inputs,
                                              int64_t V_used) {
@@ -379,11 +408,16 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
     enc.set_input_array(a);
   }
   enc.set_output_array(parts);
+  // Kernels whose targets come from gather_targets (forward) find none here.
+  FwdParams kp = fp;
+  if (gathers_targets(s, p)) {
+    kp.target_logit = nullptr;
+  }
   if (rs) {
     WgFwdParams wp{};
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kRsTileM);
     wp.w_map = packed_map(p, kRsTileV, kWgTileK);
-    wp.p = fp;
+    wp.p = kp;
     launch("fcce_fwd_rs_" + wg_variant(p), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
            kWgThreads);
   } else if (wg) {
@@ -392,7 +426,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
     if (!p.cfg.quantized) {
       wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     }
-    wp.p = fp;
+    wp.p = kp;
     launch("fcce_fwd_wg_" + wg_variant(p),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
@@ -647,25 +681,9 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
       enc.set_output_array(sums);
       passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
     }
-    // The register-operand P kernel leaves the target logits to a gather pass;
-    // the dense one too unless FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
-    const char* env = std::getenv("FLASH_CCE_GATHER_TARGETS");
-    const bool gather = wg && (use_rs(p) || (!p.cfg.quantized && !(env && env[0] == '0')));
+    const bool gather = gathers_targets(s, p);
     if (gather) {
-      TargetParams tp{};
-      tp.h = dense(pr.h, p.h_dtype, M, H, H, compute_dtype(p));
-      tp.w = weight(p, compute_dtype(p));
-      tp.targets = pr.targets;
-      tp.target_logit = target_logit;
-      tp.M = M;
-      tp.V = p.V;
-      tp.H = H;
-      tp.cap = p.cfg.softcap;
-      for (auto& a : inputs) {
-        enc.set_input_array(a);
-      }
-      enc.set_output_array(sums);
-      passes.launch()("fcce_target_" + wg_variant(p), cdiv(M, kThreads / 32), 0, tp);
+      gather_targets(enc, passes.launch(), pr, inputs, sums, target_logit);
     }
     auto& ds = passes.ds();
     auto& dh = passes.dh();
@@ -741,6 +759,9 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   }
   auto [parts, fp] = lse_partials(s, p, inputs, p.V);
   Launch launch{enc, s.device.index};
+  if (gathers_targets(s, p)) {
+    gather_targets(enc, launch, p, inputs, parts, fp.target_logit);
+  }
 
   CombineParams cp{};
   cp.part_max = fp.part_max;

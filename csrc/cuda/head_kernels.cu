@@ -535,40 +535,6 @@ __device__ __forceinline__ void dh_update(const DhParams& p, int64_t gm, int64_t
   }
 }
 
-// dh_update for columns c .. c + 3 (those below H).
-__device__ __forceinline__ void dh_update4(const DhParams& p, int64_t gm, int64_t c, float4 v,
-                                           float f, bool first, bool last) {
-  if ((p.H & 3) != 0 || c + 3 >= p.H) {
-    dh_update(p, gm, c, v.x, v.y, f, first, last);
-    if (c + 2 < p.H) {
-      dh_update(p, gm, c + 2, v.z, v.w, f, first, last);
-    }
-    return;
-  }
-  float* a = p.acc + gm * p.H + c;
-  if (!first && f == 1.0f && (!last || p.out == p.acc)) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(a), "f"(v.x), "f"(v.y),
-                 "f"(v.z), "f"(v.w)
-                 : "memory");
-    return;
-#endif
-  }
-  if (!first) {
-    const float4 old = *reinterpret_cast<const float4*>(a);
-    v = make_float4(v.x + f * old.x, v.y + f * old.y, v.z + f * old.z, v.w + f * old.w);
-  }
-  if (last) {
-    const int64_t i = gm * p.H + c;
-    store_from_float(p.out, p.out_kind, i, v.x);
-    store_from_float(p.out, p.out_kind, i + 1, v.y);
-    store_from_float(p.out, p.out_kind, i + 2, v.z);
-    store_from_float(p.out, p.out_kind, i + 3, v.w);
-  } else {
-    *reinterpret_cast<float4*>(a) = v;
-  }
-}
-
 // The fused forward: run_sum[gm] (+)= the chunk's per-tile row sums, and the
 // next chunk's reference from the row maxima.
 __device__ __forceinline__ void add_row_sums(const DhParams& p, int64_t gm) {

@@ -614,8 +614,9 @@ __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pi
   cap_and_mask<CAP>(acc, pipe, p.cap, cols);
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
-    const int yc = y[ri] - v0;
-    store_target(acc, pipe, ri, yc, cols, p.target_logit + m0 + pipe.row(ri));
+    if (p.target_logit) { // else a gather pass has them
+      store_target(acc, pipe, ri, y[ri] - v0, cols, p.target_logit + m0 + pipe.row(ri));
+    }
     float tm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -889,6 +890,38 @@ __device__ __forceinline__ PieceUpdate piece_update(const DhParams& p, const DhU
 }
 
 #ifdef FLASH_CCE_WGMMA
+// dh_update for columns c .. c + 3 (those below H).
+__device__ __forceinline__ void dh_update4(const DhParams& p, int64_t gm, int64_t c, float4 v,
+                                           float f, bool first, bool last) {
+  if ((p.H & 3) != 0 || c + 3 >= p.H) {
+    dh_update(p, gm, c, v.x, v.y, f, first, last);
+    if (c + 2 < p.H) {
+      dh_update(p, gm, c + 2, v.z, v.w, f, first, last);
+    }
+    return;
+  }
+  float* a = p.acc + gm * p.H + c;
+  if (!first && f == 1.0f && (!last || p.out == p.acc)) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(a), "f"(v.x), "f"(v.y),
+                 "f"(v.z), "f"(v.w)
+                 : "memory");
+    return;
+  }
+  if (!first) {
+    const float4 old = *reinterpret_cast<const float4*>(a);
+    v = make_float4(v.x + f * old.x, v.y + f * old.y, v.z + f * old.z, v.w + f * old.w);
+  }
+  if (last) {
+    const int64_t i = gm * p.H + c;
+    store_from_float(p.out, p.out_kind, i, v.x);
+    store_from_float(p.out, p.out_kind, i + 1, v.y);
+    store_from_float(p.out, p.out_kind, i + 2, v.z);
+    store_from_float(p.out, p.out_kind, i + 3, v.w);
+  } else {
+    *reinterpret_cast<float4*>(a) = v;
+  }
+}
+
 // A dense dh tile's update through shared memory (the 4-bit heads' ring of
 // packed words, unused by dense heads): each warp owns 16 rows of the tile and
 // passes them on in pieces of 32 columns, after which a lane adds 4 adjacent

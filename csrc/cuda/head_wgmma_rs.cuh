@@ -294,37 +294,12 @@ __device__ __forceinline__ void rs_tile_mainloop(const WgPipe& pipe, float (&acc
 // The forward epilogue of one tile, in place: acc[j * 4 + ri * 2 + e] holds
 // the logit of W row vrow0 + 8 ri and h row 8 j + 2 t + e; each (ri = 0, 1)
 // pair becomes its (max, sum of exp) in slots ri = 0 and 1. The softcap is a
-// template branch, and a warp compares logits with the targets of the tile's
-// h rows (ys) only when one of them falls in its 16 rows of W.
+// template branch; the target logits come from a gather pass (target_body).
 template <bool CAP>
-__device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[128],
-                                             const int32_t* ys, int vrow0, int64_t m0,
-                                             int lane) {
-  const int t = lane & 3;
+__device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[128], int vrow0) {
   const int V = static_cast<int>(p.V);
   if constexpr (CAP) {
     softcap_all(acc, p.cap);
-  }
-  // The warp's rows of W: vrow0 - g + [0, 16).
-  const int w0 = vrow0 - (lane >> 2);
-  bool hit = false;
-#pragma unroll
-  for (int i = 0; i < RBN / 32; ++i) {
-    const unsigned d = static_cast<unsigned>(ys[lane * (RBN / 32) + i] - w0);
-    hit |= d < 16u;
-  }
-  if (__any_sync(0xffffffff, hit)) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int2 y = *reinterpret_cast<const int2*>(ys + 8 * j + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri)
-          if (vrow0 + 8 * ri < V && vrow0 + 8 * ri == (e ? y.y : y.x)) {
-            p.target_logit[m0 + 8 * j + 2 * t + e] = acc[j * 4 + ri * 2 + e];
-          }
-    }
   }
   const bool in0 = vrow0 < V, in1 = vrow0 + 8 < V;
 #pragma unroll
@@ -350,7 +325,6 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   auto stage = [&](int s) { return RsStage{stages + s * kRsStageBytes}; };
   // Per warp and column of h: the running (max, sum) of its lanes' rows.
   float2* stats = reinterpret_cast<float2*>(stages + WST * kRsStageBytes);
-  int32_t* ys = reinterpret_cast<int32_t*>(stats + 8 * RBN);
 
   const auto [mt, split] = fwd_block(p, blockIdx.x);
   const int m0 = mt * RBN;
@@ -382,9 +356,6 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   for (int i = ct; i < RBN * 8; i += 256) {
     stats[i] = make_float2(kRsFloor, 0.0f);
   }
-  for (int i = ct; i < RBN; i += 256) {
-    ys[i] = m0 + i < p.M ? p.targets[m0 + i] : INT32_MIN / 2;
-  }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
 
   // This thread's rows of the W tile: the A fragment rows g and g + 8 of its warp.
@@ -406,9 +377,9 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
     // Rows of W in 32 bits (V fits in int).
     const int vrow0 = vt * RBV + trow[0];
     if (p.cap > 0.0f) {
-      fwd_rs_pairs<true>(p, acc, ys, vrow0, m0, lane);
+      fwd_rs_pairs<true>(p, acc, vrow0);
     } else {
-      fwd_rs_pairs<false>(p, acc, ys, vrow0, m0, lane);
+      fwd_rs_pairs<false>(p, acc, vrow0);
     }
     // Butterfly: at each level a lane keeps the half of its columns that its
     // bit selects and merges in the partner's copy.

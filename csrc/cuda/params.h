@@ -202,11 +202,10 @@ constexpr int kWgSmemBytes =
 // Forward of a 4- or 8-bit head with W as the register operand (S^T = W h^T):
 // 256 rows of h a block, tiles of 128 rows of W; a stage holds the h tile, the
 // W tile's packed words (8 KB at 8 bits) and the k-step's scales and biases
-// (16 bytes a row); then per-warp column statistics (8 x 256 float2) and the
-// block's 256 targets.
+// (16 bytes a row); then per-warp column statistics (8 x 256 float2).
 constexpr int kRsTileM = 256, kRsTileV = 128;
 constexpr int kRsStageBytes = kRsTileM * kWgTileK * 2 + kRsTileV * kWgTileK + 2 * kRsTileV * 16;
-constexpr int kRsSmemBytes = kWgStages * kRsStageBytes + 8 * kRsTileM * 8 + kRsTileM * 4 + 1024;
+constexpr int kRsSmemBytes = kWgStages * kRsStageBytes + 8 * kRsTileM * 8 + 1024;
 // Its dh GEMM (dh^T = W^T dS^T): 128 columns of h against 256 rows of dS a
 // tile; a stage holds the dS tile, 64 rows x 128 columns of packed W and
 // their scales and biases (up to 4 groups); after the stages, the rows'
