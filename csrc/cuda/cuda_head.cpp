@@ -343,8 +343,6 @@ int64_t backward_chunk(int64_t M, int64_t V) {
   return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
 }
 
-// The forward GEMM over the vocabulary [0, V_used): per-split row partials
-// (max, sum of exp) and the target logits, in parts[2 * splits + 1, M].
 // Whether the Hopper kernels leave the target logits to gather_targets: the
 // register-operand (4/8-bit) ones always, the dense ones unless
 // FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
@@ -374,6 +372,9 @@ void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProbl
   launch("fcce_target_" + wg_variant(p), cdiv(p.M, kThreads / 32), 0, tp);
 }
 
+// The forward GEMM over the vocabulary [0, V_used): per-split row partials
+// (max, sum of exp) and, unless gathers_targets, the target logits, in
+// parts[2 * splits + 1, M].
 std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
                                              const std::vector<mx::array>& inputs,
                                              int64_t V_used) {
