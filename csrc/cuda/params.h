@@ -37,7 +37,7 @@ struct FwdParams {
   const int32_t* targets;
   float* part_max; // [splits, M]
   float* part_sum; // [splits, M]
-  float* target_logit; // [M]
+  float* target_logit; // [M]; null: the targets come from a gather pass
   int64_t M, V, H;
   int32_t m_tiles, v_tiles, splits, tiles_per_split;
   float cap;
@@ -59,8 +59,10 @@ struct CombineParams {
 // compute type. With part_sum set (the fused forward) the kernel writes
 // P = exp(s - r) dcap instead, with the row reference r = ref[m] (cap when ref
 // is null), the per-tile row sums of exp(s - r) to part_sum[tile, M], the
-// target logits, and with part_max set the per-tile row maxima of s (flag = 1
-// where one exceeds r by more than kMaxRefGap); lse, g and g_lse are unused.
+// target logits (unless target_logit is null: a gather pass has them, as it
+// always has for the 4/8-bit kernel), and with part_max set the per-tile row
+// maxima of s (flag = 1 where one exceeds r by more than kMaxRefGap); lse, g
+// and g_lse are unused.
 // A kernel whose guard is set and reads 0 does nothing.
 struct DsParams {
   Operand h, w;
@@ -120,8 +122,8 @@ struct DhParams {
 // state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
 // ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
 // was redone against the exact row maxima).
-// The register-operand P kernel's target logits (fcce_target_rs_*): h rows
-// of T, W quantized.
+// The Hopper kernels' target logits (fcce_target_*, gather_targets): h rows of
+// T, W of T or 4/8-bit.
 struct TargetParams {
   Operand h, w;
   const int32_t* targets;
