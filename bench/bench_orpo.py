@@ -5,6 +5,8 @@ on every linear layer of every block, random weights.
     python bench/bench_orpo.py                # small shapes, fits a 2-core CPU
     python bench/bench_orpo.py --full         # the issue's shapes: models A/B, 1k/4k/8k
     python bench/bench_orpo.py --full --models A4 --lengths 8192 --json out.json
+    python bench/bench_orpo.py --full --models A4 --lengths 1024 --providers flash_cce no_prefix \
+        --rounds --repeats 8     # A/B: the two steps alternate
 
 Providers (each a full step: forward, backward, gradients evaluated):
   flash_cce             flash head + prefix sharing + segmented backward + blocked
@@ -199,6 +201,37 @@ def measure(step, repeats):
     return statistics.median(times) * 1e3, mx.get_peak_memory() / 1e9
 
 
+def measure_rounds(steps, repeats):
+    """measure() for several steps at once (`steps`: name -> a function that
+    builds the step), in rounds that run each step once, so that slow drifts of
+    the machine (clocks, other load) fall on every step alike. A step that
+    fails is reported and left out of later rounds. Returns {name: (ms, GB) or
+    the exception}."""
+    out, runs, times, peaks = {}, {}, {}, {}
+    for name, build_step in steps.items():
+        try:
+            runs[name] = build_step()
+            runs[name]()  # warm-up: kernels, caches
+            times[name], peaks[name] = [], 0.0
+        except Exception as err:  # noqa: BLE001 - report and go on
+            out[name] = err
+    mx.clear_cache()
+    for _ in range(repeats):
+        for name in list(times):
+            mx.reset_peak_memory()
+            try:
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+                peaks[name] = max(peaks[name], mx.get_peak_memory() / 1e9)
+            except Exception as err:  # noqa: BLE001
+                out[name] = err
+                del times[name]
+    for name, ts in times.items():
+        out[name] = (statistics.median(ts) * 1e3, peaks[name])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="the issue's shapes (needs a big GPU)")
@@ -209,6 +242,9 @@ def main():
                     help="activations (default: bfloat16 with --full, else float32: "
                          "bfloat16 made this step 5-7x slower on MLX's CPU backend)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps (median)")
+    ap.add_argument("--rounds", action="store_true",
+                    help="time the providers in rounds, one step each per round, instead of "
+                         "one provider after the other (for A/B comparisons in one process)")
     ap.add_argument("--json", default="bench_orpo.json", help="where to write results")
     args = ap.parse_args()
     models = FULL_MODELS if args.full else SMALL_MODELS
@@ -228,18 +264,32 @@ def main():
         model = build(kind, overrides, bits, dtype)
         for length in lengths:
             pair = make_pair(length, model.args.vocab_size)
+            order = sorted(providers, key=lambda n: n in LAST)
+            if args.rounds:
+                builders = {n: (lambda n=n: make_step(n, model, pair)) for n in order}
+                measured = measure_rounds(builders, repeats)
+            else:
+                measured = {}
+                for name in order:
+                    try:
+                        measured[name] = measure(make_step(name, model, pair), repeats)
+                    except Exception as err:  # noqa: BLE001 - report and go on
+                        measured[name] = err
+                    gc.collect()
+                    mx.clear_cache()
             cells = {}
-            for name in sorted(providers, key=lambda n: n in LAST):
-                try:
-                    ms, gb = measure(make_step(name, model, pair), repeats)
-                    cells[name] = f"{ms:.0f} / {gb:.2f}"
-                    results.append(dict(model=key, tokens=length, provider=name, ms=ms, peak_gb=gb))
-                except Exception as err:  # noqa: BLE001 - report and go on
+            for name in order:
+                got = measured[name]
+                if isinstance(got, Exception):
                     cells[name] = "fails"
                     results.append(dict(model=key, tokens=length, provider=name,
-                                        error=f"{type(err).__name__}: {err}"[:300]))
-                gc.collect()
-                mx.clear_cache()
+                                        error=f"{type(got).__name__}: {got}"[:300]))
+                else:
+                    cells[name] = f"{got[0]:.0f} / {got[1]:.2f}"
+                    results.append(dict(model=key, tokens=length, provider=name, ms=got[0],
+                                        peak_gb=got[1]))
+            gc.collect()
+            mx.clear_cache()
             row = " | ".join(cells[n] for n in providers)
             print(f"| {key} | {length} | {row} |", flush=True)
         del model
@@ -247,7 +297,8 @@ def main():
         mx.clear_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=str(mx.default_device()), machine=platform.machine(),
-                       dtype=str(dtype), full=args.full, repeats=repeats, environment=env,
+                       dtype=str(dtype), full=args.full, repeats=repeats, rounds=args.rounds,
+                       environment=env,
                        results=results), f, indent=1)
     print(f"wrote {args.json}")
 
