@@ -821,10 +821,10 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   }
 }
 
-// The P kernels' target logits, one warp a row: s[m, y_m] from the values the
-// MMA multiplies (h and a dense W in T, a quantized W dequantized as the
-// fragments are), summed in fp32 in another order (differences ~1e-6
-// relative), softcapped the same way. A separate pass costs M x H reads;
+// The Hopper forward and P kernels' target logits (gather_targets), one warp a
+// row: s[m, y_m] from the values the MMA multiplies (h and a dense W in T, a
+// quantized W dequantized as the fragments are), summed in fp32 in another
+// order (differences ~1e-6 relative), softcapped the same way. A separate pass costs M x H reads;
 // looking for the targets in the 4-bit P epilogue, 64 rows a thread, cost 5.4
 // of its 26.6 ms at (8192, 2560, 262144) with softcap 30.
 template <class T, int QB>

@@ -118,10 +118,6 @@ struct DhParams {
   int32_t sum_tiles, pad_;
 };
 
-// End of the fused forward: lse = r + log(run_sum), logp, and the gradient
-// state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
-// ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
-// was redone against the exact row maxima).
 // The Hopper kernels' target logits (fcce_target_*, gather_targets): h rows of
 // T, W of T or 4/8-bit.
 struct TargetParams {
@@ -133,6 +129,10 @@ struct TargetParams {
   int32_t pad_;
 };
 
+// End of the fused forward: lse = r + log(run_sum), logp, and the gradient
+// state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
+// ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
+// was redone against the exact row maxima).
 struct FinishParams {
   const float* run_sum;
   const float* target_logit;
