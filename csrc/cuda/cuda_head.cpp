@@ -190,13 +190,18 @@ struct Launch {
   }
 };
 
+// Whether environment switch `name` (benchmarks) is set and starts with `c`.
+bool env_is(const char* name, char c) {
+  const char* env = std::getenv(name);
+  return env && env[0] == c;
+}
+
 // The Hopper path takes a 16-bit h with 16-byte rows and either a dense W of
 // the same type or a 4- or 8-bit one (dequantized by the producer warpgroup).
 // Other heads use the mma.sync kernels.
 bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
   // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
-  const char* env = std::getenv("FLASH_CCE_NO_WGMMA");
-  const bool off = env && env[0] == '1';
+  const bool off = env_is("FLASH_CCE_NO_WGMMA", '1');
   const auto& dev = mx::cu::device(s.device);
   // The Hopper kernels read packed rows as 16-byte vectors and find a column's
   // group with a shift. They dequantize 4-bit codes two at a time with one fma
@@ -267,8 +272,7 @@ CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
 // the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed
 // words; the scales and biases are 16-bit (fp32 ones take the producer).
 bool use_rs(const HeadProblem& p) {
-  const char* env = std::getenv("FLASH_CCE_QUANT_RS");
-  return p.cfg.quantized && !(env && env[0] == '0') && (p.H * p.cfg.bits / 8) % 16 == 0 &&
+  return p.cfg.quantized && !env_is("FLASH_CCE_QUANT_RS", '0') && (p.H * p.cfg.bits / 8) % 16 == 0 &&
       (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
 }
 
@@ -347,8 +351,8 @@ int64_t backward_chunk(int64_t M, int64_t V) {
 // register-operand (4/8-bit) ones always, the dense ones unless
 // FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
 bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
-  const char* env = std::getenv("FLASH_CCE_GATHER_TARGETS");
-  return use_wgmma(s, p) && (use_rs(p) || (!p.cfg.quantized && !(env && env[0] == '0')));
+  return use_wgmma(s, p) &&
+      (use_rs(p) || (!p.cfg.quantized && !env_is("FLASH_CCE_GATHER_TARGETS", '0')));
 }
 
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
@@ -655,6 +659,7 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
   const int64_t stats = tiles + 2 + (fixed ? 0 : tiles + 4);
   auto sums = scratch(enc, {static_cast<int>(stats), static_cast<int>(block)}, mx::float32);
   auto flags = split_flags(s, enc, p);
+  const bool gather = gathers_targets(s, p);
   for (int64_t r0 = 0; r0 < p.M; r0 += block) {
     const int64_t M = std::min(block, p.M - r0);
     const HeadProblem pr = row_slice(p, r0, M);
@@ -682,7 +687,6 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
       enc.set_output_array(sums);
       passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
     }
-    const bool gather = gathers_targets(s, p);
     if (gather) {
       gather_targets(enc, passes.launch(), pr, inputs, sums, target_logit);
     }
