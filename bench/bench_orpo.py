@@ -189,24 +189,12 @@ def make_step(name, model, pair):
     return ours(model, pair, **switches)
 
 
-def measure(step, repeats):
-    step()  # warm-up: kernels, caches
-    times = []
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, mx.get_peak_memory() / 1e9
-
-
-def measure_rounds(steps, repeats):
-    """measure() for several steps at once (`steps`: name -> a function that
-    builds the step), in rounds that run each step once, so that slow drifts of
-    the machine (clocks, other load) fall on every step alike. A step that
-    fails is reported and left out of later rounds. Returns {name: (ms, GB) or
-    the exception}."""
+def measure(steps, repeats):
+    """Median ms and peak GB of each step (`steps`: name -> a function that
+    builds the step) after a warm-up, timed in rounds that run each step once,
+    so that with several steps slow drifts of the machine (clocks, other load)
+    fall on every step alike. A step that fails is reported and left out of
+    later rounds. Returns {name: (ms, GB) or the exception}."""
     out, runs, times, peaks = {}, {}, {}, {}
     for name, build_step in steps.items():
         try:
@@ -265,16 +253,13 @@ def main():
         for length in lengths:
             pair = make_pair(length, model.args.vocab_size)
             order = sorted(providers, key=lambda n: n in LAST)
+            builders = {n: (lambda n=n: make_step(n, model, pair)) for n in order}
             if args.rounds:
-                builders = {n: (lambda n=n: make_step(n, model, pair)) for n in order}
-                measured = measure_rounds(builders, repeats)
-            else:
+                measured = measure(builders, repeats)
+            else:  # one provider after the other, memory released in between
                 measured = {}
                 for name in order:
-                    try:
-                        measured[name] = measure(make_step(name, model, pair), repeats)
-                    except Exception as err:  # noqa: BLE001 - report and go on
-                        measured[name] = err
+                    measured.update(measure({name: builders[name]}, repeats))
                     gc.collect()
                     mx.clear_cache()
             cells = {}
