@@ -321,7 +321,7 @@ def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
 @pytest.mark.parametrize("softcap", [None, 50.0])
 def test_split_tiles_rescale(bits, softcap, monkeypatch):
     """Split tiles where the fused forward's running reference moves: half
-    the rows have a logit in the second vocabulary chunk 25-45 above the first
+    the rows have a logit in the second vocabulary chunk 25-48 above the first
     chunk's maximum, so the third chunk's update rescales their old values
     (piece 0 reads, scales and writes; the later pieces add)."""
     monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1024")
