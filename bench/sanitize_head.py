@@ -63,3 +63,4 @@ if __name__ == "__main__":
     run_fused(150, 136, 700, None)
     run_fused(70, 128, 600, None, late=300.0)
     run_fused(70, 128, 600, 30.0, bits=4)
+    run_fused(71, 128, 600, None, bits=4)

@@ -656,7 +656,7 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
   // Per row block: part_sum[tiles, rows], run_sum[rows], target_logit[rows];
   // running reference only: part_max[tiles, rows], three rotating ref[rows]
   // and the flag.
-  const int64_t stats = tiles + 2 + (fixed ? 0 : tiles + 4);
+  const int64_t stats = tiles + 2 + (fixed ? 0 : tiles + 7);
   auto sums = scratch(enc, {static_cast<int>(stats), static_cast<int>(block)}, mx::float32);
   auto flags = split_flags(s, enc, p);
   const bool gather = gathers_targets(s, p);
@@ -671,10 +671,14 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
     float* ref[3] = {nullptr, nullptr, nullptr};
     int32_t* flag = nullptr;
     if (!fixed) {
+      // References at an even offset and stride (part_max + tiles M is
+      // part_sum + 2 (tiles + 1) M): the 4/8-bit P epilogue loads two rows'
+      // at once. Three spare rows of `stats` keep the flag inside for odd M.
+      const int64_t stride = M + (M & 1);
       for (int i = 0; i < 3; ++i) {
-        ref[i] = part_max + (tiles + i) * M;
+        ref[i] = part_max + tiles * M + i * stride;
       }
-      flag = reinterpret_cast<int32_t*>(part_max + (tiles + 3) * M);
+      flag = reinterpret_cast<int32_t*>(part_max + tiles * M + 3 * stride);
       // The first chunk's exact row maxima.
       auto [pre, fp] = lse_partials(s, pr, inputs, std::min(chunk, p.V));
       RowMaxParams rp{};

@@ -677,6 +677,18 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   }
 }
 
+// The references of rows gm and gm + 1 (gm even) where they exist, else 0;
+// the cap without running references.
+__device__ __forceinline__ float2 row_refs2(const DsParams& p, int gm, bool ok0, bool ok1) {
+  if (!p.ref) {
+    return make_float2(p.cap, p.cap);
+  }
+  if (ok1) {
+    return *reinterpret_cast<const float2*>(p.ref + gm);
+  }
+  return make_float2(ok0 ? p.ref[gm] : 0.0f, 0.0f);
+}
+
 // The fused forward's P = exp(s - r) dcap for the vocabulary chunk [v0, v0 +
 // width) with W as the register operand: persistent over tiles of 256 rows of
 // h x 128 rows of W (the chunk's tile fastest), the forward's pipeline and
@@ -762,12 +774,12 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
     const int rows_left = M - (m0 + 2 * t); // row 8 j + e exists iff 8 j + e < rows_left
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
+      // Running references (no softcap) of rows 8 j + 2 t + {0, 1}: one 8-byte load.
+      const float2 refs = row_refs2(p, m0 + 8 * j + 2 * t, 8 * j < rows_left, 8 * j + 1 < rows_left);
       float pv[2][2]; // [ri][e]
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int gm = m0 + 8 * j + 2 * t + e;
-        const bool row_ok = 8 * j + e < rows_left;
-        const float ref = row_ok ? row_ref(p, gm) : 0.0f;
+        const float ref = e == 0 ? refs.x : refs.y;
         float sum = 0.0f, tmax = -INFINITY;
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
