@@ -73,6 +73,11 @@ __device__ __forceinline__ float half_bits(uint32_t u16, int kind) {
   return kind == kBF16 ? bf16_bits(u16) : f16_bits(u16);
 }
 
+// A scale or bias from its bits: 16 in the low half, or a float's 32.
+__device__ __forceinline__ float sb_float(uint32_t u, int kind) {
+  return kind == kF32 ? __uint_as_float(u) : half_bits(u, kind);
+}
+
 __device__ __forceinline__ float load_as_float(const void* p, int kind, int64_t i) {
   switch (kind) {
     case kBF16:
@@ -260,9 +265,6 @@ struct TileLoader {
     mode[i] = kPacked;
   }
 
-  __device__ __forceinline__ static float sb_float(uint32_t u, int kind) {
-    return kind == kF32 ? __uint_as_float(u) : half_bits(u, kind);
-  }
 
   __device__ __forceinline__ void store(const Operand& op, T* tile) {
 #pragma unroll

@@ -235,13 +235,11 @@ __device__ __forceinline__ void wg_consumer_regs() {
 // words come through shared memory instead, see stage()). Rows past V and
 // columns past H load zero scales and biases, so they store zeros.
 
-// An 8-bit code q as a float, exactly, from the bits of 2^23 + q (the code in
-// the mantissa of 2^23): one byte permute and one add, where a conversion
-// (I2F) runs at a quarter of the rate.
-constexpr uint32_t kTwo23 = 0x4b000000u;
-
-__device__ __forceinline__ float code_f32(uint32_t bits) {
-  return __uint_as_float(bits) - 8388608.0f;
+// Byte i of word, an 8-bit code q, as a float, exactly, from the bits of
+// 2^23 + q (the code in the mantissa of 2^23): one byte permute and one add,
+// where a conversion (I2F) runs at a quarter of the rate.
+__device__ __forceinline__ float code8(uint32_t word, int i) {
+  return __uint_as_float(__byte_perm(word, 0x4b000000u, 0x7440 | i)) - 8388608.0f;
 }
 
 // 4-bit codes go straight to pairs of T: a code under the exponent of 2^7
@@ -293,11 +291,13 @@ struct QTile {
   static_assert(R * (kRowChunks / kSeg) == 128 * kSegs, "tile must split over 128 threads");
 
   uint4 v[kSegs][kVecs];
-  // Two sets, by k-step parity: copying a just-loaded set into the one in use
-  // would wait for the load, so each k-step reads one and fills the other.
-  // 4-bit tiles hold each as a pair of T, 8-bit ones as a float.
+  // Two sets of the scales' and biases' bits, by k-step parity: each k-step
+  // loads the next tile's into one and converts the other's, loaded a k-step
+  // before. Converting them as they were loaded made the producer wait for
+  // the loads: its most-sampled stall (Nsight Compute).
+  uint32_t scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
+  // 4-bit tiles take them as a pair of T, 8-bit ones as a float.
   using Scale = std::conditional_t<QB == 4, uint32_t, float>;
-  Scale scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
 
   // Where segment j of thread tid starts: tile row r, absolute row and column.
   struct Seg {
@@ -322,10 +322,10 @@ struct QTile {
   // The scales and biases of each segment's groups for one k-step. Each lane
   // reads its own row of W, so every load is its own L1 request: the n
   // groups of a segment come in one 4- or 8-byte load when 16-bit and aligned.
-  template <class T>
   __device__ __forceinline__ static void load_groups(const Operand& w, int64_t r0, int64_t c0,
-                                                     int tid, int lg, Scale (&sc)[kSegs][kGroups],
-                                                     Scale (&bi)[kSegs][kGroups]) {
+                                                     int tid, int lg,
+                                                     uint32_t (&sc)[kSegs][kGroups],
+                                                     uint32_t (&bi)[kSegs][kGroups]) {
     const int64_t groups = w.cols >> lg; // per row of W
     const int n = max(1, (kSeg * 8) >> lg);
     const bool wide = w.sb_kind != kF32 && n > 1 && groups % n == 0 &&
@@ -334,7 +334,6 @@ struct QTile {
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
       const Seg at = place(tid, j, r0, c0);
-      float scale[kGroups], bias[kGroups];
       if (wide) {
         uint32_t su[2] = {0, 0}, bu[2] = {0, 0};
         if (at.row < w.rows && at.col < w.cols) {
@@ -352,10 +351,8 @@ struct QTile {
         }
 #pragma unroll
         for (int k = 0; k < kGroups; ++k) {
-          const uint32_t sh = (su[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
-          const uint32_t bh = (bu[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
-          scale[k] = half_bits(sh, w.sb_kind);
-          bias[k] = half_bits(bh, w.sb_kind);
+          sc[j][k] = (su[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
+          bi[j][k] = (bu[(k >> 1) & 1] >> (16 * (k & 1))) & 0xffff;
         }
       } else {
 #pragma unroll
@@ -363,26 +360,31 @@ struct QTile {
           const int64_t gcol = at.col + (int64_t(k) << lg);
           const bool ok = at.row < w.rows && (k << lg) < kSeg * 8 && gcol < w.cols;
           const int64_t gi = at.row * groups + (gcol >> lg);
-          scale[k] = ok ? load_as_float(w.scales, w.sb_kind, gi) : 0.0f;
-          bias[k] = ok ? load_as_float(w.biases, w.sb_kind, gi) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        if constexpr (QB == 4) {
-          sc[j][k] = pack2<T>(scale[k], scale[k]);
-          bi[j][k] = pack2<T>(bias[k], bias[k]);
-        } else {
-          sc[j][k] = scale[k];
-          bi[j][k] = bias[k];
+          sc[j][k] = ok ? load_bits(w.scales, w.sb_kind, gi) : 0u;
+          bi[j][k] = ok ? load_bits(w.biases, w.sb_kind, gi) : 0u;
         }
       }
     }
   }
 
+  // The bits of element i of a scale or bias array (zero bits are 0 as any kind).
+  __device__ __forceinline__ static uint32_t load_bits(const void* p, int kind, int64_t i) {
+    return kind == kF32 ? __ldg(static_cast<const uint32_t*>(p) + i)
+                        : __ldg(static_cast<const uint16_t*>(p) + i);
+  }
+
   template <class T>
+  __device__ __forceinline__ static Scale convert(uint32_t bits, int kind) {
+    const float f = sb_float(bits, kind);
+    if constexpr (QB == 4) {
+      return pack2<T>(f, f);
+    } else {
+      return f;
+    }
+  }
+
   __device__ __forceinline__ void load(const Operand& w, int64_t r0, int64_t c0, int tid, int lg) {
-    load_groups<T>(w, r0, c0, tid, lg, scale[0], bias[0]);
+    load_groups(w, r0, c0, tid, lg, scale[0], bias[0]);
     if constexpr (!kStaged) {
 #pragma unroll
       for (int j = 0; j < kSegs; ++j) {
@@ -434,8 +436,16 @@ struct QTile {
   __device__ __forceinline__ void cycle(unsigned char* dst, int tid, int lg, const Operand& w,
                                         bool more, int64_t r0n, int64_t c0n) {
     if (more) {
-      load_groups<T>(w, r0n, c0n, tid, lg, scale[P ^ 1], bias[P ^ 1]);
+      load_groups(w, r0n, c0n, tid, lg, scale[P ^ 1], bias[P ^ 1]);
     }
+    Scale sc_now[kSegs][kGroups], bi_now[kSegs][kGroups];
+#pragma unroll
+    for (int j = 0; j < kSegs; ++j)
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) {
+        sc_now[j][q] = convert<T>(scale[P][j][q], w.sb_kind);
+        bi_now[j][q] = convert<T>(bias[P][j][q], w.sb_kind);
+      }
 #pragma unroll
     for (int j = 0; j < kSegs; ++j) {
       const Seg next = place(tid, j, r0n, c0n);
@@ -447,11 +457,11 @@ struct QTile {
         for (int ci = 0; ci < kVecChunks; ++ci) {
           const int i = k * kVecChunks + ci; // chunk within the segment
           const int g = (i * 8) >> lg;
-          Scale sc = scale[P][j][0], bi = bias[P][j][0];
+          Scale sc = sc_now[j][0], bi = bi_now[j][0];
 #pragma unroll
           for (int q = 1; q < kGroups; ++q) {
-            sc = g == q ? scale[P][j][q] : sc;
-            bi = g == q ? bias[P][j][q] : bi;
+            sc = g == q ? sc_now[j][q] : sc;
+            bi = g == q ? bi_now[j][q] : bi;
           }
           uint4 out;
           if constexpr (QB == 4) {
@@ -462,8 +472,8 @@ struct QTile {
             for (int e = 0; e < 4; ++e) {
               const uint32_t word = words[2 * ci + (e >> 1)];
               // One byte permute: the code byte under the exponent byte of 2^23.
-              const float lo = code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * (e & 1)));
-              const float hi = code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * (e & 1)));
+              const float lo = code8(word, 2 * (e & 1));
+              const float hi = code8(word, 2 * (e & 1) + 1);
               o[e] = pack2<T>(fmaf(sc, lo, bi), fmaf(sc, hi, bi));
             }
           }
@@ -526,7 +536,7 @@ __device__ __forceinline__ void wg_produce_tile_q(const WgPipe& pipe, const CUte
       cp_async_commit();
     }
   }
-  tile.template load<T>(w, r0(0), c0(0), pipe.tid, lg);
+  tile.load(w, r0(0), c0(0), pipe.tid, lg);
   for (int kt = 0; kt < kt_count; kt += 2) {
     step(std::integral_constant<int, 0>{}, kt);
     if (kt + 1 < kt_count) {

@@ -112,7 +112,7 @@ __device__ __forceinline__ void rs_dequant(uint32_t (&a)[4][4], const unsigned c
     } else {
       // Columns 2t, 2t + 1 of a 16-column slice are bytes 2 (t % 2) and
       // 2 (t % 2) + 1 of its word t / 2 (and of word 2 + t / 2 for + 8).
-      const uint32_t s0 = 0x7440 + 2 * (t & 1), s1 = s0 + 1;
+      const int lo = 2 * (t & 1);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint4 v = tile_load<kRowBytes>(wtile, trow[ri], 16 * kk);
@@ -120,8 +120,8 @@ __device__ __forceinline__ void rs_dequant(uint32_t (&a)[4][4], const unsigned c
         for (int half = 0; half < 2; ++half) {
           const uint32_t word = half ? ((t & 2) ? v.w : v.z) : ((t & 2) ? v.y : v.x);
           const float s = sc.scale[ri][kk >> 1], b = sc.bias[ri][kk >> 1];
-          a[kk][ri + 2 * half] = pack2<T>(fmaf(s, code_f32(__byte_perm(word, kTwo23, s0)), b),
-                                          fmaf(s, code_f32(__byte_perm(word, kTwo23, s1)), b));
+          a[kk][ri + 2 * half] =
+              pack2<T>(fmaf(s, code8(word, lo), b), fmaf(s, code8(word, lo + 1), b));
         }
       }
     }
@@ -508,8 +508,7 @@ __device__ __forceinline__ void rs_dh_dequant(uint32_t (&a)[4][4], const RsDhSta
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           a[kk][2 * half + ri] =
-              pack2<T>(fmaf(s0, code_f32(__byte_perm(r[i], kTwo23, 0x7440 | ri)), b0),
-                       fmaf(s1, code_f32(__byte_perm(r[i], kTwo23, 0x7440 | (2 + ri))), b1));
+              pack2<T>(fmaf(s0, code8(r[i], ri), b0), fmaf(s1, code8(r[i], 2 + ri), b1));
         }
       }
     }
@@ -775,7 +774,8 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       // Running references (no softcap) of rows 8 j + 2 t + {0, 1}: one 8-byte load.
-      const float2 refs = row_refs2(p, m0 + 8 * j + 2 * t, 8 * j < rows_left, 8 * j + 1 < rows_left);
+      const float2 refs =
+          row_refs2(p, m0 + 8 * j + 2 * t, 8 * j < rows_left, 8 * j + 1 < rows_left);
       float pv[2][2]; // [ri][e]
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -883,8 +883,7 @@ __device__ __forceinline__ void target_body(const TargetParams& p) {
       } else {
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          wp[k] = pack2<T>(fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7440 + 2 * k)), b),
-                           fmaf(s, code_f32(__byte_perm(word, kTwo23, 0x7441 + 2 * k)), b));
+          wp[k] = pack2<T>(fmaf(s, code8(word, 2 * k), b), fmaf(s, code8(word, 2 * k + 1), b));
         }
       }
 #pragma unroll
