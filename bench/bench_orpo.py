@@ -167,6 +167,7 @@ SWITCHES = {
     "no_prefix": dict(prefix_sharing=False),
     "two_pass": dict(prefix_packing=False),
     "no_segments": dict(segment_size=0),
+    "compiled": dict(compiled_layers=True),
     "no_block_attn": dict(attention_block=0),
     "no_window": dict(no_window=True),
     "mlx_linears": dict(mlx_linears=True),

@@ -353,7 +353,7 @@ class routed:
                 return mask.attend(queries, keys, values, scale, plain)
             return plain(queries, keys, values, cache, scale, mask, sinks)
 
-        sdpa.packs = True
+        sdpa.packs, sdpa.block = True, block
         self.module.scaled_dot_product_attention = sdpa
         return self
 
@@ -366,3 +366,9 @@ def packs(model):
     """Whether `model`'s attention calls take `PackedMask`s now (inside `routed`)."""
     sdpa = getattr(_module_of(model), "scaled_dot_product_attention", None)
     return getattr(sdpa, "packs", False)
+
+
+def routed_block(model):
+    """The block size `routed` runs `model`'s attention with now (None: not routed)."""
+    sdpa = getattr(_module_of(model), "scaled_dot_product_attention", None)
+    return getattr(sdpa, "block", None)

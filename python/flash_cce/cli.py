@@ -28,6 +28,7 @@ CONFIG_DEFAULTS = {
     "prefix_sharing": True,
     "flash_head": True,
     "segment_size": None,
+    "compiled_layers": False,
     "attention_block": None,
     "learning_rate": 1e-5,
     "min_learning_rate": 0.0,
@@ -89,6 +90,7 @@ def _add_model_data_flags(p):
     _switch(p, "prefix_sharing", "Encode each prompt once for both responses.")
     _switch(p, "flash_head", "Log-probs from the flash-CCE head (no [tokens, vocab] logits).")
     _flag(p, "segment_size", type=int, help="Layers per gradient-checkpoint segment (0: off; default: by length).")
+    _switch(p, "compiled_layers", "Gradients layer by layer through compiled layers where supported (see flash_cce.compiled).")
     _flag(p, "attention_block", type=int, help="Queries per block of the training attention (0: mlx-lm's attention).")
     _flag(p, "batch_size", type=int, help="Pairs per micro-batch.")
     _flag(p, "max_seq_length", type=int, help="Longest sequence (tokens) of a pair's chosen or rejected side.")
@@ -178,6 +180,7 @@ def _objective(cfg):
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"],
                           nll_on_prompt=cfg["nll_on_prompt"], prefix_sharing=cfg["prefix_sharing"],
                           flash_head=cfg["flash_head"], segment_size=cfg["segment_size"],
+                          compiled_layers=cfg["compiled_layers"],
                           attention_block=cfg["attention_block"])
     obj.validate()
     return obj

@@ -111,3 +111,7 @@ class training_layers:
     def __exit__(self, *exc):
         nn.QuantizedLinear.__call__, LoRALinear.__call__, nn.gelu_approx = self.saved
         return False
+
+    @staticmethod
+    def active():
+        return nn.gelu_approx is gelu_approx

@@ -21,13 +21,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from . import losses
+from . import compiled, losses
 from .attention import DEFAULT_BLOCK, routed
 from .batch import Pair
 from .head import linear_logprobs
 from .layers import training_layers
 from .lm import LM, adapters_off
-from .prefix import sequence_hidden
+from .prefix import packed_layout, sequence_hidden
 
 # Tokens per pair (chosen + rejected) from which the default checkpoints the
 # stack, one layer per segment: of 1, 2 and 3 layers per segment, 1 kept the
@@ -47,6 +47,8 @@ class ObjectiveConfig:
     prefix_packing: Optional[bool] = None
     flash_head: bool = True
     segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
+    # Gradients layer by layer through compiled layers (see `compiled`) where supported
+    compiled_layers: bool = False
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
     # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's
     attention_block: Optional[int] = None
@@ -113,21 +115,30 @@ def _logprobs(lm, h, targets, flash):
     return picked - mx.logsumexp(logits, axis=-1)
 
 
-def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0):
+def _seqs(pair, obj):
+    return [pair.chosen, pair.rejected] if obj.rejected else [pair.chosen]
+
+
+def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0, stack=None):
     """Log-prob statistics (see `losses`) of one pair, as float32 scalars.
 
     `share` (default: whether the config asks for prefix sharing and the prompts
     tokenise alike) encodes the prompt once for both responses.
     """
     obj = obj or losses.get(cfg.name)
-    seqs = [pair.chosen, pair.rejected] if obj.rejected else [pair.chosen]
-    plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
     if share is None:
         share = can_share(pair, cfg, obj)
     h, rows = sequence_hidden(
-        lm, seqs, pair.chosen_prompt_len if share else None, segment_size=segment_size,
-        pack=cfg.prefix_packing,
+        lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
+        segment_size=segment_size, pack=cfg.prefix_packing, stack=stack,
     )
+    return hidden_stats(lm, h, rows, pair, cfg, obj)
+
+
+def hidden_stats(lm, h, rows, pair, cfg, obj):
+    """`pair_stats` from the hidden states `h` of `sequence_hidden` and its rows."""
+    seqs = _seqs(pair, obj)
+    plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
     idx, tgt, groups = [], [], []
     for b, seq in enumerate(seqs):
         for j in range(len(seq) - 1):
@@ -232,20 +243,46 @@ def value_and_grad(model, pairs, cfg, group=None):
     for i, pair in enumerate(pairs):
         seg = _segment_size(cfg, pair)
 
-        def pair_loss():
-            stats = _with_reference(pair_stats(lm, pair, cfg, obj, segment_size=seg), ref, i)
+        def loss_of(stats):
+            stats = _with_reference(stats, ref, i)
             one = {k: v[None] for k, v in stats.items()}
             terms, _ = obj.fn(one, cfg, *totals)
             return terms.sum(), stats
 
-        # The backward (and a segment's recomputed forward) is built inside this call.
         with routed(model, _attention_block(cfg)), training_layers():
-            (_, stats), g = nn.value_and_grad(model, pair_loss)()
+            if _compiles(lm, pair, cfg, obj):
+                stats, g = _compiled_pair(lm, pair, cfg, obj, loss_of)
+            else:
+                # The backward (and a segment's recomputed forward) is built here.
+                (_, stats), g = nn.value_and_grad(
+                    model, lambda: loss_of(pair_stats(lm, pair, cfg, obj, segment_size=seg))
+                )()
         grads = g if grads is None else tree_map(mx.add, grads, g)
         all_stats.append(tree_map(mx.stop_gradient, stats))
         mx.eval(grads, all_stats[-1])
     loss, metrics = _metrics(obj, cfg, pairs, all_stats, totals, group)
     return loss, grads, metrics
+
+
+def _compiles(lm, pair, cfg, obj):
+    """Whether the pair's gradients go through `compiled` (one-pass layouts)."""
+    if not (cfg.compiled_layers and compiled.supported(lm)):
+        return False
+    share = can_share(pair, cfg, obj)
+    return not share or packed_layout(lm, _seqs(pair, obj), pair.chosen_prompt_len,
+                                      cfg.prefix_packing)
+
+
+def _compiled_pair(lm, pair, cfg, obj, loss_of):
+    """(stats, gradients) of one pair: the objective's autodiff reaches the last
+    hidden states, the compiled stack takes their cotangent through the layers."""
+    stack = compiled.stack_for(lm)
+    share = can_share(pair, cfg, obj)
+    h, rows = sequence_hidden(lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
+                              pack=cfg.prefix_packing, stack=stack)
+    (_, stats), ct = mx.value_and_grad(
+        lambda h: loss_of(hidden_stats(lm, h, rows, pair, cfg, obj)))(h)
+    return stats, stack.backward(ct)
 
 
 def evaluate(model, pairs, cfg):

@@ -87,41 +87,55 @@ def _padded(seqs):
     return mx.array([s + [0] * (width - len(s)) for s in seqs]), width
 
 
-def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None):
+def packed_layout(lm, seqs, prompt_len, pack=None):
+    """Whether `seqs`, sharing their first `prompt_len` tokens, take the packed
+    layout: `pack`, or where None, when the attention is routed and `packing_pays`."""
+    conts = [s[prompt_len:-1] for s in seqs]
+    can_pack = packs(lm.model) and _packable(lm)
+    if pack is None:
+        return can_pack and packing_pays(prompt_len, map(len, conts))
+    if pack and not can_pack:
+        raise ValueError(
+            "pack=True needs the model's attention routed (attention.routed) and a RoPE "
+            "that takes per-row offsets"
+        )
+    return pack
+
+
+def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, stack=None):
     """Hidden states (before the final norm) that predict every token of `seqs`.
 
     Returns `(H, rows)`: `H` is `[rows, d]` and `rows[b][j]` is the row of `H`
     whose output predicts `seqs[b][j + 1]`. With `prompt_len` the sequences share
     their first `prompt_len` tokens and the prompt is encoded once; without it each
     sequence gets its own forward (one padded batch). `pack` picks the layout
-    with a shared prompt (None: packed where the attention is routed and
-    `packing_pays`).
+    with a shared prompt (see `packed_layout`). `stack` (a `compiled.Stack`) runs
+    the layers instead of `run_stack`, in the one-pass layouts only.
     """
     from .segmented import run_stack  # segmented uses this module's caches
 
+    def layers(tokens, packed=None):
+        if stack is not None:
+            return stack.forward(lm.embed(tokens)[0], packed=packed)
+        return run_stack(lm, *lm.embed(tokens), packed=packed, segment_size=segment_size)[0]
+
     if not prompt_len:
         tokens, width = _padded([s[:-1] for s in seqs])
-        h, _ = run_stack(lm, *lm.embed(tokens), segment_size=segment_size)
+        h = layers(tokens)
         rows = [[b * width + j for j in range(len(s) - 1)] for b, s in enumerate(seqs)]
         return h.reshape(-1, h.shape[-1]), rows
     p = prompt_len
     conts = [s[p:-1] for s in seqs]
-    can_pack = packs(lm.model) and _packable(lm)
-    if pack is None:
-        pack = can_pack and packing_pays(p, map(len, conts))
-    elif pack and not can_pack:
-        raise ValueError(
-            "pack=True needs the model's attention routed (attention.routed) and a RoPE "
-            "that takes per-row offsets"
-        )
-    if pack:
+    if packed_layout(lm, seqs, p, pack):
         tokens, width = _padded([seqs[0][:p]] + conts)
-        h, _ = run_stack(lm, *lm.embed(tokens), packed=p, segment_size=segment_size)
+        h = layers(tokens, packed=p)
         rows = [
             list(range(p)) + [(1 + b) * width + k for k in range(len(c))]
             for b, c in enumerate(conts)
         ]
         return h.reshape(-1, h.shape[-1]), rows
+    if stack is not None:
+        raise ValueError("stack: the two-pass prefix layout runs through run_stack only")
     hp, kv = run_stack(
         lm, *lm.embed(mx.array([seqs[0][:p]])), keep_kv=True, segment_size=segment_size
     )

@@ -1,0 +1,94 @@
+"""Gradients through the compiled layers (`compiled`) equal MLX's autodiff."""
+
+import numpy as np
+import pytest
+
+from flash_cce import compiled
+from flash_cce.lm import LM
+from flash_cce.objectives import ObjectiveConfig, value_and_grad
+from models import ARCHS, max_diff, random_pair, tiny_model
+
+# The compiled layers run the same float32 operations; fusing elementwise chains
+# may reorder none of them on the CPU (results there are equal bit for bit), so
+# the tolerance only leaves room for a backend whose fused kernels round alike
+# but contract differently: 1e-5 relative (+1e-6), as for the segments.
+REL, ABS = 1e-5, 1e-6
+
+
+def _pairs(seed):
+    rng = np.random.default_rng(seed)
+    # The first takes the two-pass prefix layout (autodiff), the second packs.
+    return [random_pair(rng, 9, 5, 3), random_pair(rng, 4, 3, 6)]
+
+
+def _close(got, want):
+    assert abs(got[0].item() - want[0].item()) <= REL * abs(want[0].item()) + ABS
+    diff, scale = max_diff(got[1], want[1])
+    assert diff <= REL * max(1.0, scale) + ABS, diff
+    for k, v in want[2].items():
+        assert abs(got[2][k].item() - v.item()) <= REL * abs(v.item()) + ABS, k
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("share,pack", [(False, None), (True, None), (True, True)])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_compiled_equals_autodiff(arch, share, pack, quantize):
+    model = tiny_model(arch, lora=True, quantize=quantize)
+    pairs = _pairs(0)
+    cfg = dict(prefix_sharing=share, prefix_packing=pack, segment_size=0)
+    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
+    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    _close(got, want)
+    # Gemma 4 shares keys/values across layers: it keeps the autodiff path.
+    assert compiled.supported(LM(model)) == (arch != "gemma4_text")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_frozen_layer(arch):
+    """A layer without trainable parameters passes the cotangent through."""
+    model = tiny_model(arch, lora=True)
+    model.layers[1].freeze()
+    pairs = _pairs(4)
+    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    got = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False, compiled_layers=True))
+    _close(got, want)
+    assert abs(got[1]["model"]["layers"][0]["self_attn"]["q_proj"]["lora_a"]).max() > 0
+
+
+def test_traced_once_per_shape(monkeypatch):
+    """Layers alike share one compiled function, traced on the first step only:
+    a second step with the same shapes runs no layer code in Python."""
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(2)
+    cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True)
+    value_and_grad(model, pairs, cfg)
+    calls = []
+    cls = type(model.layers[0])
+    original = cls.__call__
+    monkeypatch.setattr(
+        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    value_and_grad(model, pairs, cfg)
+    assert calls == []
+    # Sliding-window and global layers: two groups for the model's layers.
+    assert len(compiled.stack_for(LM(model)).groups) == 2
+
+
+def test_trace_keyed_by_attention_routing(monkeypatch):
+    """A trace made under one attention routing is not reused under another: the
+    layers run in Python again (a new trace), and the results stay exact."""
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(3)
+    calls = []
+    cls = type(model.layers[0])
+    original = cls.__call__
+    monkeypatch.setattr(
+        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    for block, traces in ((0, True), (4, True), (0, False)):
+        cfg = dict(prefix_sharing=False, attention_block=block)
+        want = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, **cfg))
+        calls.clear()
+        got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        assert bool(calls) == traces, block
+        _close(got, want)
