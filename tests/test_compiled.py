@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flash_cce import compiled
+from flash_cce import compiled, layers
 from flash_cce.lm import LM
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
@@ -41,6 +41,21 @@ def test_compiled_equals_autodiff(arch, share, pack, quantize):
     _close(got, want)
     # Gemma 4 shares keys/values across layers: it keeps the autodiff path.
     assert compiled.supported(LM(model)) == (arch != "gemma4_text")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("share", [True, False])
+def test_dequantized_layers(arch, share, monkeypatch):
+    """Quantized layers over many rows take `layers.dequantized_linear`, whose
+    custom VJP reads the layer's weights when the backward is built: the
+    compiled VJP must still hold the layer's own weights then."""
+    monkeypatch.setattr(layers, "DENSE_FROM_ROWS", 8)
+    model = tiny_model(arch, lora=True, quantize=True)
+    pairs = _pairs(5)
+    cfg = dict(prefix_sharing=share, segment_size=0)
+    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
+    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    _close(got, want)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

@@ -21,6 +21,8 @@ sequences, or the packed prefix batch). Gemma 4 (keys/values shared across
 layers, per-layer inputs) and the two-pass prefix layout take the autodiff path.
 """
 
+import contextlib
+
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
@@ -49,28 +51,38 @@ class _Layers:
         self.names = [k for k, _ in flat]
         self.trainable = [j for j, k in enumerate(self.names) if k in train]
 
-        def run(arrays, h, offset, packed, context):
+        @contextlib.contextmanager
+        def holding(arrays):
+            # The template computes with `arrays` until the VJP is built: custom
+            # VJPs (`layers.dequantized_linear`) read their layer's weights then.
             saved = template.parameters()
             template.update(tree_unflatten(list(zip(self.names, arrays))))
             try:
-                if packed:
-                    at = mx.array([0] + [packed] * (h.shape[0] - 1))
-                    return template(h, PackedMask(packed, window), PackedCache(at))
-                return template(h, causal_mask(h.shape[1], offset, window), None)
+                yield
             finally:
                 template.update(saved)
 
+        def run(h, offset, packed):
+            if packed:
+                at = mx.array([0] + [packed] * (h.shape[0] - 1))
+                return template(h, PackedMask(packed, window), PackedCache(at))
+            return template(h, causal_mask(h.shape[1], offset, window), None)
+
+        def forward(arrays, h, offset, packed, context):
+            with holding(arrays):
+                return run(h, offset, packed)
+
         def backward(arrays, h, ct, offset, packed, context):
             def f(*primals):
-                full = list(arrays)
-                for j, p in zip(self.trainable, primals):
-                    full[j] = p
-                return [run(full, primals[-1], offset, packed, context)]
+                template.update(tree_unflatten(
+                    [(self.names[j], p) for j, p in zip(self.trainable, primals)]))
+                return [run(primals[-1], offset, packed)]
 
-            _, grads = mx.vjp(f, [arrays[j] for j in self.trainable] + [h], [ct])
+            with holding(arrays):
+                _, grads = mx.vjp(f, [arrays[j] for j in self.trainable] + [h], [ct])
             return grads[:-1], grads[-1]
 
-        self.forward = mx.compile(run)
+        self.forward = mx.compile(forward)
         self.backward = mx.compile(backward)
 
     def params(self, layer):
