@@ -15,10 +15,11 @@ function, traced once per shape: every array they use, frozen weights
 included, is an input (environment switches of `attention` and `layers` are
 read at that trace).
 
-Covers architectures whose layers need nothing but their input (llama, qwen3,
-minicpm, gemma3_text) and the one-pass layouts of `prefix` (separate
-sequences, or the packed prefix batch). Gemma 4 (keys/values shared across
-layers, per-layer inputs) and the two-pass prefix layout take the autodiff path.
+Covers `KINDS` (Gemma 4's per-layer inputs are inputs of its layers, and the
+cotangents of the keys/values a layer shares with later ones reach it with its
+output's) and the one-pass layouts of `prefix` (separate sequences, or the
+packed prefix batch); the two-pass prefix layout takes the autodiff path, as
+does a model with trainable parameters outside its layers.
 """
 
 import contextlib
@@ -30,12 +31,11 @@ from .attention import PackedMask, causal_mask, routed_block
 from .layers import training_layers
 from .prefix import PackedCache
 
-KINDS = ("llama", "qwen3", "minicpm", "gemma3_text")
+KINDS = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 
 
 def supported(lm):
-    """Whether `lm`'s trainable parameters all sit in its layers, which need
-    nothing but their input."""
+    """Whether `lm` is of `KINDS` with its trainable parameters all in its layers."""
     if lm.kind not in KINDS:
         return False
     inside = sum(len(tree_flatten(layer.trainable_parameters())) for layer in lm.layers)
@@ -43,13 +43,18 @@ def supported(lm):
 
 
 class _Layers:
-    """Compiled forward and VJP of layers alike (one template layer)."""
+    """Compiled forward and VJP of layers alike (`lm`'s layer i the template)."""
 
-    def __init__(self, template, window):
+    def __init__(self, lm, i):
+        template, window = lm.layers[i], lm.windows[i]
         flat = tree_flatten(template.parameters())
         train = {k for k, _ in tree_flatten(template.trainable_parameters())}
         self.names = [k for k, _ in flat]
         self.trainable = [j for j, k in enumerate(self.names) if k in train]
+        gemma4, cached = lm.kind == "gemma4_text", lm.has_cache(i)
+        # Gemma 4: whether later layers reuse this layer's keys/values, and
+        # whether it reads an earlier layer's.
+        self.shares, self.reads = i in lm.sources, lm.sources[i] is not None
 
         @contextlib.contextmanager
         def holding(arrays):
@@ -62,25 +67,34 @@ class _Layers:
             finally:
                 template.update(saved)
 
-        def run(h, offset, packed):
-            if packed:
-                at = mx.array([0] + [packed] * (h.shape[0] - 1))
-                return template(h, PackedMask(packed, window), PackedCache(at))
-            return template(h, causal_mask(h.shape[1], offset, window), None)
+        def run(h, aux, shared, offset, packed):
+            # As `segmented`'s body calls `lm.layer`: [h] (+ keys, values to share).
+            at = mx.array([0] + [packed] * (h.shape[0] - 1)) if packed else offset
+            mask = PackedMask(packed, window) if packed else causal_mask(h.shape[1], offset, window)
+            cache = PackedCache(at) if packed and cached else None
+            if not gemma4:
+                return [template(h, mask, cache)]
+            h, kv, _ = template(h, mask, cache, per_layer_input=aux, shared_kv=shared,
+                                offset=mx.array(at))
+            return [h] + (list(kv) if self.shares else [])
 
-        def forward(arrays, h, offset, packed, context):
+        def forward(arrays, h, aux, shared, offset, packed, context):
             with holding(arrays):
-                return run(h, offset, packed)
+                return run(h, aux, shared, offset, packed)
 
-        def backward(arrays, h, ct, offset, packed, context):
+        def backward(arrays, h, aux, shared, cts, offset, packed, context):
+            n = len(self.trainable)
+
             def f(*primals):
                 template.update(tree_unflatten(
                     [(self.names[j], p) for j, p in zip(self.trainable, primals)]))
-                return [run(primals[-1], offset, packed)]
+                kv = tuple(primals[n + 1:]) if self.reads else None
+                return run(primals[n], aux, kv, offset, packed)
 
+            primals = [arrays[j] for j in self.trainable] + [h] + list(shared or ())
             with holding(arrays):
-                _, grads = mx.vjp(f, [arrays[j] for j in self.trainable] + [h], [ct])
-            return grads[:-1], grads[-1]
+                _, grads = mx.vjp(f, primals, cts)
+            return grads[:n], grads[n], grads[n + 1:]
 
         self.forward = mx.compile(forward)
         self.backward = mx.compile(backward)
@@ -101,44 +115,63 @@ class Stack:
         self.groups = {}
 
     def _group(self, i):
-        layer = self.lm.layers[i]
-        key = (type(layer).__name__, self.lm.windows[i],
+        lm = self.lm
+        layer = lm.layers[i]
+        key = (type(layer).__name__, lm.windows[i], lm.has_cache(i), i in lm.sources,
+               lm.sources[i] is not None,
                tuple(k for k, _ in tree_flatten(layer.parameters())),
                tuple(k for k, _ in tree_flatten(layer.trainable_parameters())))
         if key not in self.groups:
-            self.groups[key] = _Layers(layer, self.lm.windows[i])
+            self.groups[key] = _Layers(lm, i)
         return self.groups[key]
 
-    def forward(self, h, offset=0, packed=None):
-        """Runs the layers; keeps their inputs for `backward`."""
-        self.offset, self.packed, self.inputs = offset, packed or 0, []
+    def forward(self, h, aux=None, offset=0, packed=None):
+        """Runs the layers (`aux`: Gemma 4's per-layer inputs `[B, L, layers, d']`);
+        keeps what `backward` needs."""
+        lm = self.lm
+        self.offset, self.packed = offset, packed or 0
         # A trace holds the attention routing and layer forms of its time
         # (`attention.routed`, `layers.training_layers`): they are part of its key.
-        self.context = (routed_block(self.lm.model), training_layers.active())
-        for i, layer in enumerate(self.lm.layers):
-            self.inputs.append(h)
+        self.context = (routed_block(lm.model), training_layers.active())
+        self.inputs, self.aux, self.shared = [], [], {}
+        for i, layer in enumerate(lm.layers):
             group = self._group(i)
-            h = group.forward(group.params(layer), h, offset, self.packed, self.context)
+            a = None if aux is None else aux[:, :, i]
+            kv = self.shared.get(lm.sources[i])
+            self.inputs.append(h)
+            self.aux.append(a)
+            out = group.forward(group.params(layer), h, a, kv, offset, self.packed, self.context)
+            h = out[0]
+            if group.shares:
+                self.shared[i] = tuple(out[1:])
         self.shape = h.shape
         return h
 
     def backward(self, ct):
         """The trainable parameters' gradients (the tree of
         `model.trainable_parameters()`) given the cotangent of the last hidden states."""
+        lm = self.lm
         ct = ct.reshape(self.shape)
-        grads = [None] * len(self.lm.layers)
-        for i in reversed(range(len(self.lm.layers))):
+        grads, kv_cts = [None] * len(lm.layers), {}
+        for i in reversed(range(len(lm.layers))):
             group = self._group(i)
-            # The recomputation waits for the cotangent, and the cotangent passed on
+            cts = [ct] + (kv_cts.pop(i) if group.shares else [])
+            # The recomputation waits for the cotangents, and the cotangent passed on
             # waits for this layer's gradients: one layer's activations at a time.
-            (h,) = mx.depends([self.inputs[i]], [ct])
-            g, ct = group.backward(group.params(self.lm.layers[i]), h, ct, self.offset,
-                                   self.packed, self.context)
+            (h,) = mx.depends([self.inputs[i]], cts)
+            src = lm.sources[i]
+            g, ct, kv_ct = group.backward(group.params(lm.layers[i]), h, self.aux[i],
+                                          self.shared.get(src), cts, self.offset,
+                                          self.packed, self.context)
+            if group.reads:
+                before = kv_cts.get(src)
+                kv_cts[src] = list(kv_ct) if before is None else [
+                    a + b for a, b in zip(before, kv_ct)]
             if g:
                 (ct,) = mx.depends([ct], list(g))
             grads[i] = group.grads(g)
-        self.inputs = []
-        return _in_model_tree(self.lm, grads)
+        self.inputs, self.aux, self.shared = [], [], {}
+        return _in_model_tree(lm, grads)
 
 
 def _in_model_tree(lm, per_layer):

@@ -116,7 +116,7 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
 
     def layers(tokens, packed=None):
         if stack is not None:
-            return stack.forward(lm.embed(tokens)[0], packed=packed)
+            return stack.forward(*lm.embed(tokens), packed=packed)
         return run_stack(lm, *lm.embed(tokens), packed=packed, segment_size=segment_size)[0]
 
     if not prompt_len:
