@@ -16,7 +16,7 @@ REL, ABS = 1e-5, 1e-6
 
 def _pairs(seed):
     rng = np.random.default_rng(seed)
-    # The first takes the two-pass prefix layout (autodiff), the second packs.
+    # By default the first takes the two-pass prefix layout, the second packs.
     return [random_pair(rng, 9, 5, 3), random_pair(rng, 4, 3, 6)]
 
 
@@ -29,7 +29,7 @@ def _close(got, want):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("share,pack", [(False, None), (True, None), (True, True)])
+@pytest.mark.parametrize("share,pack", [(False, None), (True, None), (True, True), (True, False)])
 @pytest.mark.parametrize("quantize", [False, True])
 def test_compiled_equals_autodiff(arch, share, pack, quantize):
     model = tiny_model(arch, lora=True, quantize=quantize)
@@ -116,4 +116,17 @@ def test_full_fine_tuning_takes_autodiff():
     pairs = _pairs(6)
     want = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0))
     got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, segment_size=0))
+    _close(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma4_text"])
+def test_prompt_without_continuation(arch):
+    """Responses of one token each: the two-pass layout runs the prompt alone,
+    and the keys/values it records get zero cotangents."""
+    model = tiny_model(arch, lora=True)
+    rng = np.random.default_rng(7)
+    pairs = [random_pair(rng, 6, 1, 1)]
+    cfg = dict(prefix_packing=False, segment_size=0)
+    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
+    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
     _close(got, want)

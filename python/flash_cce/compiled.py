@@ -15,21 +15,25 @@ function, traced once per shape: every array they use, frozen weights
 included, is an input (environment switches of `attention` and `layers` are
 read at that trace).
 
-Covers `KINDS` (Gemma 4's per-layer inputs are inputs of its layers, and the
-cotangents of the keys/values a layer shares with later ones reach it with its
-output's) and the one-pass layouts of `prefix` (separate sequences, or the
-packed prefix batch); the two-pass prefix layout takes the autodiff path, as
-does a model with trainable parameters outside its layers.
+Covers `KINDS` and every layout of `prefix`: Gemma 4's per-layer inputs are
+inputs of its layers, and the cotangents of the keys/values that a layer shares
+with later layers, or records for the responses' pass after a prompt, reach it
+with its output's. A model with trainable parameters outside its layers takes
+the autodiff path.
 """
 
 import contextlib
+import functools
+import itertools
+import math
+import operator
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from .attention import PackedMask, causal_mask, routed_block
 from .layers import training_layers
-from .prefix import PackedCache
+from .prefix import PackedCache, PrefixCache, RecordCache
 
 KINDS = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 
@@ -43,7 +47,11 @@ def supported(lm):
 
 
 class _Layers:
-    """Compiled forward and VJP of layers alike (`lm`'s layer i the template)."""
+    """Compiled forward and VJP of layers alike (`lm`'s layer i the template).
+
+    `mode`: "plain", "packed" (a packed prefix batch), "record" (a prompt whose
+    keys/values the continuation reads) or "continue" (responses after `prompt`,
+    that layer's prompt keys/values)."""
 
     def __init__(self, lm, i):
         template, window = lm.layers[i], lm.windows[i]
@@ -51,10 +59,10 @@ class _Layers:
         train = {k for k, _ in tree_flatten(template.trainable_parameters())}
         self.names = [k for k, _ in flat]
         self.trainable = [j for j, k in enumerate(self.names) if k in train]
-        gemma4, cached = lm.kind == "gemma4_text", lm.has_cache(i)
+        gemma4 = lm.kind == "gemma4_text"
         # Gemma 4: whether later layers reuse this layer's keys/values, and
-        # whether it reads an earlier layer's.
-        self.shares, self.reads = i in lm.sources, lm.sources[i] is not None
+        # whether it reads an earlier layer's (then it has no cache of its own).
+        self.cached, self.shares, self.reads = lm.has_cache(i), i in lm.sources, lm.sources[i] is not None
 
         @contextlib.contextmanager
         def holding(arrays):
@@ -67,34 +75,50 @@ class _Layers:
             finally:
                 template.update(saved)
 
-        def run(h, aux, shared, offset, packed):
-            # As `segmented`'s body calls `lm.layer`: [h] (+ keys, values to share).
-            at = mx.array([0] + [packed] * (h.shape[0] - 1)) if packed else offset
-            mask = PackedMask(packed, window) if packed else causal_mask(h.shape[1], offset, window)
-            cache = PackedCache(at) if packed and cached else None
+        def run(h, aux, shared, prompt, offset, packed, mode):
+            # As `segmented`'s body calls `lm.layer`: [h] (+ the keys/values it
+            # records or shares: one pair, returned once, as they are the same).
+            cache, pos = None, offset
+            if mode == "packed":
+                pos = mx.array([0] + [packed] * (h.shape[0] - 1))
+                mask = PackedMask(packed, window)
+                cache = PackedCache(pos) if self.cached else None
+            else:
+                mask = causal_mask(h.shape[1], offset, window)
+                if self.cached and mode == "record":
+                    cache = RecordCache()
+                elif self.cached and mode == "continue":
+                    cache = PrefixCache(*prompt)
             if not gemma4:
-                return [template(h, mask, cache)]
-            h, kv, _ = template(h, mask, cache, per_layer_input=aux, shared_kv=shared,
-                                offset=mx.array(at))
-            return [h] + (list(kv) if self.shares else [])
+                h, kv = template(h, mask, cache), None
+            else:
+                h, kv, _ = template(h, mask, cache, per_layer_input=aux, shared_kv=shared,
+                                    offset=mx.array(pos))
+            if mode == "record" and self.cached:
+                return [h, *cache.kv]
+            return [h, *kv] if self.shares else [h]
 
-        def forward(arrays, h, aux, shared, offset, packed, context):
+        def forward(arrays, h, aux, shared, prompt, offset, packed, mode, context):
             with holding(arrays):
-                return run(h, aux, shared, offset, packed)
+                return run(h, aux, shared, prompt, offset, packed, mode)
 
-        def backward(arrays, h, aux, shared, cts, offset, packed, context):
+        def backward(arrays, h, aux, shared, prompt, cts, offset, packed, mode, context):
             n = len(self.trainable)
+            n_shared = 2 if self.reads else 0
 
             def f(*primals):
                 template.update(tree_unflatten(
                     [(self.names[j], p) for j, p in zip(self.trainable, primals)]))
-                kv = tuple(primals[n + 1:]) if self.reads else None
-                return run(primals[n], aux, kv, offset, packed)
+                rest = primals[n + 1:]
+                kv = tuple(rest[:n_shared]) if self.reads else None
+                pk = tuple(rest[n_shared:]) if prompt is not None else None
+                return run(primals[n], aux, kv, pk, offset, packed, mode)
 
-            primals = [arrays[j] for j in self.trainable] + [h] + list(shared or ())
+            primals = ([arrays[j] for j in self.trainable] + [h] + list(shared or ())
+                       + list(prompt or ()))
             with holding(arrays):
                 _, grads = mx.vjp(f, primals, cts)
-            return grads[:n], grads[n], grads[n + 1:]
+            return grads[:n], grads[n], grads[n + 1:n + 1 + n_shared], grads[n + 1 + n_shared:]
 
         self.forward = mx.compile(forward)
         self.backward = mx.compile(backward)
@@ -106,13 +130,24 @@ class _Layers:
         return tree_unflatten([(self.names[j], g) for j, g in zip(self.trainable, values)])
 
 
+class _Tape:
+    """What one forward keeps for its backward."""
+
+    def __init__(self, mode, offset, packed, context):
+        self.mode, self.offset, self.packed, self.context = mode, offset, packed, context
+        self.layers = []  # per layer: (input, aux, shared kv, prompt kv, kv it emitted)
+
+
 class Stack:
     """Forward and backward of `lm`'s layers on `[B, L, d]` hidden states at
-    positions offset.. (`packed`: a packed prefix batch, see `prefix`)."""
+    positions offset.. . Each `forward` adds a pass; `backward` takes the
+    cotangent of the passes' outputs flattened to rows and concatenated, as
+    `prefix.sequence_hidden` joins them."""
 
     def __init__(self, lm):
         self.lm = lm
         self.groups = {}
+        self.tapes = []
 
     def _group(self, i):
         lm = self.lm
@@ -125,53 +160,84 @@ class Stack:
             self.groups[key] = _Layers(lm, i)
         return self.groups[key]
 
-    def forward(self, h, aux=None, offset=0, packed=None):
-        """Runs the layers (`aux`: Gemma 4's per-layer inputs `[B, L, layers, d']`);
-        keeps what `backward` needs."""
+    def forward(self, h, aux=None, *, offset=0, packed=None, keep_kv=False, prompt_kv=None):
+        """Runs the layers as `segmented.run_stack` does (same arguments); returns
+        `(h, kv)`, kv being the recorded keys/values of every cached layer with
+        `keep_kv`."""
         lm = self.lm
-        self.offset, self.packed = offset, packed or 0
+        mode = ("packed" if packed else "record" if keep_kv
+                else "continue" if prompt_kv else "plain")
         # A trace holds the attention routing and layer forms of its time
         # (`attention.routed`, `layers.training_layers`): they are part of its key.
-        self.context = (routed_block(lm.model), training_layers.active())
-        self.inputs, self.aux, self.shared = [], [], {}
+        tape = _Tape(mode, offset, packed or 0,
+                     (routed_block(lm.model), training_layers.active()))
+        prompt = iter(prompt_kv or [])
+        shared, recorded = {}, []
         for i, layer in enumerate(lm.layers):
             group = self._group(i)
             a = None if aux is None else aux[:, :, i]
-            kv = self.shared.get(lm.sources[i])
-            self.inputs.append(h)
-            self.aux.append(a)
-            out = group.forward(group.params(layer), h, a, kv, offset, self.packed, self.context)
+            kv = shared.get(lm.sources[i])
+            pk = next(prompt) if mode == "continue" and group.cached else None
+            out = group.forward(group.params(layer), h, a, kv, pk, offset, tape.packed, mode,
+                                tape.context)
+            extra = tuple(out[1:])
+            tape.layers.append((h, a, kv, pk, extra))
             h = out[0]
             if group.shares:
-                self.shared[i] = tuple(out[1:])
-        self.shape = h.shape
-        return h
+                shared[i] = extra
+            if mode == "record" and group.cached:
+                recorded.append(extra)
+        tape.shape = h.shape
+        self.tapes.append(tape)
+        return h, recorded
 
     def backward(self, ct):
         """The trainable parameters' gradients (the tree of
-        `model.trainable_parameters()`) given the cotangent of the last hidden states."""
+        `model.trainable_parameters()`) given the cotangent of the passes'
+        outputs, `[rows, d]` in the order of the passes."""
+        tapes, self.tapes = self.tapes, []
+        sizes = [math.prod(t.shape[:-1]) for t in tapes]
+        cts = mx.split(ct, list(itertools.accumulate(sizes[:-1]))) if len(tapes) > 1 else [ct]
+        grads, prompt_cts = None, {}
+        for tape, c in zip(reversed(tapes), reversed(cts)):
+            g, prompt_cts = self._backward(tape, c.reshape(tape.shape), prompt_cts)
+            grads = g if grads is None else [
+                b if a is None else tree_map(mx.add, a, b) for a, b in zip(grads, g)]
+        return _in_model_tree(self.lm, grads)
+
+    def _backward(self, tape, ct, recorded_cts):
+        """Per-layer gradients of one pass, and (a continuation) the cotangents of
+        the prompt keys/values it read, by layer. `recorded_cts`: those of the
+        keys/values this pass recorded."""
         lm = self.lm
-        ct = ct.reshape(self.shape)
-        grads, kv_cts = [None] * len(lm.layers), {}
+        grads, kv_cts, prompt_cts = [None] * len(lm.layers), {}, {}
         for i in reversed(range(len(lm.layers))):
             group = self._group(i)
-            cts = [ct] + (kv_cts.pop(i) if group.shares else [])
+            h, a, kv, pk, emitted = tape.layers[i]
+            cts = [ct]
+            if emitted:
+                # Read by later layers (shared) and/or by the next pass (recorded);
+                # a prompt without responses leaves its recorded ones unread.
+                parts = [p for p in (kv_cts.pop(i, None), recorded_cts.get(i)) if p is not None]
+                cts += ([functools.reduce(operator.add, x) for x in zip(*parts)] if parts
+                        else [mx.zeros_like(x) for x in emitted])
             # The recomputation waits for the cotangents, and the cotangent passed on
             # waits for this layer's gradients: one layer's activations at a time.
-            (h,) = mx.depends([self.inputs[i]], cts)
-            src = lm.sources[i]
-            g, ct, kv_ct = group.backward(group.params(lm.layers[i]), h, self.aux[i],
-                                          self.shared.get(src), cts, self.offset,
-                                          self.packed, self.context)
+            (h,) = mx.depends([h], cts)
+            g, ct, kv_ct, pk_ct = group.backward(group.params(lm.layers[i]), h, a, kv, pk, cts,
+                                                 tape.offset, tape.packed, tape.mode,
+                                                 tape.context)
             if group.reads:
+                src = lm.sources[i]
                 before = kv_cts.get(src)
                 kv_cts[src] = list(kv_ct) if before is None else [
-                    a + b for a, b in zip(before, kv_ct)]
+                    x + y for x, y in zip(before, kv_ct)]
+            if pk is not None:
+                prompt_cts[i] = list(pk_ct)
             if g:
                 (ct,) = mx.depends([ct], list(g))
             grads[i] = group.grads(g)
-        self.inputs, self.aux, self.shared = [], [], {}
-        return _in_model_tree(lm, grads)
+        return grads, prompt_cts
 
 
 def _in_model_tree(lm, per_layer):

@@ -27,7 +27,7 @@ from .batch import Pair
 from .head import linear_logprobs
 from .layers import training_layers
 from .lm import LM, adapters_off
-from .prefix import packed_layout, sequence_hidden
+from .prefix import sequence_hidden
 
 # Tokens per pair (chosen + rejected) from which the default checkpoints the
 # stack, one layer per segment: of 1, 2 and 3 layers per segment, 1 kept the
@@ -250,7 +250,7 @@ def value_and_grad(model, pairs, cfg, group=None):
             return terms.sum(), stats
 
         with routed(model, _attention_block(cfg)), training_layers():
-            if _compiles(lm, pair, cfg, obj):
+            if _compiles(lm, cfg):
                 stats, g = _compiled_pair(lm, pair, cfg, obj, loss_of)
             else:
                 # The backward (and a segment's recomputed forward) is built here.
@@ -264,13 +264,9 @@ def value_and_grad(model, pairs, cfg, group=None):
     return loss, grads, metrics
 
 
-def _compiles(lm, pair, cfg, obj):
-    """Whether the pair's gradients go through `compiled` (one-pass layouts)."""
-    if not (cfg.compiled_layers and compiled.supported(lm)):
-        return False
-    share = can_share(pair, cfg, obj)
-    return not share or packed_layout(lm, _seqs(pair, obj), pair.chosen_prompt_len,
-                                      cfg.prefix_packing)
+def _compiles(lm, cfg):
+    """Whether gradients go through `compiled`."""
+    return cfg.compiled_layers and compiled.supported(lm)
 
 
 def _compiled_pair(lm, pair, cfg, obj, loss_of):

@@ -22,6 +22,8 @@ Padding sits at the end of a shorter row, where causal attention keeps it from
 every real token.
 """
 
+from functools import partial
+
 import mlx.core as mx
 
 from .attention import packs
@@ -110,41 +112,35 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
     their first `prompt_len` tokens and the prompt is encoded once; without it each
     sequence gets its own forward (one padded batch). `pack` picks the layout
     with a shared prompt (see `packed_layout`). `stack` (a `compiled.Stack`) runs
-    the layers instead of `run_stack`, in the one-pass layouts only.
+    the layers instead of `run_stack`.
     """
     from .segmented import run_stack  # segmented uses this module's caches
 
-    def layers(tokens, packed=None):
-        if stack is not None:
-            return stack.forward(*lm.embed(tokens), packed=packed)
-        return run_stack(lm, *lm.embed(tokens), packed=packed, segment_size=segment_size)[0]
+    def layers(tokens, **kw):
+        run = stack.forward if stack is not None else partial(run_stack, lm,
+                                                              segment_size=segment_size)
+        return run(*lm.embed(tokens), **kw)
 
     if not prompt_len:
         tokens, width = _padded([s[:-1] for s in seqs])
-        h = layers(tokens)
+        h, _ = layers(tokens)
         rows = [[b * width + j for j in range(len(s) - 1)] for b, s in enumerate(seqs)]
         return h.reshape(-1, h.shape[-1]), rows
     p = prompt_len
     conts = [s[p:-1] for s in seqs]
     if packed_layout(lm, seqs, p, pack):
         tokens, width = _padded([seqs[0][:p]] + conts)
-        h = layers(tokens, packed=p)
+        h, _ = layers(tokens, packed=p)
         rows = [
             list(range(p)) + [(1 + b) * width + k for k in range(len(c))]
             for b, c in enumerate(conts)
         ]
         return h.reshape(-1, h.shape[-1]), rows
-    if stack is not None:
-        raise ValueError("stack: the two-pass prefix layout runs through run_stack only")
-    hp, kv = run_stack(
-        lm, *lm.embed(mx.array([seqs[0][:p]])), keep_kv=True, segment_size=segment_size
-    )
+    hp, kv = layers(mx.array([seqs[0][:p]]), keep_kv=True)
     parts = [hp[0]]
     tokens, width = _padded(conts)
     if width:
-        hc, _ = run_stack(
-            lm, *lm.embed(tokens), offset=p, prompt_kv=kv, segment_size=segment_size
-        )
+        hc, _ = layers(tokens, offset=p, prompt_kv=kv)
         parts.append(hc.reshape(-1, hc.shape[-1]))
     rows = [
         list(range(p)) + [p + b * width + k for k in range(len(c))]
