@@ -15,7 +15,7 @@ function, traced once per shape: every array they use, frozen weights
 included, is an input (environment switches of `attention` and `layers` are
 read at that trace).
 
-Covers `KINDS` and every layout of `prefix`: Gemma 4's per-layer inputs are
+Covers every architecture of `lm` and every layout of `prefix`: Gemma 4's per-layer inputs are
 inputs of its layers, and the cotangents of the keys/values that a layer shares
 with later layers, or records for the responses' pass after a prompt, reach it
 with its output's. A model with trainable parameters outside its layers takes
@@ -35,13 +35,9 @@ from .attention import PackedMask, causal_mask, routed_block
 from .layers import training_layers
 from .prefix import PackedCache, PrefixCache, RecordCache
 
-KINDS = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
-
-
 def supported(lm):
-    """Whether `lm` is of `KINDS` with its trainable parameters all in its layers."""
-    if lm.kind not in KINDS:
-        return False
+    """Whether `lm`'s trainable parameters all sit in its layers (every
+    architecture `LM` takes, in every layout of `prefix`)."""
     inside = sum(len(tree_flatten(layer.trainable_parameters())) for layer in lm.layers)
     return inside == len(tree_flatten(lm.model.trainable_parameters()))
 
@@ -62,7 +58,8 @@ class _Layers:
         gemma4 = lm.kind == "gemma4_text"
         # Gemma 4: whether later layers reuse this layer's keys/values, and
         # whether it reads an earlier layer's (then it has no cache of its own).
-        self.cached, self.shares, self.reads = lm.has_cache(i), i in lm.sources, lm.sources[i] is not None
+        self.cached = lm.has_cache(i)
+        self.shares, self.reads = i in lm.sources, lm.sources[i] is not None
 
         @contextlib.contextmanager
         def holding(arrays):
