@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flash_cce import compiled, layers
+from flash_cce import compiled, layers, objectives
 from flash_cce.lm import LM
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
@@ -130,3 +130,21 @@ def test_prompt_without_continuation(arch):
     want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
     got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
     _close(got, want)
+
+
+def test_failed_step_leaves_nothing(monkeypatch):
+    """A step that fails after the layers' forward does not leak its passes
+    into the next step's backward."""
+    model = tiny_model("llama", lora=True)
+    pairs = _pairs(8)
+    cfg = ObjectiveConfig(compiled_layers=True)
+    want = value_and_grad(model, pairs, cfg)
+
+    def fail(*a, **k):
+        raise RuntimeError("loss failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(objectives, "hidden_stats", fail)
+        with pytest.raises(RuntimeError):
+            value_and_grad(model, pairs, cfg)
+    _close(value_and_grad(model, pairs, cfg), want)

@@ -249,11 +249,12 @@ def _in_model_tree(lm, per_layer):
 
 
 def stack_for(lm):
-    """The model's `Stack`, kept on the model across steps so that its compiled
-    layers are reused (and released with it)."""
+    """The model's `Stack` with no passes yet, kept on the model across steps so
+    that its compiled layers are reused (and released with it)."""
     stack = getattr(lm.model, "_flash_cce_stack", None)
     if stack is None:
         stack = Stack(lm)
         lm.model._flash_cce_stack = stack  # an attribute, not a parameter
-    stack.lm = lm
+    # A step that failed between its forward and backward leaves its passes.
+    stack.lm, stack.tapes = lm, []
     return stack
