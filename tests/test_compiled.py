@@ -1,10 +1,11 @@
 """Gradients through the compiled layers (`compiled`) equal MLX's autodiff."""
 
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from flash_cce import compiled, layers, objectives
-from flash_cce.lm import LM
+from flash_cce.lm import LM, lora_modules
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
@@ -148,3 +149,27 @@ def test_failed_step_leaves_nothing(monkeypatch):
         with pytest.raises(RuntimeError):
             value_and_grad(model, pairs, cfg)
     _close(value_and_grad(model, pairs, cfg), want)
+
+
+def test_settings_are_part_of_the_trace():
+    """Python numbers the layers read (here the LoRA scales) are baked into a
+    trace: a change makes new traces, so the gradients follow it."""
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(9)
+    cfg = dict(prefix_sharing=False, segment_size=0)
+    value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    for m in lora_modules(model):
+        m.scale = 0.5
+    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
+    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    _close(got, want)
+
+
+def test_dropout_takes_autodiff():
+    model = tiny_model("llama", lora=True)
+    lm = LM(model)
+    assert compiled.supported(lm)
+    model.layers[0].self_attn.q_proj.dropout = nn.Dropout(0.1)
+    assert not compiled.supported(lm)
+    model.eval()
+    assert compiled.supported(lm)

@@ -29,6 +29,7 @@ import math
 import operator
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from .attention import PackedMask, causal_mask, routed_block
@@ -37,9 +38,23 @@ from .prefix import PackedCache, PrefixCache, RecordCache
 
 def supported(lm):
     """Whether `lm`'s trainable parameters all sit in its layers (every
-    architecture `LM` takes, in every layout of `prefix`)."""
+    architecture `LM` takes, in every layout of `prefix`) and its layers draw no
+    random numbers (active dropout: a trace would replay one mask)."""
     inside = sum(len(tree_flatten(layer.trainable_parameters())) for layer in lm.layers)
-    return inside == len(tree_flatten(lm.model.trainable_parameters()))
+    if inside != len(tree_flatten(lm.model.trainable_parameters())):
+        return False
+    return not any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1
+                   for layer in lm.layers for _, m in layer.named_modules())
+
+
+def _settings(layer):
+    # The Python numbers a trace bakes in (LoRA scales, windows, training
+    # flags): layers alike must agree on them, and a change must trace again
+    # (`lm.adapters_off` sets the scales to 0). mlx-lm's layers keep their
+    # index only for their messages.
+    return tuple((name, k, v) for name, m in layer.named_modules()
+                 for k, v in sorted(vars(m).items())
+                 if isinstance(v, (bool, int, float, str)) and k != "layer_idx")
 
 
 class _Layers:
@@ -143,14 +158,21 @@ class Stack:
 
     def __init__(self, lm):
         self.lm = lm
-        self.groups = {}
+        self.groups, self.step_groups = {}, {}
         self.tapes = []
 
     def _group(self, i):
+        # Once per layer and step (`stack_for` forgets them): the settings scan
+        # walks every module of the layer.
+        if i not in self.step_groups:
+            self.step_groups[i] = self._find_group(i)
+        return self.step_groups[i]
+
+    def _find_group(self, i):
         lm = self.lm
         layer = lm.layers[i]
         key = (type(layer).__name__, lm.windows[i], lm.has_cache(i), i in lm.sources,
-               lm.sources[i] is not None,
+               lm.sources[i] is not None, _settings(layer),
                tuple(k for k, _ in tree_flatten(layer.parameters())),
                tuple(k for k, _ in tree_flatten(layer.trainable_parameters())))
         if key not in self.groups:
@@ -256,5 +278,5 @@ def stack_for(lm):
         stack = Stack(lm)
         lm.model._flash_cce_stack = stack  # an attribute, not a parameter
     # A step that failed between its forward and backward leaves its passes.
-    stack.lm, stack.tapes = lm, []
+    stack.lm, stack.tapes, stack.step_groups = lm, [], {}
     return stack
