@@ -6,7 +6,7 @@ import pytest
 
 from flash_cce import compiled, layers, objectives
 from flash_cce.lm import LM, lora_modules
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
 # The compiled layers run the same float32 operations, fused: on the CPU the
@@ -21,12 +21,18 @@ def _pairs(seed):
     return [random_pair(rng, 9, 5, 3), random_pair(rng, 4, 3, 6)]
 
 
+def _near(got, want):
+    assert abs(got.item() - want.item()) <= REL * abs(want.item()) + ABS
+
+
 def _close(got, want):
-    assert abs(got[0].item() - want[0].item()) <= REL * abs(want[0].item()) + ABS
-    diff, scale = max_diff(got[1], want[1])
-    assert diff <= REL * max(1.0, scale) + ABS, diff
+    """(loss, grads, metrics) of `value_and_grad` (grads None: `evaluate`'s pair)."""
+    _near(got[0], want[0])
+    if want[1] is not None:
+        diff, scale = max_diff(got[1], want[1])
+        assert diff <= REL * max(1.0, scale) + ABS, diff
     for k, v in want[2].items():
-        assert abs(got[2][k].item() - v.item()) <= REL * abs(v.item()) + ABS, k
+        _near(got[2][k], v)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -173,3 +179,19 @@ def test_dropout_takes_autodiff():
     assert not compiled.supported(lm)
     model.eval()
     assert compiled.supported(lm)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gemma4_text"])
+def test_evaluate_and_dpo_reference(arch):
+    """Forwards without gradients (`evaluate`, DPO's reference with the adapters
+    off) through the compiled layers equal MLX's."""
+    model = tiny_model(arch, lora=True)
+    pairs = _pairs(10)
+    for name in ("orpo", "dpo"):
+        cfg = dict(name=name, segment_size=0)
+        loss, metrics = evaluate(model, pairs, ObjectiveConfig(**cfg))
+        got_loss, got_metrics = evaluate(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        _close((got_loss, None, got_metrics), (loss, None, metrics))
+        want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
+        got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        _close(got, want)

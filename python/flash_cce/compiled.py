@@ -159,7 +159,7 @@ class Stack:
     def __init__(self, lm):
         self.lm = lm
         self.groups, self.step_groups = {}, {}
-        self.tapes = []
+        self.tapes, self.keep = [], True
 
     def _group(self, i):
         # Once per layer and step (`stack_for` forgets them): the settings scan
@@ -200,14 +200,16 @@ class Stack:
             out = group.forward(group.params(layer), h, a, kv, pk, offset, tape.packed, mode,
                                 tape.context)
             extra = tuple(out[1:])
-            tape.layers.append((h, a, kv, pk, extra))
+            if self.keep:
+                tape.layers.append((h, a, kv, pk, extra))
             h = out[0]
             if group.shares:
                 shared[i] = extra
             if mode == "record" and group.cached:
                 recorded.append(extra)
         tape.shape = h.shape
-        self.tapes.append(tape)
+        if self.keep:
+            self.tapes.append(tape)
         return h, recorded
 
     def backward(self, ct):
@@ -270,13 +272,14 @@ def _in_model_tree(lm, per_layer):
     return tree_map_with_path(lambda path, _: by_path[path], lm.model.trainable_parameters())
 
 
-def stack_for(lm):
+def stack_for(lm, backward=True):
     """The model's `Stack` with no passes yet, kept on the model across steps so
-    that its compiled layers are reused (and released with it)."""
+    that its compiled layers are reused (and released with it). Without
+    `backward` its forwards keep nothing."""
     stack = getattr(lm.model, "_flash_cce_stack", None)
     if stack is None:
         stack = Stack(lm)
         lm.model._flash_cce_stack = stack  # an attribute, not a parameter
     # A step that failed between its forward and backward leaves its passes.
-    stack.lm, stack.tapes, stack.step_groups = lm, [], {}
+    stack.lm, stack.tapes, stack.step_groups, stack.keep = lm, [], {}, backward
     return stack

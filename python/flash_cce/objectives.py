@@ -166,7 +166,7 @@ def _reference(lm, pairs, cfg, obj):
     out = []
     with adapters_off(lm.model), routed(lm.model, _attention_block(cfg)):
         for p in pairs:
-            s = pair_stats(lm, p, cfg, obj)
+            s = pair_stats(lm, p, cfg, obj, stack=_forward_stack(lm, cfg))
             mx.eval(s["c_sum"], s["r_sum"])
             out.append((s["c_sum"], s["r_sum"]))
     return out
@@ -269,6 +269,11 @@ def _compiles(lm, cfg):
     return cfg.compiled_layers and compiled.supported(lm)
 
 
+def _forward_stack(lm, cfg):
+    """The compiled layers for a forward without gradients, or None."""
+    return compiled.stack_for(lm, backward=False) if _compiles(lm, cfg) else None
+
+
 def _compiled_pair(lm, pair, cfg, obj, loss_of):
     """(stats, gradients) of one pair: the objective's autodiff reaches the last
     hidden states, the compiled stack takes their cotangent through the layers."""
@@ -287,7 +292,8 @@ def evaluate(model, pairs, cfg):
     all_stats = []
     with routed(model, _attention_block(cfg)):
         for i, pair in enumerate(pairs):
-            stats = _with_reference(pair_stats(lm, pair, cfg, obj), ref, i)
+            stats = _with_reference(
+                pair_stats(lm, pair, cfg, obj, stack=_forward_stack(lm, cfg)), ref, i)
             mx.eval(stats)
             all_stats.append(stats)
     return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))
