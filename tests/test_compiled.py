@@ -195,3 +195,33 @@ def test_evaluate_and_dpo_reference(arch):
         want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
         got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
         _close(got, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("pack", [None, False])
+def test_padded_widths_are_exact(arch, pack):
+    """`pad_to` rounds the padded widths up (after every real token): the same
+    loss, metrics and gradients, through autodiff and the compiled layers."""
+    model = tiny_model(arch, lora=True)
+    pairs = _pairs(11)
+    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_packing=pack, segment_size=0))
+    for compiled_layers in (False, True):
+        got = value_and_grad(model, pairs, ObjectiveConfig(
+            prefix_packing=pack, segment_size=0, pad_to=8, compiled_layers=compiled_layers))
+        _close(got, want)
+
+
+def test_padded_widths_share_traces(monkeypatch):
+    """Pairs whose widths round to the same multiple reuse one trace."""
+    model = tiny_model("llama", lora=True)
+    rng = np.random.default_rng(12)
+    cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True, pad_to=16)
+    value_and_grad(model, [random_pair(rng, 5, 4, 3)], cfg)
+    calls = []
+    cls = type(model.layers[0])
+    original = cls.__call__
+    monkeypatch.setattr(
+        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    value_and_grad(model, [random_pair(rng, 6, 7, 2)], cfg)
+    assert calls == []

@@ -29,6 +29,7 @@ CONFIG_DEFAULTS = {
     "flash_head": True,
     "segment_size": None,
     "compiled_layers": False,
+    "pad_to": None,
     "attention_block": None,
     "learning_rate": 1e-5,
     "min_learning_rate": 0.0,
@@ -91,6 +92,7 @@ def _add_model_data_flags(p):
     _switch(p, "flash_head", "Log-probs from the flash-CCE head (no [tokens, vocab] logits).")
     _flag(p, "segment_size", type=int, help="Layers per gradient-checkpoint segment (0: off; default: by length).")
     _switch(p, "compiled_layers", "Gradients layer by layer through compiled layers where supported (see flash_cce.compiled).")
+    _flag(p, "pad_to", type=int, help="Round sequence widths up to a multiple (exact), so compiled layers trace once per bucket.")
     _flag(p, "attention_block", type=int, help="Queries per block of the training attention (0: mlx-lm's attention).")
     _flag(p, "batch_size", type=int, help="Pairs per micro-batch.")
     _flag(p, "max_seq_length", type=int, help="Longest sequence (tokens) of a pair's chosen or rejected side.")
@@ -180,7 +182,7 @@ def _objective(cfg):
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"],
                           nll_on_prompt=cfg["nll_on_prompt"], prefix_sharing=cfg["prefix_sharing"],
                           flash_head=cfg["flash_head"], segment_size=cfg["segment_size"],
-                          compiled_layers=cfg["compiled_layers"],
+                          compiled_layers=cfg["compiled_layers"], pad_to=cfg["pad_to"],
                           attention_block=cfg["attention_block"])
     obj.validate()
     return obj

@@ -49,6 +49,9 @@ class ObjectiveConfig:
     segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
     # Gradients layer by layer through compiled layers (see `compiled`) where supported
     compiled_layers: bool = False
+    # Round sequence widths up to a multiple (exact: padding follows every real token), so
+    # that pairs of nearby lengths share the compiled layers' traces; None: no rounding
+    pad_to: Optional[int] = None
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
     # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's
     attention_block: Optional[int] = None
@@ -61,6 +64,8 @@ class ObjectiveConfig:
             raise ValueError(f"max_length must be None or >= 2, got {self.max_length}")
         if self.prefix_packing not in (None, True, False):
             raise ValueError(f"prefix_packing must be None, True or False, got {self.prefix_packing!r}")
+        if self.pad_to is not None and self.pad_to < 1:
+            raise ValueError(f"pad_to must be None or >= 1, got {self.pad_to}")
         if self.attention_block is not None and self.attention_block < 0:
             raise ValueError(f"attention_block must be None or >= 0, got {self.attention_block}")
 
@@ -130,7 +135,7 @@ def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0, stack=Non
         share = can_share(pair, cfg, obj)
     h, rows = sequence_hidden(
         lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
-        segment_size=segment_size, pack=cfg.prefix_packing, stack=stack,
+        segment_size=segment_size, pack=cfg.prefix_packing, stack=stack, pad_to=cfg.pad_to,
     )
     return hidden_stats(lm, h, rows, pair, cfg, obj)
 
@@ -280,7 +285,7 @@ def _compiled_pair(lm, pair, cfg, obj, loss_of):
     stack = compiled.stack_for(lm)
     share = can_share(pair, cfg, obj)
     h, rows = sequence_hidden(lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
-                              pack=cfg.prefix_packing, stack=stack)
+                              pack=cfg.prefix_packing, stack=stack, pad_to=cfg.pad_to)
     (_, stats), ct = mx.value_and_grad(
         lambda h: loss_of(hidden_stats(lm, h, rows, pair, cfg, obj)))(h)
     return stats, stack.backward(ct)

@@ -84,8 +84,10 @@ def _packable(lm):
     )
 
 
-def _padded(seqs):
+def _padded(seqs, multiple=None):
     width = max(len(s) for s in seqs)
+    if multiple and width:
+        width = -(-width // multiple) * multiple
     return mx.array([s + [0] * (width - len(s)) for s in seqs]), width
 
 
@@ -104,7 +106,8 @@ def packed_layout(lm, seqs, prompt_len, pack=None):
     return pack
 
 
-def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, stack=None):
+def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, stack=None,
+                    pad_to=None):
     """Hidden states (before the final norm) that predict every token of `seqs`.
 
     Returns `(H, rows)`: `H` is `[rows, d]` and `rows[b][j]` is the row of `H`
@@ -112,7 +115,9 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
     their first `prompt_len` tokens and the prompt is encoded once; without it each
     sequence gets its own forward (one padded batch). `pack` picks the layout
     with a shared prompt (see `packed_layout`). `stack` (a `compiled.Stack`) runs
-    the layers instead of `run_stack`.
+    the layers instead of `run_stack`. `pad_to` rounds the padded widths up to a
+    multiple (a two-pass prompt keeps its length), so that pairs of nearby
+    lengths share shapes.
     """
     from .segmented import run_stack  # segmented uses this module's caches
 
@@ -122,14 +127,14 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
         return run(*lm.embed(tokens), **kw)
 
     if not prompt_len:
-        tokens, width = _padded([s[:-1] for s in seqs])
+        tokens, width = _padded([s[:-1] for s in seqs], pad_to)
         h, _ = layers(tokens)
         rows = [[b * width + j for j in range(len(s) - 1)] for b, s in enumerate(seqs)]
         return h.reshape(-1, h.shape[-1]), rows
     p = prompt_len
     conts = [s[p:-1] for s in seqs]
     if packed_layout(lm, seqs, p, pack):
-        tokens, width = _padded([seqs[0][:p]] + conts)
+        tokens, width = _padded([seqs[0][:p]] + conts, pad_to)
         h, _ = layers(tokens, packed=p)
         rows = [
             list(range(p)) + [(1 + b) * width + k for k in range(len(c))]
@@ -138,7 +143,7 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
         return h.reshape(-1, h.shape[-1]), rows
     hp, kv = layers(mx.array([seqs[0][:p]]), keep_kv=True)
     parts = [hp[0]]
-    tokens, width = _padded(conts)
+    tokens, width = _padded(conts, pad_to)
     if width:
         hc, _ = layers(tokens, offset=p, prompt_kv=kv)
         parts.append(hc.reshape(-1, hc.shape[-1]))
