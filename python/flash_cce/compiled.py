@@ -10,16 +10,17 @@ one-layer checkpoint segments do), the objective's `value_and_grad` reaches
 only the final hidden states, and the backward calls one compiled VJP per
 layer: it recomputes the layer from its input and returns the cotangent of the
 input and the gradients of the layer's trainable parameters. Layers alike
-(same class, window, parameters and trainable ones) share one compiled
-function, traced once per shape: every array they use, frozen weights
+(same class, window, parameters, trainable ones and Python settings) share one
+compiled function, traced once per shape: every array they use, frozen weights
 included, is an input (environment switches of `attention` and `layers` are
 read at that trace).
 
-Covers every architecture of `lm` and every layout of `prefix`: Gemma 4's per-layer inputs are
-inputs of its layers, and the cotangents of the keys/values that a layer shares
-with later layers, or records for the responses' pass after a prompt, reach it
-with its output's. A model with trainable parameters outside its layers takes
-the autodiff path.
+Covers every architecture of `lm` and every layout of `prefix`: Gemma 4's
+per-layer inputs are inputs of its layers, and the cotangents of the
+keys/values that a layer shares with later layers, or records for the
+responses' pass after a prompt, reach it with its output's. A model with
+trainable parameters outside its layers, or with active dropout, takes the
+autodiff path.
 """
 
 import contextlib
@@ -35,6 +36,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 from .attention import PackedMask, causal_mask, routed_block
 from .layers import training_layers
 from .prefix import PackedCache, PrefixCache, RecordCache
+
 
 def supported(lm):
     """Whether `lm`'s trainable parameters all sit in its layers (every
