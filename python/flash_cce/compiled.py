@@ -33,9 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
-from .attention import PackedMask, causal_mask, routed_block
+from .attention import routed_block
 from .layers import training_layers
-from .prefix import PackedCache, PrefixCache, RecordCache
+from .segmented import layer_cache, layer_mask, positions
 
 
 def supported(lm):
@@ -72,7 +72,6 @@ class _Layers:
         train = {k for k, _ in tree_flatten(template.trainable_parameters())}
         self.names = [k for k, _ in flat]
         self.trainable = [j for j, k in enumerate(self.names) if k in train]
-        gemma4 = lm.kind == "gemma4_text"
         # Gemma 4: whether later layers reuse this layer's keys/values, and
         # whether it reads an earlier layer's (then it has no cache of its own).
         self.cached = lm.has_cache(i)
@@ -90,24 +89,13 @@ class _Layers:
                 template.update(saved)
 
         def run(h, aux, shared, prompt, offset, packed, mode):
-            # As `segmented`'s body calls `lm.layer`: [h] (+ the keys/values it
-            # records or shares: one pair, returned once, as they are the same).
-            cache, pos = None, offset
-            if mode == "packed":
-                pos = mx.array([0] + [packed] * (h.shape[0] - 1))
-                mask = PackedMask(packed, window)
-                cache = PackedCache(pos) if self.cached else None
-            else:
-                mask = causal_mask(h.shape[1], offset, window)
-                if self.cached and mode == "record":
-                    cache = RecordCache()
-                elif self.cached and mode == "continue":
-                    cache = PrefixCache(*prompt)
-            if not gemma4:
-                h, kv = template(h, mask, cache), None
-            else:
-                h, kv, _ = template(h, mask, cache, per_layer_input=aux, shared_kv=shared,
-                                    offset=mx.array(pos))
+            # As `segmented`'s body calls `lm.layer` (i is the template): [h] (+ the
+            # keys/values it records or shares: one pair, returned once, as they
+            # are the same).
+            at = positions(h, offset, packed)
+            cache = layer_cache(lm, i, at, packed, prompt, mode == "record")
+            h, kv = lm.layer(i, h, layer_mask(h.shape[1], offset, packed, window), cache, aux,
+                             shared, at)
             if mode == "record" and self.cached:
                 return [h, *cache.kv]
             return [h, *kv] if self.shares else [h]
@@ -224,8 +212,7 @@ class Stack:
         grads, prompt_cts = None, {}
         for tape, c in zip(reversed(tapes), reversed(cts)):
             g, prompt_cts = self._backward(tape, c.reshape(tape.shape), prompt_cts)
-            grads = g if grads is None else [
-                b if a is None else tree_map(mx.add, a, b) for a, b in zip(grads, g)]
+            grads = g if grads is None else [tree_map(mx.add, a, b) for a, b in zip(grads, g)]
         return _in_model_tree(self.lm, grads)
 
     def _backward(self, tape, ct, recorded_cts):

@@ -131,13 +131,18 @@ def pair_stats(lm, pair, cfg, obj=None, *, share=None, segment_size=0, stack=Non
     tokenise alike) encodes the prompt once for both responses.
     """
     obj = obj or losses.get(cfg.name)
+    h, rows = _pair_hidden(lm, pair, cfg, obj, share, segment_size, stack)
+    return hidden_stats(lm, h, rows, pair, cfg, obj)
+
+
+def _pair_hidden(lm, pair, cfg, obj, share=None, segment_size=0, stack=None):
+    """`sequence_hidden` of the pair's sequences as `cfg` lays them out."""
     if share is None:
         share = can_share(pair, cfg, obj)
-    h, rows = sequence_hidden(
+    return sequence_hidden(
         lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
         segment_size=segment_size, pack=cfg.prefix_packing, stack=stack, pad_to=cfg.pad_to,
     )
-    return hidden_stats(lm, h, rows, pair, cfg, obj)
 
 
 def hidden_stats(lm, h, rows, pair, cfg, obj):
@@ -283,9 +288,7 @@ def _compiled_pair(lm, pair, cfg, obj, loss_of):
     """(stats, gradients) of one pair: the objective's autodiff reaches the last
     hidden states, the compiled stack takes their cotangent through the layers."""
     stack = compiled.stack_for(lm)
-    share = can_share(pair, cfg, obj)
-    h, rows = sequence_hidden(lm, _seqs(pair, obj), pair.chosen_prompt_len if share else None,
-                              pack=cfg.prefix_packing, stack=stack, pad_to=cfg.pad_to)
+    h, rows = _pair_hidden(lm, pair, cfg, obj, stack=stack)
     (_, stats), ct = mx.value_and_grad(
         lambda h: loss_of(hidden_stats(lm, h, rows, pair, cfg, obj)))(h)
     return stats, stack.backward(ct)

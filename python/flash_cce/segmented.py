@@ -16,6 +16,29 @@ from .attention import PackedMask, causal_mask
 from .prefix import PackedCache, PrefixCache, RecordCache
 
 
+def positions(h, offset, packed):
+    """The layers' `offset`: per-row positions of a packed prefix batch (`packed`:
+    its prompt length), else the stack's offset."""
+    return mx.array([0] + [packed] * (h.shape[0] - 1)) if packed else offset
+
+
+def layer_mask(n, offset, packed, window):
+    """The mask of `n` queries for layers with this window."""
+    return PackedMask(packed, window) if packed else causal_mask(n, offset, window)
+
+
+def layer_cache(lm, i, at, packed, prompt, keep_kv):
+    """Layer i's cache: None where it computes no keys/values of its own or there
+    is nothing to keep; `prompt` its prompt (keys, values) for a continuation."""
+    if not lm.has_cache(i):
+        return None
+    if packed:
+        return PackedCache(at)
+    if prompt is not None:
+        return PrefixCache(*prompt)
+    return RecordCache() if keep_kv else None
+
+
 def _body(lm, lo, hi, offset, keep_kv, packed, masks):
     """The plain function of layers [lo, hi): (h, aux, prompt_kv, shared) ->
     (h, recorded kv per cached layer, shared kv produced here). With `packed`
@@ -28,19 +51,13 @@ def _body(lm, lo, hi, offset, keep_kv, packed, masks):
         shared = dict(shared_in)
         produced, recorded = {}, []
         cached = [i for i in range(lo, hi) if lm.has_cache(i)]
-        at = mx.array([0] + [packed] * (h.shape[0] - 1)) if packed else offset
+        at = positions(h, offset, packed)
         for i in range(lo, hi):
             w = lm.windows[i]
             if w not in masks:
-                masks[w] = PackedMask(packed, w) if packed else causal_mask(n, offset, w)
-            cache = None
-            if lm.has_cache(i):
-                if packed:
-                    cache = PackedCache(at)
-                elif prompt_kv:
-                    cache = PrefixCache(*prompt_kv[cached.index(i)])
-                elif keep_kv:
-                    cache = RecordCache()
+                masks[w] = layer_mask(n, offset, packed, w)
+            prompt = prompt_kv[cached.index(i)] if prompt_kv and lm.has_cache(i) else None
+            cache = layer_cache(lm, i, at, packed, prompt, keep_kv)
             src = lm.sources[i]
             h, kv = lm.layer(
                 i, h, masks[w], cache,
