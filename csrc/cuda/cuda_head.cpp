@@ -272,8 +272,8 @@ CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
 // the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed
 // words; the scales and biases are 16-bit (fp32 ones take the producer).
 bool use_rs(const HeadProblem& p) {
-  return p.cfg.quantized && !env_is("FLASH_CCE_QUANT_RS", '0') && (p.H * p.cfg.bits / 8) % 16 == 0 &&
-      (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
+  return p.cfg.quantized && !env_is("FLASH_CCE_QUANT_RS", '0') &&
+      (p.H * p.cfg.bits / 8) % 16 == 0 && (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
 }
 
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {

@@ -265,7 +265,6 @@ struct TileLoader {
     mode[i] = kPacked;
   }
 
-
   __device__ __forceinline__ void store(const Operand& op, T* tile) {
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
