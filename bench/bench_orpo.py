@@ -21,6 +21,8 @@ Providers (each a full step: forward, backward, gradients evaluated):
   mlx-lm-lora ckpt      the same with its `grad_checkpoint` (every block checkpointed)
   seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
   block=N               flash_cce with N queries per attention block (not in the default set)
+  compiled              flash_cce with the compiled layers (not in the default set)
+  pad=N                 flash_cce with sequence widths rounded up to a multiple of N
   no_window             flash_cce with sliding-window layers computing the scores of every
                         key, as before they skipped those outside the window (not in the
                         default set)
@@ -28,16 +30,21 @@ Providers (each a full step: forward, backward, gradients evaluated):
                         defines them, as before `flash_cce.layers` (not in the default set)
   X+Y                   switches combined, e.g. block=64+no_window
 A provider that fails (e.g. out of memory) is reported with its error; `no_flash_head`
-runs last in each row (see LAST).
+runs last in each row (see LAST). `--vary-prompt K` gives every step of a row its own
+pair, the prompt K tokens shorter each time (the sequence length kept), as real batches
+change shape from step to step: steps then include what MLX and the compiled layers
+redo for a new shape.
 """
 
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -101,13 +108,32 @@ def build(kind, overrides, bits, dtype, seed=0):
     return model
 
 
-def make_pair(length, vocab, seed=0):
+def make_pair(length, vocab, seed=0, prompt_len=None):
     rng = np.random.default_rng(seed)
-    half = length // 2
-    prompt = rng.integers(0, vocab, half).tolist()
-    chosen = prompt + rng.integers(0, vocab, length - half).tolist()
-    rejected = prompt + rng.integers(0, vocab, length - half).tolist()
-    return Pair(chosen, rejected, half, half)
+    p = length // 2 if prompt_len is None else prompt_len
+    prompt = rng.integers(0, vocab, p).tolist()
+    chosen = prompt + rng.integers(0, vocab, length - p).tolist()
+    rejected = prompt + rng.integers(0, vocab, length - p).tolist()
+    return Pair(chosen, rejected, p, p)
+
+
+def make_pairs(length, vocab, count, vary, first=0, every=1):
+    """`count` pairs: one, reused, or with `vary` one per step (see --vary-prompt),
+    prompts shorter by vary * (first, first + every, ...): providers timed in one
+    process get lengths of their own, so none finds a shape another left in MLX's
+    caches."""
+    if not vary:
+        return [make_pair(length, vocab)]
+    cuts = [vary * (first + every * k) for k in range(count)]
+    if cuts[-1] >= length // 2:
+        raise ValueError(f"--vary-prompt {vary}: {count} steps would empty the prompt")
+    return [make_pair(length, vocab, seed=c, prompt_len=length // 2 - c) for c in cuts]
+
+
+def cycling(pairs):
+    """The next of `pairs` at each call, round and round."""
+    it = itertools.cycle(pairs)
+    return lambda: next(it)
 
 
 def _plain_window_mask(n, offset, window):
@@ -115,10 +141,12 @@ def _plain_window_mask(n, offset, window):
     return create_causal_mask(n, offset, window_size=window)
 
 
-def ours(model, pair, no_window=False, mlx_linears=False, **switches):
+def ours(model, pairs, no_window=False, mlx_linears=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
+    pairs = cycling(pairs)
 
     def step():
+        pair = pairs()
         saved = flash_cce.attention.window_mask, flash_cce.objectives.training_layers
         if no_window:
             flash_cce.attention.window_mask = _plain_window_mask
@@ -133,27 +161,32 @@ def ours(model, pair, no_window=False, mlx_linears=False, **switches):
     return step
 
 
-def mlx_lm_lora(model, pair, checkpoint):
+def mlx_lm_lora(model, pairs, checkpoint):
     from mlx_lm_lora.trainer.orpo_trainer import orpo_loss_from_model
     from mlx_lm_lora.trainer.sft_trainer import grad_checkpoint
 
     layer_type = type(model.layers[0])
     original = layer_type.__call__
-    n = len(pair.chosen)
-    chosen, rejected = mx.array([pair.chosen]), mx.array([pair.rejected])
-    mask = mx.array([[0.0] * pair.chosen_prompt_len + [1.0] * (n - pair.chosen_prompt_len)])
     scores = mx.ones((1,))
 
-    def loss_fn(model):
+    def inputs(pair):
+        n = len(pair.chosen)
+        mask = mx.array([[0.0] * pair.chosen_prompt_len + [1.0] * (n - pair.chosen_prompt_len)])
+        return mx.array([pair.chosen]), mx.array([pair.rejected]), mask
+
+    batches = cycling([inputs(pair) for pair in pairs])
+
+    def loss_fn(model, chosen, rejected, mask):
         return orpo_loss_from_model(model, chosen, rejected, mask, mask, scores, beta=0.1)[0]
 
     grad = nn.value_and_grad(model, loss_fn)
 
     def step():
+        chosen, rejected, mask = batches()
         if checkpoint:
             grad_checkpoint(model.layers[0])  # patches the block class itself...
         try:
-            loss, grads = grad(model)
+            loss, grads = grad(model, chosen, rejected, mask)
             mx.eval(loss, grads)
         finally:
             layer_type.__call__ = original  # ...so undo it for the other providers
@@ -174,20 +207,22 @@ SWITCHES = {
 }
 
 
-def make_step(name, model, pair):
+def make_step(name, model, pairs):
     if name.startswith("mlx-lm-lora"):
-        return mlx_lm_lora(model, pair, checkpoint=name.endswith("ckpt"))
+        return mlx_lm_lora(model, pairs, checkpoint=name.endswith("ckpt"))
     switches = {}
     for part in name.split("+"):
         if part.startswith("seg="):
             switches["segment_size"] = int(part[4:])
         elif part.startswith("block="):
             switches["attention_block"] = int(part[6:])
+        elif part.startswith("pad="):
+            switches["pad_to"] = int(part[4:])
         elif part in SWITCHES:
             switches.update(SWITCHES[part])
         else:
             raise ValueError(f"provider: unknown {part!r}")
-    return ours(model, pair, **switches)
+    return ours(model, pairs, **switches)
 
 
 def measure(steps, repeats):
@@ -195,12 +230,15 @@ def measure(steps, repeats):
     builds the step) after a warm-up, timed in rounds that run each step once,
     so that with several steps slow drifts of the machine (clocks, other load)
     fall on every step alike. A step that fails is reported and left out of
-    later rounds. Returns {name: (ms, GB) or the exception}."""
-    out, runs, times, peaks = {}, {}, {}, {}
+    later rounds. Returns {name: (ms, GB, warm-up ms) or the exception}; the
+    warm-up includes tracing and kernel compilation."""
+    out, runs, times, peaks, first = {}, {}, {}, {}, {}
     for name, build_step in steps.items():
         try:
             runs[name] = build_step()
-            runs[name]()  # warm-up: kernels, caches
+            t0 = time.perf_counter()
+            runs[name]()  # warm-up: kernels, caches, traces
+            first[name] = (time.perf_counter() - t0) * 1e3
             times[name], peaks[name] = [], 0.0
         except Exception as err:  # noqa: BLE001 - report and go on
             out[name] = err
@@ -217,7 +255,7 @@ def measure(steps, repeats):
                 out[name] = err
                 del times[name]
     for name, ts in times.items():
-        out[name] = (statistics.median(ts) * 1e3, peaks[name])
+        out[name] = (statistics.median(ts) * 1e3, peaks[name], first[name])
     return out
 
 
@@ -234,6 +272,8 @@ def main():
     ap.add_argument("--rounds", action="store_true",
                     help="time the providers in rounds, one step each per round, instead of "
                          "one provider after the other (for A/B comparisons in one process)")
+    ap.add_argument("--vary-prompt", type=int, default=0, metavar="K",
+                    help="a new pair every step, its prompt K tokens shorter than the last's")
     ap.add_argument("--json", default="bench_orpo.json", help="where to write results")
     args = ap.parse_args()
     models = FULL_MODELS if args.full else SMALL_MODELS
@@ -252,9 +292,10 @@ def main():
         kind, overrides, bits = models[key]
         model = build(kind, overrides, bits, dtype)
         for length in lengths:
-            pair = make_pair(length, model.args.vocab_size)
             order = sorted(providers, key=lambda n: n in LAST)
-            builders = {n: (lambda n=n: make_step(n, model, pair)) for n in order}
+            pairs = {n: make_pairs(length, model.args.vocab_size, repeats + 1, args.vary_prompt,
+                                   j, len(order)) for j, n in enumerate(order)}
+            builders = {n: (lambda n=n: make_step(n, model, pairs[n])) for n in order}
             if args.rounds:
                 measured = measure(builders, repeats)
             else:  # one provider after the other, memory released in between
@@ -273,17 +314,21 @@ def main():
                 else:
                     cells[name] = f"{got[0]:.0f} / {got[1]:.2f}"
                     results.append(dict(model=key, tokens=length, provider=name, ms=got[0],
-                                        peak_gb=got[1]))
+                                        peak_gb=got[1], warmup_ms=got[2]))
             gc.collect()
             mx.clear_cache()
             row = " | ".join(cells[n] for n in providers)
             print(f"| {key} | {length} | {row} |", flush=True)
+            warm = ", ".join(f"{r['provider']} {r['warmup_ms']:.0f}" for r in results
+                             if r["tokens"] == length and r["model"] == key and "ms" in r)
+            print(f"  warm-up step (ms): {warm}", file=sys.stderr, flush=True)
         del model
         gc.collect()
         mx.clear_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=str(mx.default_device()), machine=platform.machine(),
                        dtype=str(dtype), full=args.full, repeats=repeats, rounds=args.rounds,
+                       vary_prompt=args.vary_prompt,
                        environment=env,
                        results=results), f, indent=1)
     print(f"wrote {args.json}")
