@@ -6,7 +6,9 @@ import zlib
 
 import pytest
 
-from flash_cce.cli import CONFIG_DEFAULTS, main, resolve_config
+import mlx.core as mx
+
+from flash_cce.cli import AUTO_PAD, CONFIG_DEFAULTS, _objective, build_parser, main, resolve_config
 from flash_cce.trainer import read_metrics
 from test_trainer import tiny_setup
 
@@ -23,6 +25,23 @@ def test_precedence_flags_over_yaml_over_defaults(tmp_path):
     cfg_file.write_text("lerning_rate: 1\n")
     with pytest.raises(ValueError, match="unknown key 'lerning_rate'"):
         resolve_config({}, cfg_file)
+
+
+def test_pad_to_settings(tmp_path):
+    def pad_to(*argv):
+        args = build_parser().parse_args(["train", *argv])
+        return _objective(resolve_config(vars(args), None)).pad_to
+
+    on_cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
+    assert pad_to() == (AUTO_PAD if on_cuda else None)  # auto by default
+    assert pad_to("--pad-to", "32") == 32
+    assert pad_to("--pad-to", "0") is None
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("pad_to: -3\n")
+    with pytest.raises(ValueError, match="pad_to: expected auto, 0 or a positive integer"):
+        _objective(resolve_config({}, cfg_file))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--pad-to", "wide"])
 
 
 def _train_argv(model_dir, data_dir, run_dir, iters, *extra):
