@@ -89,8 +89,8 @@ def _int_or_auto(v):
         raise argparse.ArgumentTypeError(f"expected auto or an integer, got {v!r}") from None
 
 
-# pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that MLX finds the
-# shapes of earlier steps in its caches (cuDNN attention graphs, CUDA graphs).
+# pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
+# the shapes of earlier ones: a new shape costs MLX's CUDA backend time.
 # One H200, bench/bench_orpo.py --vary-prompt 8 (a new prompt length every step),
 # model A 4-bit: 799 -> 389 ms at 1k tokens, 1050 -> 732 at 4k (README).
 AUTO_PAD = 64
