@@ -211,6 +211,29 @@ def test_padded_widths_are_exact(arch, pack):
         _close(got, want)
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_prompt_lengths_in_one_multiple_share_traces(monkeypatch, pack):
+    """With `pad_to` the shared prompt is rounded down to a multiple (its last
+    tokens go with each response): pairs whose prompts differ in length inside
+    one multiple take the same shapes, and reuse one trace."""
+    model = tiny_model("llama", lora=True)
+    rng = np.random.default_rng(13)
+    cfg = ObjectiveConfig(compiled_layers=True, pad_to=8, prefix_packing=pack)
+    first = random_pair(rng, 17, 5, 6)
+    value_and_grad(model, [first], cfg)
+    calls = []
+    cls = type(model.layers[0])
+    original = cls.__call__
+    monkeypatch.setattr(
+        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    second = random_pair(rng, 21, 2, 3)
+    got = value_and_grad(model, [second], cfg)
+    assert calls == []
+    monkeypatch.setattr(cls, "__call__", original)
+    _close(got, value_and_grad(model, [second], ObjectiveConfig(prefix_packing=pack)))
+
+
 def test_padded_widths_share_traces(monkeypatch):
     """Pairs whose widths round to the same multiple reuse one trace."""
     model = tiny_model("llama", lora=True)

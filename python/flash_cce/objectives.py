@@ -49,8 +49,8 @@ class ObjectiveConfig:
     segment_size: Optional[int] = None  # layers per checkpoint segment; None: default; 0: off
     # Gradients layer by layer through compiled layers (see `compiled`) where supported
     compiled_layers: bool = False
-    # Round sequence widths up to a multiple (exact: padding follows every real token), so
-    # that pairs of nearby lengths share the compiled layers' traces; None: no rounding
+    # Round sequence widths up to a multiple and the shared prompt down to one (exact, see
+    # `prefix.sequence_hidden`), so that pairs of nearby lengths share shapes; None: no rounding
     pad_to: Optional[int] = None
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
     # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's

@@ -116,10 +116,14 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
     sequence gets its own forward (one padded batch). `pack` picks the layout
     with a shared prompt (see `packed_layout`). `stack` (a `compiled.Stack`) runs
     the layers instead of `run_stack`. `pad_to` rounds the padded widths up to a
-    multiple (a two-pass prompt keeps its length), so that pairs of nearby
-    lengths share shapes.
+    multiple and the shared prompt down to one (its last tokens go with each
+    sequence; none shared below one multiple), so that pairs of nearby lengths
+    share every shape, the prompt's keys included.
     """
     from .segmented import run_stack  # segmented uses this module's caches
+
+    if prompt_len and pad_to:
+        prompt_len -= prompt_len % pad_to
 
     def layers(tokens, **kw):
         run = stack.forward if stack is not None else partial(run_stack, lm,
