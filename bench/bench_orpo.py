@@ -22,7 +22,8 @@ Providers (each a full step: forward, backward, gradients evaluated):
   seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
   block=N               flash_cce with N queries per attention block (not in the default set)
   compiled              flash_cce with the compiled layers (not in the default set)
-  pad=N                 flash_cce with sequence widths rounded up to a multiple of N
+  pad=N                 flash_cce with `pad_to=N`: widths rounded up, the shared prompt
+                        down, to multiples of N (not in the default set)
   no_window             flash_cce with sliding-window layers computing the scores of every
                         key, as before they skipped those outside the window (not in the
                         default set)
