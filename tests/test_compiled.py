@@ -25,6 +25,17 @@ def _near(got, want):
     assert abs(got.item() - want.item()) <= REL * abs(want.item()) + ABS
 
 
+def _layer_calls(monkeypatch, model):
+    """A list that gets an entry each time one of `model`'s layers runs in Python."""
+    calls = []
+    cls = type(model.layers[0])
+    original = cls.__call__
+    monkeypatch.setattr(
+        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    return calls
+
+
 def _close(got, want):
     """(loss, grads, metrics) of `value_and_grad` (grads None: `evaluate`'s pair)."""
     _near(got[0], want[0])
@@ -83,12 +94,7 @@ def test_traced_once_per_shape(monkeypatch):
     pairs = _pairs(2)
     cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True)
     value_and_grad(model, pairs, cfg)
-    calls = []
-    cls = type(model.layers[0])
-    original = cls.__call__
-    monkeypatch.setattr(
-        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
-    )
+    calls = _layer_calls(monkeypatch, model)
     value_and_grad(model, pairs, cfg)
     assert calls == []
     # Sliding-window and global layers: two groups for the model's layers.
@@ -100,12 +106,7 @@ def test_trace_keyed_by_attention_routing(monkeypatch):
     layers run in Python again (a new trace), and the results stay exact."""
     model = tiny_model("gemma3_text", lora=True)
     pairs = _pairs(3)
-    calls = []
-    cls = type(model.layers[0])
-    original = cls.__call__
-    monkeypatch.setattr(
-        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
-    )
+    calls = _layer_calls(monkeypatch, model)
     for block, traces in ((0, True), (4, True), (0, False)):
         cfg = dict(prefix_sharing=False, attention_block=block)
         want = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, **cfg))
@@ -221,16 +222,10 @@ def test_prompt_lengths_in_one_multiple_share_traces(monkeypatch, pack):
     cfg = ObjectiveConfig(compiled_layers=True, pad_to=8, prefix_packing=pack)
     first = random_pair(rng, 17, 5, 6)
     value_and_grad(model, [first], cfg)
-    calls = []
-    cls = type(model.layers[0])
-    original = cls.__call__
-    monkeypatch.setattr(
-        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
-    )
+    calls = _layer_calls(monkeypatch, model)
     second = random_pair(rng, 21, 2, 3)
     got = value_and_grad(model, [second], cfg)
     assert calls == []
-    monkeypatch.setattr(cls, "__call__", original)
     _close(got, value_and_grad(model, [second], ObjectiveConfig(prefix_packing=pack)))
 
 
@@ -240,11 +235,6 @@ def test_padded_widths_share_traces(monkeypatch):
     rng = np.random.default_rng(12)
     cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True, pad_to=16)
     value_and_grad(model, [random_pair(rng, 5, 4, 3)], cfg)
-    calls = []
-    cls = type(model.layers[0])
-    original = cls.__call__
-    monkeypatch.setattr(
-        cls, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
-    )
+    calls = _layer_calls(monkeypatch, model)
     value_and_grad(model, [random_pair(rng, 6, 7, 2)], cfg)
     assert calls == []
