@@ -305,7 +305,7 @@ def main():
                     measured.update(measure({name: builders[name]}, repeats))
                     gc.collect()
                     mx.clear_cache()
-            cells = {}
+            cells, warm = {}, []
             for name in order:
                 got = measured[name]
                 if isinstance(got, Exception):
@@ -316,13 +316,12 @@ def main():
                     cells[name] = f"{got[0]:.0f} / {got[1]:.2f}"
                     results.append(dict(model=key, tokens=length, provider=name, ms=got[0],
                                         peak_gb=got[1], warmup_ms=got[2]))
+                    warm.append(f"{name} {got[2]:.0f}")
             gc.collect()
             mx.clear_cache()
             row = " | ".join(cells[n] for n in providers)
             print(f"| {key} | {length} | {row} |", flush=True)
-            warm = ", ".join(f"{r['provider']} {r['warmup_ms']:.0f}" for r in results
-                             if r["tokens"] == length and r["model"] == key and "ms" in r)
-            print(f"  warm-up step (ms): {warm}", file=sys.stderr, flush=True)
+            print(f"  warm-up step (ms): {', '.join(warm)}", file=sys.stderr, flush=True)
         del model
         gc.collect()
         mx.clear_cache()
