@@ -96,12 +96,16 @@ def _int_or_auto(v):
 AUTO_PAD = 64
 
 
+def _on_cuda():
+    import mlx.core as mx
+
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def _pad_to(value):
     """ObjectiveConfig's pad_to for the setting `value` (auto, 0 or a multiple)."""
     if value == "auto":
-        import mlx.core as mx
-
-        return AUTO_PAD if hasattr(mx, "cuda") and mx.cuda.is_available() else None
+        return AUTO_PAD if _on_cuda() else None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"pad_to: expected auto, 0 or a positive integer, got {value!r}")
     return value or None
@@ -120,7 +124,7 @@ def _add_model_data_flags(p):
     _flag(p, "segment_size", type=int, help="Layers per gradient-checkpoint segment (0: off; default: by length).")
     _switch(p, "compiled_layers", "Gradients layer by layer through compiled layers where supported (see flash_cce.compiled).")
     _flag(p, "pad_to", type=_int_or_auto,
-          help="Round sequence widths up to a multiple (exact), so that steps share shapes (0: off; auto: 64 on a CUDA GPU, else off).")
+          help="Round sequence widths up, and the shared prompt down, to a multiple (exact), so that steps share shapes (0: off; auto: 64 on a CUDA GPU, else off).")
     _flag(p, "attention_block", type=int, help="Queries per block of the training attention (0: mlx-lm's attention).")
     _flag(p, "batch_size", type=int, help="Pairs per micro-batch.")
     _flag(p, "max_seq_length", type=int, help="Longest sequence (tokens) of a pair's chosen or rejected side.")
@@ -312,9 +316,7 @@ def _restart_with_graph_limit(argv):
     """Runs this command again with `GRAPH_MB` unless MLX_MAX_MB_PER_BUFFER is set
     or there is no CUDA GPU. MLX reads it when it creates its GPU stream, at
     import, hence the restart (once: the new process has it set)."""
-    import mlx.core as mx
-
-    if "MLX_MAX_MB_PER_BUFFER" in os.environ or not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    if "MLX_MAX_MB_PER_BUFFER" in os.environ or not _on_cuda():
         return
     os.environ["MLX_MAX_MB_PER_BUFFER"] = GRAPH_MB
     os.execv(sys.executable, [sys.executable, "-m", "flash_cce.cli", *argv])
