@@ -7,7 +7,7 @@ from mlx_lm.models import base, gemma3_text
 from mlx_lm.models.base import create_causal_mask
 
 import flash_cce.attention as attn
-from flash_cce.attention import WindowMask, attention, routed, spans, window_mask
+from flash_cce.attention import KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
@@ -186,7 +186,7 @@ def test_window_mask_only_where_it_fits(monkeypatch):
         assert set(seen) == {lk}
         seen.clear()
         attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block)
-        assert max(seen) <= w + block - 1
+        assert max(seen) <= w + block - 1 + KEY_ALIGN - 1 < lk
     finally:
         attn._scores = real
     with pytest.raises(ValueError, match="window"):
@@ -196,17 +196,19 @@ def test_window_mask_only_where_it_fits(monkeypatch):
 def test_window_key_columns(monkeypatch):
     """The work saved, counted: the key columns of the scores the blocks compute
     (forward and backward) at model A/B's window 512 and block 512 on 8192 tokens.
-    Each block sees at most window + block - 1 keys, whatever the length."""
+    Each block sees at most window + block - 1 keys rounded up to a multiple of
+    KEY_ALIGN (aligned rows for cuBLAS), whatever the length."""
     monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
     n, w, block = 8192, 512, 512
     windowed = spans(n, n, block, "causal", w)
     causal = spans(n, n, block, "causal")
-    assert all(k1 - k0 <= w + block - 1 for _, _, k0, k1 in windowed)
+    assert all(k1 - k0 <= w + block - 1 + KEY_ALIGN - 1 for _, _, k0, k1 in windowed)
+    assert all((k1 - k0) % KEY_ALIGN == 0 for _, _, k0, k1 in windowed)
     cols = lambda s: sum((b1 - b0) * (k1 - k0) for b0, b1, k0, k1 in s)
-    # 16 blocks of 512 queries over 512, then 15 x 1023 keys, against 512 x
+    # 16 blocks of 512 queries over 512, then 15 x 1024 keys, against 512 x
     # (1 + 2 + ... + 16) for causal blocks over every earlier key: 4.4x fewer
     # (and the gap grows with the length: the windowed count is linear in it).
-    assert cols(windowed) == 512 * (512 + 15 * 1023)
+    assert cols(windowed) == 512 * (512 + 15 * 1024)
     assert cols(causal) == 512 * 512 * 136
     assert cols(causal) / cols(windowed) > 4.3
 
@@ -221,7 +223,7 @@ def test_window_key_columns(monkeypatch):
         attn._scores = real
     expect = [k1 - k0 for *_, k0, k1 in spans(40, 40, 8, "causal", 5)]
     assert seen == expect * 2  # forward, then backward
-    assert expect == [8, 12, 12, 12, 12]
+    assert expect == [8, 16, 16, 16, 16]  # 12 keys a block, rounded up to KEY_ALIGN = 8
 
 
 def _grad_peak(fn, n, heads=4, d=16):

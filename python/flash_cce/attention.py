@@ -121,17 +121,25 @@ def _score_grads(qb, kb, dob, vb, lse, delta, mask, window, lq, lk, span):
     return p.astype(qb.dtype), (p * (dp - delta)).astype(qb.dtype)
 
 
+# A windowed block's key count is rounded up to a multiple of this (its first
+# keys are masked): the scores' rows are then 16-byte aligned in bfloat16, which
+# cuBLAS needs for its fast kernels (1023 keys took ones for unaligned rows).
+KEY_ALIGN = 8
+
+
 def spans(lq, lk, block, mask=None, window=None):
     """`(b0, b1, k0, k1)` per block: queries [b0, b1) and the keys [k0, k1) whose
     scores the block computes. Keys outside are masked for every query of the
     block: past the last query's position (causal) or at or before the first
-    query's position minus `window`."""
+    query's position minus `window` (k0 then moves back so that `k1 - k0` is a
+    multiple of `KEY_ALIGN`; the keys it adds are masked)."""
     off = lk - lq
     out = []
     for b0 in range(0, lq, block):
         b1 = min(lq, b0 + block)
         k1 = min(lk, max(1, b1 + off)) if isinstance(mask, str) else lk
         k0 = 0 if window is None else min(k1 - 1, max(0, b0 + off - window + 1))
+        k0 = max(0, k1 + (k0 - k1) // KEY_ALIGN * KEY_ALIGN)  # k1 - ceil to the multiple
         out.append((b0, b1, k0, k1))
     return out
 
