@@ -9,9 +9,11 @@ JIT-compiled by MLX (`mx.fast.cuda_kernel`); callers use them when
 
 Blocked attention (`attention`), one block's:
 - `softmax(s, ...)`: `(p, lse)` with `lse = logsumexp(masked s)` per row and
-  `p = exp(masked s - lse)`, one thread block per row;
-- `score_grads(s, dp, lse, delta, ...)`: `(p, ds)` with `ds = p * (dp - delta)`,
-  one thread per entry.
+  `p = exp(masked s - lse)`;
+- `score_grads(s, dp, lse, delta, ...)`: `(p, ds)` with `ds = p * (dp - delta)`;
+both a warp per row, reading 16 bytes a lane where the row length allows (one
+thread block per row and one thread per entry had run at about a tenth of the
+memory bandwidth).
 The mask is made from positions: query row `r` sits at `q_start + r % n` (n
 queries per block) and key column `c` at `k_start + c`; a key is visible when
 (not causal or key <= query) and (no window or query - key < window). Masked
@@ -34,63 +36,130 @@ __device__ inline bool fcce_visible(int q, int k, bool causal, int window) {
   return (!causal || k <= q) && (window <= 0 || q - k < window);
 }
 
-template <bool MAX>
-__device__ inline float fcce_block_reduce(float v, float* sh) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = MAX ? fmaxf(v, u) : v + u;
+// N values of a row from column c: one 16-byte load when they are 16 bytes.
+template <int N, typename T>
+__device__ inline void fcce_load(const T* x, int c, float* out) {
+  if (N * sizeof(T) == 16) {
+    uint4 u = *reinterpret_cast<const uint4*>(x + c);
+    const T* t = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = (float)t[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = (float)x[c + j];
   }
-  __syncthreads();  // sh may still be read by the previous reduction
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = sh[0];
-  for (int w = 1; w < (int)(blockDim.x >> 5); ++w) v = MAX ? fmaxf(v, sh[w]) : v + sh[w];
-  return v;
+}
+
+// N values to column c, in 8-byte pieces where they fill them.
+template <int N, typename P>
+__device__ inline void fcce_store(P* y, int c, const float* v) {
+  if (N * sizeof(P) % 8 == 0) {
+    alignas(16) P o[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) o[j] = (P)v[j];
+#pragma unroll
+    for (int j = 0; j < (int)(N * sizeof(P) / 8); ++j)
+      reinterpret_cast<uint2*>(y + c)[j] = reinterpret_cast<const uint2*>(o)[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) y[c + j] = (P)v[j];
+  }
+}
+
+// The masked score: NEG_SCORE where the key is not visible.
+template <int N, bool CAUSAL, int WINDOW>
+__device__ inline void fcce_mask(float* v, int q, int k) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = fcce_visible(q, k + j, CAUSAL, WINDOW) ? v[j] : NEG_SCORE;
+}
+
+// A warp's row: each lane keeps a running (max, sum) over its values (one
+// exponential a value), the warp merges them, a second read writes p.
+template <int N, bool CAUSAL, int WINDOW, typename T, typename P>
+__device__ void fcce_softmax_row(const T* x, P* y, float* lse, int n, int q, int k0, int lane) {
+  float m = -INFINITY, sum = 0.0f, v[N];
+#pragma unroll 2
+  for (int c = lane * N; c < n; c += 32 * N) {
+    fcce_load<N>(x, c, v);
+    fcce_mask<N, CAUSAL, WINDOW>(v, q, k0 + c);
+    float top = v[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) top = fmaxf(top, v[j]);
+    if (top > m) {
+      sum *= expf(m - top);
+      m = top;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum += expf(v[j] - m);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+    const float s2 = __shfl_xor_sync(0xffffffffu, sum, o);
+    const float top = fmaxf(m, m2);
+    // Lanes without values hold (-inf, 0): weigh them by 1, not exp(nan).
+    sum = (m == top ? sum : sum * expf(m - top)) + (m2 == top ? s2 : s2 * expf(m2 - top));
+    m = top;
+  }
+  const float l = m + logf(sum);
+  if (lane == 0) *lse = l;
+#pragma unroll 2
+  for (int c = lane * N; c < n; c += 32 * N) {
+    fcce_load<N>(x, c, v);
+    fcce_mask<N, CAUSAL, WINDOW>(v, q, k0 + c);
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = expf(v[j] - l);
+    fcce_store<N>(y, c, v);
+  }
+}
+
+template <int N, bool CAUSAL, int WINDOW, typename T>
+__device__ void fcce_score_grads_row(const T* s, const T* dp, T* p, T* ds, float l, float d,
+                                     int n, int q, int k0, int lane) {
+  float sv[N], dv[N];
+#pragma unroll 2
+  for (int c = lane * N; c < n; c += 32 * N) {
+    fcce_load<N>(s, c, sv);
+    fcce_load<N>(dp, c, dv);
+    fcce_mask<N, CAUSAL, WINDOW>(sv, q, k0 + c);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      sv[j] = expf(sv[j] - l);
+      dv[j] = sv[j] * (dv[j] - d);
+    }
+    fcce_store<N>(p, c, sv);
+    fcce_store<N>(ds, c, dv);
+  }
 }
 """
 
-_SOFTMAX = """
-  __shared__ float sh[32];
+# Both: a warp a row; 16-byte loads where the row length is a multiple of them.
+_ROW = """
   const int n_keys = s_shape[s_ndim - 1];
   const int n_queries = s_shape[s_ndim - 2];
-  const long row = blockIdx.x;
+  long rows = 1;
+  for (int i = 0; i < s_ndim - 1; ++i) rows *= s_shape[i];
+  const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
   const int q = q_start[0] + (int)(row % n_queries);
   const int k0 = k_start[0];
-  const T* x = s + row * n_keys;
-  float m = -INFINITY;
-  for (int c = threadIdx.x; c < n_keys; c += blockDim.x) {
-    float v = fcce_visible(q, k0 + c, CAUSAL, WINDOW) ? (float)x[c] : NEG_SCORE;
-    m = fmaxf(m, v);
-  }
-  m = fcce_block_reduce<true>(m, sh);
-  float sum = 0.0f;
-  for (int c = threadIdx.x; c < n_keys; c += blockDim.x) {
-    float v = fcce_visible(q, k0 + c, CAUSAL, WINDOW) ? (float)x[c] : NEG_SCORE;
-    sum += expf(v - m);
-  }
-  sum = fcce_block_reduce<false>(sum, sh);
-  const float l = m + logf(sum);
-  if (threadIdx.x == 0) lse[row] = l;
-  for (int c = threadIdx.x; c < n_keys; c += blockDim.x) {
-    float v = fcce_visible(q, k0 + c, CAUSAL, WINDOW) ? (float)x[c] : NEG_SCORE;
-    p[row * n_keys + c] = (P)expf(v - l);
-  }
+  const long at = row * n_keys;
+  constexpr int W = 16 / sizeof(T);
 """
 
-_SCORE_GRADS = """
-  const int n_keys = s_shape[s_ndim - 1];
-  const int n_queries = s_shape[s_ndim - 2];
-  long total = n_keys;
-  for (int i = 0; i < s_ndim - 1; ++i) total *= s_shape[i];
-  const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  const long row = i / n_keys;
-  const int c = (int)(i % n_keys);
-  const int q = q_start[0] + (int)(row % n_queries);
-  float v = fcce_visible(q, k_start[0] + c, CAUSAL, WINDOW) ? (float)s[i] : NEG_SCORE;
-  float pv = expf(v - lse[row]);
-  p[i] = (T)pv;
-  ds[i] = (T)(pv * ((float)dp[i] - delta[row]));
+_SOFTMAX = _ROW + """
+  if (n_keys % W == 0)
+    fcce_softmax_row<W, CAUSAL, WINDOW>(s + at, p + at, lse + row, n_keys, q, k0, lane);
+  else
+    fcce_softmax_row<1, CAUSAL, WINDOW>(s + at, p + at, lse + row, n_keys, q, k0, lane);
+"""
+
+_SCORE_GRADS = _ROW + """
+  const float l = lse[row], d = delta[row];
+  if (n_keys % W == 0)
+    fcce_score_grads_row<W, CAUSAL, WINDOW>(s + at, dp + at, p + at, ds + at, l, d, n_keys, q, k0, lane);
+  else
+    fcce_score_grads_row<1, CAUSAL, WINDOW>(s + at, dp + at, p + at, ds + at, l, d, n_keys, q, k0, lane);
 """
 
 _GELU_GRAD = """
@@ -112,7 +181,7 @@ def _kernel(name, inputs, outputs, source):
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
             name=name, input_names=inputs, output_names=outputs,
-            source=source.replace("NEG_SCORE", f"({NEG:.1e}f)"), header=_HEADER,
+            source=source, header=_HEADER.replace("NEG_SCORE", f"({NEG:.1e}f)"),
         )
     return _kernels[name]
 
@@ -129,6 +198,14 @@ def available():
     )
 
 
+_ROWS_PER_BLOCK = 4  # a warp a row
+
+
+def _warps(rows):
+    """Threads of a launch with a warp per row (MLX's grid counts threads)."""
+    return -(-rows // _ROWS_PER_BLOCK) * _ROWS_PER_BLOCK * 32
+
+
 def _template(causal, window, **dtypes):
     return [("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))] + list(dtypes.items())
 
@@ -140,7 +217,7 @@ def softmax(s, q_start, k_start, causal, window, dtype):
     p, lse = _kernel("fcce_attn_softmax", ["s", "q_start", "k_start"], ["p", "lse"], _SOFTMAX)(
         inputs=[s, mx.array(q_start, mx.int32), mx.array(k_start, mx.int32)],
         template=_template(causal, window, T=s.dtype, P=dtype),
-        grid=(rows * 128, 1, 1), threadgroup=(128, 1, 1),
+        grid=(_warps(rows), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape[:-1] + (1,)], output_dtypes=[dtype, mx.float32],
     )
     return p, lse
@@ -156,7 +233,7 @@ def score_grads(s, dp, lse, delta, q_start, k_start, causal, window):
         inputs=[s, dp, lse.astype(mx.float32), delta.astype(mx.float32),
                 mx.array(q_start, mx.int32), mx.array(k_start, mx.int32)],
         template=_template(causal, window, T=s.dtype),
-        grid=(s.size, 1, 1), threadgroup=(256, 1, 1),
+        grid=(_warps(s.size // s.shape[-1]), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape], output_dtypes=[s.dtype, s.dtype],
     )
     return p, ds
