@@ -11,7 +11,8 @@ their gradient are alive at once.
 
 Sliding-window layers: a query at position p sees only keys p - window + 1 .. p,
 so with `window` each block computes scores over those keys only (at most
-`window + block - 1` of them) instead of all keys; see `attention` and `WindowMask`.
+`window + block - 1` of them, rounded up to a multiple of `KEY_ALIGN`) instead of
+all keys; see `attention` and `WindowMask`.
 
 On NVIDIA GPUs each block's elementwise steps (mask, softmax, the scores'
 gradient) run as one kernel each (`fused`) when the mask is causal, windowed
@@ -209,8 +210,9 @@ def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
     `window` (optional) masks in addition every key at or before the query's
     position (i + Lk - Lq) minus `window`, as mlx-lm's sliding-window masks do:
     `mask="causal", window=w` is `mask=create_causal_mask(Lq, Lk - Lq, window_size=w)`,
-    and each block then computes the scores of at most `w + block - 1` keys. A
-    `WindowMask` mask (`window_mask`) is taken that way.
+    and each block then computes the scores of at most `w + block - 1` keys
+    (rounded up to a multiple of `KEY_ALIGN`). A `WindowMask` mask
+    (`window_mask`) is taken that way.
     Scores and softmax are float32 whatever the input dtype; the matmuls run in it.
     """
     if q.shape[1] % k.shape[1]:

@@ -193,6 +193,7 @@ class Stack:
             if self.keep:
                 tape.layers.append((h, a, kv, pk, extra))
             h = out[0]
+            _start(h, *extra)
             if group.shares:
                 shared[i] = extra
             if mode == "record" and group.cached:
@@ -246,8 +247,19 @@ class Stack:
                 prompt_cts[i] = list(pk_ct)
             if g:
                 (ct,) = mx.depends([ct], list(g))
+            _start(ct, *g, *kv_ct, *pk_ct)
             grads[i] = group.grads(g)
         return grads, prompt_cts
+
+
+def _start(*arrays):
+    """Starts evaluating a layer's results while Python builds the next layer's
+    calls (the device would wait for the whole step's graph otherwise); inside
+    a transformation, where MLX does not allow it, nothing."""
+    try:
+        mx.async_eval(*arrays)
+    except ValueError:
+        pass
 
 
 def _in_model_tree(lm, per_layer):
