@@ -238,3 +238,27 @@ def test_padded_widths_share_traces(monkeypatch):
     calls = _layer_calls(monkeypatch, model)
     value_and_grad(model, [random_pair(rng, 6, 7, 2)], cfg)
     assert calls == []
+
+
+def test_layers_start_evaluating_as_built(monkeypatch):
+    """Each layer's results go to `mx.async_eval` as its call is built (forward and
+    backward); inside a transformation, where MLX refuses that, the layers still run."""
+    import mlx.core as mx
+
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(10)
+    cfg = ObjectiveConfig(compiled_layers=True, prefix_sharing=False, segment_size=0)
+    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False, segment_size=0))
+    started = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(len(a)) or real(*a))
+    _close(value_and_grad(model, pairs, cfg), want)
+    # two pairs, one forward each: a call per layer forward and per layer backward
+    assert len(started) == 2 * 2 * len(model.layers)
+
+    stack = compiled.stack_for(LM(model), backward=False)
+    h = mx.array(np.random.default_rng(0).standard_normal((1, 6, model.args.hidden_size)),
+                 mx.float32)
+    outside = stack.forward(h)[0].sum()
+    inside, _ = mx.value_and_grad(lambda h: stack.forward(h)[0].sum())(h)
+    _near(inside, outside)
