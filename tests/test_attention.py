@@ -175,6 +175,7 @@ def test_window_with_other_masks(additive):
 def test_window_mask_only_where_it_fits(monkeypatch):
     """A WindowMask for another shape or offset is used as a plain array (all keys)."""
     monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
+    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)  # the block loop's `_scores`
     q, k, v, c, lq, lk, w, block = _window_inputs("window_continuation")
     seen = []
     real = attn._scores
@@ -197,8 +198,10 @@ def test_window_key_columns(monkeypatch):
     """The work saved, counted: the key columns of the scores the blocks compute
     (forward and backward) at model A/B's window 512 and block 512 on 8192 tokens.
     Each block sees at most window + block - 1 keys rounded up to a multiple of
-    KEY_ALIGN (aligned rows for cuBLAS), whatever the length."""
+    KEY_ALIGN (aligned rows for cuBLAS), whatever the length (the block loop; the
+    batched windows: `test_batched_windows_key_columns`)."""
     monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
+    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
     n, w, block = 8192, 512, 512
     windowed = spans(n, n, block, "causal", w)
     causal = spans(n, n, block, "causal")
@@ -225,6 +228,79 @@ def test_window_key_columns(monkeypatch):
     assert seen == expect * 2  # forward, then backward
     assert expect == [8, 16, 16, 16, 16]  # 12 keys a block, rounded up to KEY_ALIGN = 8
 
+
+
+# More windowed calls for the batched windows: lengths that are no multiple of
+# the block, long prompts before the queries, windows of many blocks.
+BATCHED = dict(WINDOWS, **{
+    "ragged_queries": (2, 4, 1, 45, 45, 9, 8),  # 6 blocks, the last of 5 queries
+    "long_prompt": (2, 8, 1, 24, 96, 8, 8),  # queries at 72..95, keys before 56 unseen
+    "window_of_many_blocks": (1, 2, 1, 64, 64, 30, 8),  # 3 blocks back (kw = 32)
+    "window_plus_one": (1, 4, 2, 40, 40, 9, 8),  # 9 = one block and one key
+})
+
+
+@pytest.mark.parametrize("chunked", (False, True))
+@pytest.mark.parametrize("case", sorted(BATCHED))
+def test_batched_windows_equal_block_loop(case, chunked, monkeypatch):
+    """Every block's window at once (one strided view of the keys, one matmul)
+    gives what the block loop gives, forward and gradients, also split into
+    calls of a few blocks (MAX_WINDOW_SCORES) and with padded key windows at the
+    start of the sequence."""
+    if case in WINDOWS:
+        q, k, v, c, lq, lk, w, block = _window_inputs(case)
+    else:
+        b, hq, hkv, lq, lk, w, block = BATCHED[case]
+        rng = np.random.default_rng(5)
+        normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))
+        q, k, v, c = normal(b, hq, lq, 16), normal(b, hkv, lk, 16), normal(b, hkv, lk, 16), normal(b, hq, lq, 16)
+    if chunked:  # two blocks a call
+        monkeypatch.setattr(attn, "MAX_WINDOW_SCORES", 2 * q.shape[0] * q.shape[1] * block * attn._Windows(lq, lk, block, w).kw)
+    calls = []
+    real = attn._window_forward
+    monkeypatch.setattr(attn, "_window_forward", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    run = lambda: _value_and_grads(
+        lambda q, k, v: attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block), q, k, v, c)
+    got = run()
+    batched = attn._batched_windows(lq, lk, block, "causal", w)
+    assert bool(calls) == batched, (calls, batched)
+    if batched:
+        per_run = -(-lq // (2 * block)) if chunked else 1
+        assert sum(calls) == 2 * lq and len(calls) == 2 * per_run  # output, then gradients
+    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
+    loop = run()
+    want = _value_and_grads(
+        lambda q, k, v: composed(q, k, v, 0.3, create_causal_mask(lq, lk - lq, window_size=w)), q, k, v, c)
+    # The same nonzero terms as the block loop (masked scores' exp is exactly 0),
+    # over rows of another length and grouped otherwise in the key gradients
+    # (window pieces added once more): within the bounds of
+    # test_window_restriction_is_exact.
+    for name, g, f, x in zip(("out", "dq", "dk", "dv"), got, loop, want):
+        assert _rel_err(g, f) <= 2e-6, (name, _rel_err(g, f))
+        assert _rel_err(g, x) <= 2e-5, (name, _rel_err(g, x))
+
+
+def test_batched_windows_key_columns(monkeypatch):
+    """The batched windows compute, for each block, its block and the whole
+    blocks before it that its window reaches: 2 x 512 keys at models A/B's window
+    512 and block 512, as many as the block loop's aligned spans; and which calls
+    take them (a window that hides no key does not)."""
+    g = attn._Windows(8192, 8192, 512, 512)
+    assert (g.kw, g.nb, g.back) == (1024, 16, 512)
+    assert max(k1 - k0 for *_, k0, k1 in spans(8192, 8192, 512, "causal", 512)) == g.kw
+    assert attn._batched_windows(8192, 8192, 512, "causal", 512)
+    assert not attn._batched_windows(512, 512, 512, "causal", 100)  # one block
+    assert not attn._batched_windows(1024, 1024, 512, "causal", 600)  # 512 + 1024 keys >= all
+    assert not attn._batched_windows(8192, 8192, 512, "causal", None)
+    assert not attn._batched_windows(8192, 8192, 512, None, 512)  # not causal
+    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")
+    shapes = []
+    real = attn._masked6
+    monkeypatch.setattr(attn, "_masked6", lambda s, g, w: shapes.append(s.shape) or real(s, g, w))
+    q, k, v, c, *_ = _window_inputs("window_lt_block")  # 40 queries, window 5, block 8
+    mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8) * c).sum())(q))
+    # forward and backward: [B, Hkv, 5 blocks, 2 heads x 8 queries, 8 + 8 keys]
+    assert shapes == [(1, 1, 5, 16, 16)] * 2
 
 def _grad_peak(fn, n, heads=4, d=16):
     rng = np.random.default_rng(1)
@@ -260,12 +336,17 @@ def test_gradient_memory_grows_linearly():
     assert p2 > 4 * b2, (p2, b2)
 
 
-def test_window_gradient_memory_independent_of_keys():
+@pytest.mark.parametrize("batched", (False, True))
+def test_window_gradient_memory_independent_of_keys(batched, monkeypatch):
     """With a window the gradient keeps a few [1, 4, 128, window + 127] block
     scores, whatever the length, plus q/k/v-sized arrays: from 2048 to 4096 tokens
     its peak grows by a few q-sized arrays (measured ~5 of 4096 x 64 floats);
-    blocks over every earlier key grow by their scores (measured ~69)."""
+    blocks over every earlier key grow by their scores (measured ~69). Batched
+    windows keep up to MAX_WINDOW_SCORES scores at once (here two blocks' worth,
+    so that the bound below applies; by default 2^26, blocks of model A at 8k)."""
     w, block = 64, 128
+    monkeypatch.setattr(attn, "BATCH_WINDOWS", batched)
+    monkeypatch.setattr(attn, "MAX_WINDOW_SCORES", 2 * 4 * block * 2 * block)
     windowed = lambda q, k, v: attention(q, k, v, scale=0.25, mask=window_mask(q.shape[2], 0, w), block=block)
     causal = lambda q, k, v: attention(q, k, v, scale=0.25, mask="causal", block=block)
     w2, w4 = _grad_peak(windowed, 2048), _grad_peak(windowed, 4096)
@@ -277,7 +358,7 @@ def test_window_gradient_memory_independent_of_keys():
         # on an H200 against the bound below. The growth above cancels that offset.
         return
     window_scores = 4 * block * (w + block - 1) * 4
-    # measured 7.3 MB at 4096 against this bound's 14.6 MB; the causal blocks: 69 MB
+    # measured 7.3 MB at 4096 (8.3 batched) against this bound's 14.6 MB; the causal blocks: 69 MB
     bound = 8 * q_bytes(4096) + 16 * window_scores
     assert w4 <= bound, (w4, bound)
     assert _grad_peak(causal, 4096) > 2 * bound  # the measurement tells them apart

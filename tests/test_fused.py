@@ -74,6 +74,32 @@ def test_softmax_and_score_grads(case, dtype):
     assert _rel(ds, ds_ref) <= tol
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_batched_blocks(dtype):
+    """Rows of batched blocks (`blocks`, as the batched windows of `attention`
+    lay them out): block j's queries and keys sit j * n positions later, its rows
+    are (query head, query), keys before position 0 are masked."""
+    n, heads, nb, kn, q0, k0, window = 16, 3, 4, 32, 0, -16, 20
+    rng = np.random.default_rng(2)
+    shape = (2, 1, nb, heads * n, kn)
+    s = mx.array(rng.standard_normal(shape).astype(np.float32) * 4).astype(dtype)
+    dp = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    delta = mx.array(rng.standard_normal(shape[:-1] + (1,)).astype(np.float32))
+    j = mx.arange(nb)[:, None, None, None]
+    q = q0 + j * n + mx.arange(n)[:, None]
+    k = k0 + j * n + mx.arange(kn)[None]
+    m = (k >= 0) & (k <= q) & (q - k < window)  # [nb, 1, n, kn]: every query head alike
+    sf = mx.where(m, s.astype(mx.float32).reshape(2, 1, nb, heads, n, kn), attn._NEG).reshape(shape)
+    lse_ref = mx.logsumexp(sf, axis=-1, keepdims=True)
+    p_ref = mx.exp(sf - lse_ref)
+    ds_ref = p_ref * (dp.astype(mx.float32) - delta)
+    blocks = (n, heads * n, nb, n)
+    p, lse = ak.softmax(s, q0, k0, True, window, mx.float32, blocks=blocks)
+    assert _rel(lse, lse_ref) <= TOL and _rel(p, p_ref) <= TOL
+    tol = TOL if dtype == mx.float32 else 2**-8
+    p2, ds = ak.score_grads(s, dp, lse_ref, delta, q0, k0, True, window, blocks=blocks)
+    assert _rel(p2, p_ref) <= tol and _rel(ds, ds_ref) <= tol
+
 @pytest.mark.parametrize("mask", ["causal", "window", None])
 def test_attention_with_and_without_kernels(mask, monkeypatch):
     """The whole blocked attention, forward and gradients, with the kernels and
@@ -91,7 +117,7 @@ def test_attention_with_and_without_kernels(mask, monkeypatch):
 
     calls = []
     real = ak.softmax
-    monkeypatch.setattr(ak, "softmax", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ak, "softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     v1, g1 = run()
     assert calls  # the kernels ran
     monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")

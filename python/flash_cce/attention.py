@@ -200,6 +200,205 @@ def _backward(q, k, v, mask, window, scale, block, o, lse, do):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+# Sliding-window layers: every block at once. A windowed block's keys are the
+# `back` keys before its first query and its own `block`; for all blocks of a
+# call those windows are views of one array at a stride of `block` keys, so one
+# batched matmul computes every block's scores, one kernel their softmax, and the
+# block loop's per-block matmuls, slices and updates (host work per kernel is
+# most of a training step's time on a GPU) become a few ops per call.
+
+# Blocks whose scores one batched call computes at most (elements of the
+# `[B, Hq, blocks x block, keys]` scores): bounds the extra memory at long lengths.
+MAX_WINDOW_SCORES = 1 << 26
+BATCH_WINDOWS = True  # False: windowed calls take the block loop (tests)
+
+
+class _Windows:
+    """Geometry of a windowed call: `nb` blocks of `n` queries at positions
+    off + j n + i; block j's keys are at first + j n + c for c < kw (those before
+    position 0 are padding, masked)."""
+
+    def __init__(self, lq, lk, block, window):
+        self.n = block
+        self.back = -(-(window - 1) // block) * block  # whole blocks: see `_overlap_add`
+        self.kw = block + self.back
+        self.nb = -(-lq // block)
+        self.off = lk - lq
+        self.first = self.off - self.back
+
+
+def _batched_windows(lq, lk, block, mask, window):
+    """Whether a call takes the batched windows: a causal window that leaves out
+    keys, over more than one block."""
+    if not (isinstance(mask, str) and window is not None and lq > block):
+        return False
+    return block + _Windows(lq, lk, block, window).back < lk
+
+
+def _blocked(x, g, groups):
+    """`[B, Hq, L, .]` -> `[B, Hkv, nb, g n, .]`: a block's rows by (query head, query)."""
+    b, h, l, d = x.shape
+    if g.nb * g.n != l:
+        x = mx.pad(x, [(0, 0), (0, 0), (0, g.nb * g.n - l), (0, 0)])
+    x = x.reshape(b, groups, h // groups, g.nb, g.n, d).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, groups, g.nb, (h // groups) * g.n, d)
+
+
+def _unblocked(x, g, heads, lq):
+    b, groups, nb, _, d = x.shape
+    x = x.reshape(b, groups, nb, heads // groups, g.n, d).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, heads, nb * g.n, d)[:, :, :lq]
+
+
+def _gathered(x, g):
+    """Block j's keys `[B, Hkv, nb, kw, D]` of `x` `[B, Hkv, Lk, D]` (a strided view)."""
+    front = max(0, -g.first)
+    back = max(0, g.first + (g.nb - 1) * g.n + g.kw - x.shape[2])
+    if front or back:
+        x = mx.pad(x, [(0, 0), (0, 0), (front, back), (0, 0)])
+    b, h, lp, d = x.shape
+    return mx.as_strided(x, (b, h, g.nb, g.kw, d), (h * lp * d, lp * d, g.n * d, d, 1),
+                         (g.first + front) * d)
+
+
+def _overlap_add(xw, g, lk):
+    """float32 `[B, Hkv, Lk, D]`: the sum of each key's rows in the windows
+    `xw` `[B, Hkv, nb, kw, D]` (kw = r whole blocks: piece t of window j is key
+    block j + t from `first`)."""
+    b, h, nb, kw, d = xw.shape
+    r = kw // g.n
+    pieces = xw.astype(mx.float32).reshape(b, h, nb, r, g.n, d)
+    acc = None
+    for t in range(r):
+        part = mx.pad(pieces[:, :, :, t], [(0, 0), (0, 0), (t, r - 1 - t), (0, 0), (0, 0)])
+        acc = part if acc is None else acc + part
+    acc = acc.reshape(b, h, (nb + r - 1) * g.n, d)
+    lo, hi = g.first, g.first + acc.shape[2]
+    acc = acc[:, :, max(0, -lo):acc.shape[2] - max(0, hi - lk)]
+    if lo > 0 or hi < lk:
+        acc = mx.pad(acc, [(0, 0), (0, 0), (max(0, lo), max(0, lk - hi)), (0, 0)])
+    return acc
+
+
+def _window_mask(g, window):
+    """`[nb, 1, n, kw]` visibility of the batched windows (MLX-op path)."""
+    j = mx.arange(g.nb)[:, None, None, None]
+    q = g.off + j * g.n + mx.arange(g.n)[:, None]
+    k = g.first + j * g.n + mx.arange(g.kw)[None]
+    return (k >= 0) & (k <= q) & (q - k < window)
+
+
+def _masked6(s, g, window):
+    b, h, nb, rows, kw = s.shape
+    s6 = s.astype(mx.float32).reshape(b, h, nb, rows // g.n, g.n, kw)
+    return mx.where(_window_mask(g, window), s6, _NEG).reshape(s.shape)
+
+
+def _kernel_args(g, rows):
+    return dict(q_start=g.off, k_start=g.first, blocks=(g.n, rows, g.nb, g.n))
+
+
+def _window_forward(q, k, v, window, scale, block):
+    b, heads, lq, _ = q.shape
+    groups, lk = k.shape[1], k.shape[2]
+    g = _Windows(lq, lk, block, window)
+    qb = _blocked(q * scale, g, groups)
+    kw, vw = _gathered(k, g), _gathered(v, g)
+    if fused.available():
+        p, lse = fused.softmax(qb @ kw.swapaxes(-1, -2), causal=True, window=window,
+                               dtype=v.dtype, **_kernel_args(g, qb.shape[3]))
+    else:
+        s = _masked6(qb @ kw.swapaxes(-1, -2), g, window)
+        lse = mx.logsumexp(s, axis=-1, keepdims=True)
+        p = mx.exp(s - lse).astype(v.dtype)
+    return _unblocked(p @ vw, g, heads, lq), lse
+
+
+def _window_backward(q, k, v, window, scale, block, o, lse, do):
+    b, heads, lq, _ = q.shape
+    groups, lk = k.shape[1], k.shape[2]
+    g = _Windows(lq, lk, block, window)
+    qb = _blocked(q * scale, g, groups)
+    dob = _blocked(do.astype(q.dtype), g, groups)
+    delta = _blocked((do.astype(mx.float32) * o.astype(mx.float32)).sum(-1, keepdims=True), g, groups)
+    kw, vw = _gathered(k, g), _gathered(v, g)
+    s, dp = qb @ kw.swapaxes(-1, -2), dob @ vw.swapaxes(-1, -2)
+    if fused.available():
+        p, ds = fused.score_grads(s, dp, lse, delta, causal=True, window=window,
+                                  **_kernel_args(g, qb.shape[3]))
+    else:
+        p = mx.exp(_masked6(s, g, window) - lse)
+        ds = (p * (dp.astype(mx.float32) - delta)).astype(q.dtype)
+        p = p.astype(q.dtype)
+    dq = _unblocked(ds @ kw, g, heads, lq) * scale
+    # The query heads of one KV head share its keys: the matmuls sum over them.
+    dk = _overlap_add(ds.swapaxes(-1, -2) @ qb, g, lk)
+    dv = _overlap_add(p.swapaxes(-1, -2) @ dob, g, lk)
+    return dq, dk, dv
+
+
+def _window_chunks(q, k, block, window):
+    """`(q0, q1, k0, k1)`: the calls of at most MAX_WINDOW_SCORES scores each,
+    queries [q0, q1) over the keys [k0, k1) their windows reach."""
+    b, heads, lq, _ = q.shape
+    lk = k.shape[2]
+    g = _Windows(lq, lk, block, window)
+    per = max(1, MAX_WINDOW_SCORES // (b * heads * block * g.kw))
+    out = []
+    for j0 in range(0, g.nb, per):
+        q0, q1 = j0 * block, min(lq, (j0 + per) * block)
+        out.append((q0, q1, max(0, g.off + q0 - g.back), g.off + q1))
+    return out
+
+
+def _windowed(q, k, v, window, scale, block):
+    """`attention` of a causal window, its blocks batched (see `_Windows`)."""
+    chunks = _window_chunks(q, k, block, window)
+    lk = k.shape[2]
+
+    def keys(x, k1):
+        return x if k1 == lk else x[:, :, :k1]
+
+    @mx.custom_function
+    def fn(q, k, v):
+        outs, lses = [], []
+        for q0, q1, _, k1 in chunks:
+            qc = q[:, :, q0:q1]
+            if outs:  # one call at a time, as the blocks of `_forward`
+                qc = mx.depends(qc, outs[-1])
+            o, lse = _window_forward(qc, keys(k, k1), keys(v, k1), window, scale, block)
+            outs.append(o)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return mx.concatenate(outs, axis=2), mx.concatenate(lses, axis=2)
+
+    @fn.vjp
+    def fn_vjp(primals, cotangents, outputs):
+        q, k, v = primals
+        o, lse = outputs
+        do = cotangents[0]
+        dqs, dk, dv, j = [], None, None, 0
+        for q0, q1, _, k1 in chunks:
+            nb = -(-(q1 - q0) // block)
+            qc = q[:, :, q0:q1]
+            if dqs:
+                qc = mx.depends(qc, [dqs[-1], dk, dv])
+            dq, dkc, dvc = _window_backward(
+                qc, keys(k, k1), keys(v, k1), window, scale, block,
+                o[:, :, q0:q1], lse[:, :, j:j + nb], do[:, :, q0:q1],
+            )
+            j += nb
+            dqs.append(dq)
+            if k1 < lk:
+                dkc, dvc = (mx.pad(x, [(0, 0), (0, 0), (0, lk - k1), (0, 0)]) for x in (dkc, dvc))
+            dk, dv = (dkc, dvc) if dk is None else (dk + dkc, dv + dvc)
+        dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=2)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    return fn(q, k, v)[0]
+
+
 def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
     """`mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)` in
     blocks of `block` queries, with a gradient that recomputes the scores.
@@ -225,6 +424,8 @@ def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
         raise ValueError(f"mask: unknown {mask!r}")
     if window is None:
         mask, window = _as_window(mask, q.shape[2], k.shape[2])
+    if BATCH_WINDOWS and _batched_windows(q.shape[2], k.shape[2], block, mask, window):
+        return _windowed(q, k, v, window, scale, block)
     if isinstance(mask, mx.array):
         mask = _mask5(mask, q.shape[1], k.shape[1])
 

@@ -33,7 +33,7 @@ NEG = -3.0e38
 
 _HEADER = """
 __device__ inline bool fcce_visible(int q, int k, bool causal, int window) {
-  return (!causal || k <= q) && (window <= 0 || q - k < window);
+  return k >= 0 && (!causal || k <= q) && (window <= 0 || q - k < window);
 }
 
 // N values of a row from column c: one 16-byte load when they are 16 bytes.
@@ -135,14 +135,17 @@ __device__ void fcce_score_grads_row(const T* s, const T* dp, T* p, T* ds, float
 # Both: a warp a row; 16-byte loads where the row length is a multiple of them.
 _ROW = """
   const int n_keys = s_shape[s_ndim - 1];
-  const int n_queries = s_shape[s_ndim - 2];
+  const int n_queries = geom[2] > 0 ? geom[2] : s_shape[s_ndim - 2];
   long rows = 1;
   for (int i = 0; i < s_ndim - 1; ++i) rows *= s_shape[i];
   const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
-  const int q = q_start[0] + (int)(row % n_queries);
-  const int k0 = k_start[0];
+  // Batched blocks (geom[4] of them, geom[3] rows each): block j's queries and
+  // keys start geom[5] j positions later.
+  const int j = geom[4] > 1 ? (int)((row / geom[3]) % geom[4]) : 0;
+  const int q = geom[0] + (int)(row % n_queries) + j * geom[5];
+  const int k0 = geom[1] + j * geom[5];
   const long at = row * n_keys;
   constexpr int W = 16 / sizeof(T);
 """
@@ -210,12 +213,21 @@ def _template(causal, window, **dtypes):
     return [("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))] + list(dtypes.items())
 
 
-def softmax(s, q_start, k_start, causal, window, dtype):
+def _geometry(q_start, k_start, blocks):
+    # [first query, first key, queries a block, rows a block, blocks, step]
+    n, rows, count, step = blocks or (0, 1, 1, 0)
+    return mx.array([q_start, k_start, n, rows, count, step], mx.int32)
+
+
+def softmax(s, q_start, k_start, causal, window, dtype, blocks=None):
     """`(p, lse)` of raw block scores `s` `[..., n, K]` (row-contiguous): p in
-    `dtype`, lse float32 `[..., n, 1]`."""
+    `dtype`, lse float32 `[..., n, 1]`. Row r's query sits at `q_start + r % n`,
+    column c's key at `k_start + c`. `blocks = (n, rows, count, step)`: the rows
+    are `count` batched blocks of `rows` rows (n queries each), cycling, and block
+    j's queries and keys sit `j * step` positions later."""
     rows = s.size // s.shape[-1]
-    p, lse = _kernel("fcce_attn_softmax", ["s", "q_start", "k_start"], ["p", "lse"], _SOFTMAX)(
-        inputs=[s, mx.array(q_start, mx.int32), mx.array(k_start, mx.int32)],
+    p, lse = _kernel("fcce_attn_softmax", ["s", "geom"], ["p", "lse"], _SOFTMAX)(
+        inputs=[s, _geometry(q_start, k_start, blocks)],
         template=_template(causal, window, T=s.dtype, P=dtype),
         grid=(_warps(rows), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape[:-1] + (1,)], output_dtypes=[dtype, mx.float32],
@@ -223,15 +235,15 @@ def softmax(s, q_start, k_start, causal, window, dtype):
     return p, lse
 
 
-def score_grads(s, dp, lse, delta, q_start, k_start, causal, window):
+def score_grads(s, dp, lse, delta, q_start, k_start, causal, window, blocks=None):
     """`(p, ds)` in `s.dtype` of a block: raw scores `s` and `dp = dO V^T`
-    `[..., n, K]`, its rows' `lse` and `delta = sum(dO * O)` `[..., n, 1]`."""
+    `[..., n, K]`, its rows' `lse` and `delta = sum(dO * O)` `[..., n, 1]`
+    (positions and `blocks` as in `softmax`)."""
     p, ds = _kernel(
-        "fcce_attn_score_grads", ["s", "dp", "lse", "delta", "q_start", "k_start"], ["p", "ds"],
-        _SCORE_GRADS,
+        "fcce_attn_score_grads", ["s", "dp", "lse", "delta", "geom"], ["p", "ds"], _SCORE_GRADS,
     )(
         inputs=[s, dp, lse.astype(mx.float32), delta.astype(mx.float32),
-                mx.array(q_start, mx.int32), mx.array(k_start, mx.int32)],
+                _geometry(q_start, k_start, blocks)],
         template=_template(causal, window, T=s.dtype),
         grid=(_warps(s.size // s.shape[-1]), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape], output_dtypes=[s.dtype, s.dtype],
