@@ -106,6 +106,32 @@ def kernel_trace(step, count, clock):
                 kernels_by_name=per(by_name), api_calls=per(api)[:15])
 
 
+class _Built(Exception):
+    pass
+
+
+def profile_build(step, top):
+    """cProfile of one step's graph build: the step stops at its first `mx.eval`."""
+    import cProfile
+    import pstats
+
+    def stop(*args, **kwargs):
+        raise _Built
+
+    real, mx.eval = mx.eval, stop
+    prof = cProfile.Profile()
+    try:
+        prof.enable()
+        step()
+    except _Built:
+        pass
+    finally:
+        prof.disable()
+        mx.eval = real
+    for order in ("cumulative", "tottime"):
+        pstats.Stats(prof, stream=sys.stdout).sort_stats(order).print_stats(top)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("provider", help="a provider of bench_orpo.py (e.g. flash_cce, no_prefix, pad=64)")
@@ -117,6 +143,10 @@ def main():
     ap.add_argument("--traced", type=int, default=3, help="steps under the kernel trace (0: none)")
     ap.add_argument("--vary-prompt", type=int, default=0, metavar="K",
                     help="a new pair every step, its prompt K tokens shorter than the last's")
+    ap.add_argument("--profile-build", type=int, default=0, metavar="N",
+                    help="print the N Python functions that took the graph build longest, with and "
+                         "without their callees (cProfile of one more step, stopped at its "
+                         "first mx.eval)")
     ap.add_argument("--json", default="profile_orpo.json")
     args = ap.parse_args()
 
@@ -138,6 +168,8 @@ def main():
                 trace = kernel_trace(step, args.traced, clock)
             except ImportError:
                 print("no torch: kernel trace skipped", file=sys.stderr)
+    if args.profile_build:
+        profile_build(step, args.profile_build)
     med = lambda key: statistics.median(s[key] for s in steps)
     result = dict(provider=args.provider, model=args.model, tokens=args.tokens,
                   vary_prompt=args.vary_prompt, warmup_ms=warmup_ms, steps=steps,

@@ -7,7 +7,7 @@ from mlx_lm.models import base, gemma3_text
 from mlx_lm.models.base import create_causal_mask
 
 import flash_cce.attention as attn
-from flash_cce.attention import KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
+from flash_cce.attention import PackedMask, KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
 from flash_cce.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
@@ -296,11 +296,47 @@ def test_batched_windows_key_columns(monkeypatch):
     monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")
     shapes = []
     real = attn._masked6
-    monkeypatch.setattr(attn, "_masked6", lambda s, g, w: shapes.append(s.shape) or real(s, g, w))
+    monkeypatch.setattr(attn, "_masked6", lambda s, g: shapes.append(s.shape) or real(s, g))
     q, k, v, c, *_ = _window_inputs("window_lt_block")  # 40 queries, window 5, block 8
     mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8) * c).sum())(q))
     # forward and backward: [B, Hkv, 5 blocks, 2 heads x 8 queries, 8 + 8 keys]
     assert shapes == [(1, 1, 5, 16, 16)] * 2
+
+
+@pytest.mark.parametrize("prompt_len", (5, 20))
+def test_packed_windows_equal_split_rows(prompt_len, monkeypatch):
+    """A packed prefix batch's sliding-window layer in one batched call (every
+    row over the prompt's last keys and its own; the prompt row masks the former)
+    gives what the two calls of the split rows give, and the textbook attention
+    of each row; with a prompt shorter (5) and longer (20) than the 8 keys the
+    windows reach back."""
+    rng = np.random.default_rng(7)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))
+    n, w, block = 24, 7, 8
+    q, k, v, c = normal(3, 4, n, 16), normal(3, 1, n, 16), normal(3, 1, n, 16), normal(3, 4, n, 16)
+    sdpa = lambda q, k, v, cache, scale, mask: attention(q, k, v, scale=scale, mask=mask, block=block)
+    calls = []
+    real = attn.PackedMask._packed_windows
+    monkeypatch.setattr(attn.PackedMask, "_packed_windows", lambda *a: calls.append(1) or real(*a))
+    run = lambda: _value_and_grads(
+        lambda q, k, v: PackedMask(prompt_len, w).attend(q, k, v, 0.3, sdpa, block), q, k, v, c)
+    got = run()
+    assert len(calls) == 2  # output, gradients
+    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
+    split = run()
+    assert len(calls) == 2
+
+    def textbook(q, k, v):
+        p = prompt_len
+        head = composed(q[:1], k[:1], v[:1], 0.3, create_causal_mask(n, 0, window_size=w))
+        keys = lambda x: mx.concatenate([mx.broadcast_to(x[:1, :, :p], (2,) + x.shape[1:2] + (p, 16)), x[1:]], axis=2)
+        rest = composed(q[1:], keys(k), keys(v), 0.3, create_causal_mask(n, p, window_size=w))
+        return mx.concatenate([head, rest], axis=0)
+
+    want = _value_and_grads(textbook, q, k, v, c)
+    for name, g, s, x in zip(("out", "dq", "dk", "dv"), got, split, want):
+        assert _rel_err(g, s) <= 2e-6, (name, _rel_err(g, s))  # as test_batched_windows_equal_block_loop
+        assert _rel_err(g, x) <= 2e-5, (name, _rel_err(g, x))
 
 def _grad_peak(fn, n, heads=4, d=16):
     rng = np.random.default_rng(1)

@@ -216,9 +216,11 @@ BATCH_WINDOWS = True  # False: windowed calls take the block loop (tests)
 class _Windows:
     """Geometry of a windowed call: `nb` blocks of `n` queries at positions
     off + j n + i; block j's keys are at first + j n + c for c < kw (those before
-    position 0 are padding, masked)."""
+    position 0 are padding, masked). `key_start`: per batch row, the first key
+    position it may see (None: 0 for every row)."""
 
-    def __init__(self, lq, lk, block, window):
+    def __init__(self, lq, lk, block, window, key_start=None):
+        self.window, self.key_start = window, key_start
         self.n = block
         self.back = -(-(window - 1) // block) * block  # whole blocks: see `_overlap_add`
         self.kw = block + self.back
@@ -280,54 +282,57 @@ def _overlap_add(xw, g, lk):
     return acc
 
 
-def _window_mask(g, window):
-    """`[nb, 1, n, kw]` visibility of the batched windows (MLX-op path)."""
+def _window_mask(g):
+    """`[nb, 1, n, kw]` visibility of the batched windows (MLX-op path), or
+    `[B, 1, nb, 1, n, kw]` with per-row `key_start`."""
     j = mx.arange(g.nb)[:, None, None, None]
     q = g.off + j * g.n + mx.arange(g.n)[:, None]
     k = g.first + j * g.n + mx.arange(g.kw)[None]
-    return (k >= 0) & (k <= q) & (q - k < window)
+    seen = (k <= q) & (q - k < g.window)
+    if g.key_start is None:
+        return seen & (k >= 0)
+    return seen & (k >= mx.array(g.key_start).reshape(-1, 1, 1, 1, 1, 1))
 
 
-def _masked6(s, g, window):
+def _masked6(s, g):
     b, h, nb, rows, kw = s.shape
     s6 = s.astype(mx.float32).reshape(b, h, nb, rows // g.n, g.n, kw)
-    return mx.where(_window_mask(g, window), s6, _NEG).reshape(s.shape)
+    return mx.where(_window_mask(g), s6, _NEG).reshape(s.shape)
 
 
 def _kernel_args(g, rows):
-    return dict(q_start=g.off, k_start=g.first, blocks=(g.n, rows, g.nb, g.n))
+    return dict(q_start=g.off, k_start=g.first, causal=True, window=g.window,
+                blocks=(g.n, rows, g.nb, g.n), key_start=g.key_start)
 
 
-def _window_forward(q, k, v, window, scale, block):
+def _window_forward(q, k, v, scale, block, window, key_start=None):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
-    g = _Windows(lq, lk, block, window)
+    g = _Windows(lq, lk, block, window, key_start)
     qb = _blocked(q * scale, g, groups)
     kw, vw = _gathered(k, g), _gathered(v, g)
     if fused.available():
-        p, lse = fused.softmax(qb @ kw.swapaxes(-1, -2), causal=True, window=window,
-                               dtype=v.dtype, **_kernel_args(g, qb.shape[3]))
+        p, lse = fused.softmax(qb @ kw.swapaxes(-1, -2), dtype=v.dtype, **_kernel_args(g, qb.shape[3]))
     else:
-        s = _masked6(qb @ kw.swapaxes(-1, -2), g, window)
+        s = _masked6(qb @ kw.swapaxes(-1, -2), g)
         lse = mx.logsumexp(s, axis=-1, keepdims=True)
         p = mx.exp(s - lse).astype(v.dtype)
     return _unblocked(p @ vw, g, heads, lq), lse
 
 
-def _window_backward(q, k, v, window, scale, block, o, lse, do):
+def _window_backward(q, k, v, o, lse, do, scale, block, window, key_start=None):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
-    g = _Windows(lq, lk, block, window)
+    g = _Windows(lq, lk, block, window, key_start)
     qb = _blocked(q * scale, g, groups)
     dob = _blocked(do.astype(q.dtype), g, groups)
     delta = _blocked((do.astype(mx.float32) * o.astype(mx.float32)).sum(-1, keepdims=True), g, groups)
     kw, vw = _gathered(k, g), _gathered(v, g)
     s, dp = qb @ kw.swapaxes(-1, -2), dob @ vw.swapaxes(-1, -2)
     if fused.available():
-        p, ds = fused.score_grads(s, dp, lse, delta, causal=True, window=window,
-                                  **_kernel_args(g, qb.shape[3]))
+        p, ds = fused.score_grads(s, dp, lse, delta, **_kernel_args(g, qb.shape[3]))
     else:
-        p = mx.exp(_masked6(s, g, window) - lse)
+        p = mx.exp(_masked6(s, g) - lse)
         ds = (p * (dp.astype(mx.float32) - delta)).astype(q.dtype)
         p = p.astype(q.dtype)
     dq = _unblocked(ds @ kw, g, heads, lq) * scale
@@ -351,7 +356,7 @@ def _window_chunks(q, k, block, window):
     return out
 
 
-def _windowed(q, k, v, window, scale, block):
+def _windowed(q, k, v, window, scale, block, key_start=None):
     """`attention` of a causal window, its blocks batched (see `_Windows`)."""
     chunks = _window_chunks(q, k, block, window)
     lk = k.shape[2]
@@ -366,7 +371,7 @@ def _windowed(q, k, v, window, scale, block):
             qc = q[:, :, q0:q1]
             if outs:  # one call at a time, as the blocks of `_forward`
                 qc = mx.depends(qc, outs[-1])
-            o, lse = _window_forward(qc, keys(k, k1), keys(v, k1), window, scale, block)
+            o, lse = _window_forward(qc, keys(k, k1), keys(v, k1), scale, block, window, key_start)
             outs.append(o)
             lses.append(lse)
         if len(outs) == 1:
@@ -385,8 +390,8 @@ def _windowed(q, k, v, window, scale, block):
             if dqs:
                 qc = mx.depends(qc, [dqs[-1], dk, dv])
             dq, dkc, dvc = _window_backward(
-                qc, keys(k, k1), keys(v, k1), window, scale, block,
-                o[:, :, q0:q1], lse[:, :, j:j + nb], do[:, :, q0:q1],
+                qc, keys(k, k1), keys(v, k1), o[:, :, q0:q1], lse[:, :, j:j + nb],
+                do[:, :, q0:q1], scale, block, window, key_start,
             )
             j += nb
             dqs.append(dq)
@@ -494,7 +499,9 @@ class PackedMask:
     `window`: a sliding-window layer's window (None: global).
 
     Only `routed`'s attention understands it: mlx-lm's layers pass masks through
-    untouched, and the routed call splits the rows into two ordinary calls.
+    untouched, and the routed call splits the rows into two ordinary calls, or,
+    for a sliding window over more than one block, makes one batched-window call
+    of every row over the prompt's last keys and its own (`_packed_windows`).
     """
 
     def __init__(self, prompt_len, window):
@@ -507,9 +514,12 @@ class PackedMask:
                              causal_mask(n, self.prompt_len, self.window))
         return self.masks[n]
 
-    def attend(self, q, k, v, scale, sdpa):
-        """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`."""
+    def attend(self, q, k, v, scale, sdpa, block=None):
+        """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`
+        (or the batched windows, with `block` queries a block)."""
         p, n = self.prompt_len, q.shape[2]
+        if BATCH_WINDOWS and block and self.window and n > block:
+            return self._packed_windows(q, k, v, scale, block)
         head_mask, rest_mask = self._masks(n)
         head = sdpa(q[:1], k[:1], v[:1], None, scale, head_mask)
 
@@ -520,6 +530,24 @@ class PackedMask:
 
         rest = sdpa(q[1:], with_prompt(k), with_prompt(v), None, scale, rest_mask)
         return mx.concatenate([head, rest], axis=0)
+
+    def _packed_windows(self, q, k, v, scale, block):
+        # Every row's keys get the prompt's last `back` keys in front: the keys the
+        # continuations' windows reach before their own. Row 0 (the prompt) masks
+        # them (key_start), so one call serves all rows, where the split above
+        # makes two calls and copies the whole prompt's keys for each continuation.
+        p, window = self.prompt_len, self.window
+        back = _Windows(block, block, block, window).back
+        rows = q.shape[0]
+
+        def extended(x):
+            tail = x[:1, :, max(0, p - back):p]
+            if tail.shape[2] < back:  # a prompt shorter than the window: padding, masked
+                tail = mx.pad(tail, [(0, 0), (0, 0), (back - tail.shape[2], 0), (0, 0)])
+            return mx.concatenate([mx.broadcast_to(tail, (rows,) + tail.shape[1:]), x], axis=2)
+
+        starts = [back] + [max(0, back - p)] * (rows - 1)
+        return _windowed(q, extended(k), extended(v), window, scale, block, starts)
 
 
 def _module_of(model):
@@ -561,7 +589,7 @@ class routed:
 
         def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
             if isinstance(mask, PackedMask):
-                return mask.attend(queries, keys, values, scale, plain)
+                return mask.attend(queries, keys, values, scale, plain, block)
             return plain(queries, keys, values, cache, scale, mask, sinks)
 
         sdpa.packs, sdpa.block = True, block

@@ -142,10 +142,12 @@ _ROW = """
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
   // Batched blocks (geom[4] of them, geom[3] rows each): block j's queries and
-  // keys start geom[5] j positions later.
+  // keys start geom[5] j positions later. Keys before position geom[7 + b] of
+  // batch row b (geom[6] rows each) are masked: positions count from there.
   const int j = geom[4] > 1 ? (int)((row / geom[3]) % geom[4]) : 0;
-  const int q = geom[0] + (int)(row % n_queries) + j * geom[5];
-  const int k0 = geom[1] + j * geom[5];
+  const int first = geom[6] > 0 ? geom[7 + (int)(row / geom[6])] : 0;
+  const int q = geom[0] + (int)(row % n_queries) + j * geom[5] - first;
+  const int k0 = geom[1] + j * geom[5] - first;
   const long at = row * n_keys;
   constexpr int W = 16 / sizeof(T);
 """
@@ -213,21 +215,27 @@ def _template(causal, window, **dtypes):
     return [("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))] + list(dtypes.items())
 
 
-def _geometry(q_start, k_start, blocks):
-    # [first query, first key, queries a block, rows a block, blocks, step]
+def _geometry(s, q_start, k_start, blocks, key_start):
+    # [first query, first key, queries a block, rows a block, blocks, step,
+    #  rows a batch row, first key of each batch row]
     n, rows, count, step = blocks or (0, 1, 1, 0)
-    return mx.array([q_start, k_start, n, rows, count, step], mx.int32)
+    starts = list(key_start or [])
+    if starts and len(starts) != s.shape[0]:
+        raise ValueError(f"key_start: {len(starts)} values for {s.shape[0]} batch rows")
+    per_batch = s.size // (s.shape[-1] * s.shape[0]) if starts else 0
+    return mx.array([q_start, k_start, n, rows, count, step, per_batch] + starts, mx.int32)
 
 
-def softmax(s, q_start, k_start, causal, window, dtype, blocks=None):
+def softmax(s, q_start, k_start, causal, window, dtype, blocks=None, key_start=None):
     """`(p, lse)` of raw block scores `s` `[..., n, K]` (row-contiguous): p in
     `dtype`, lse float32 `[..., n, 1]`. Row r's query sits at `q_start + r % n`,
     column c's key at `k_start + c`. `blocks = (n, rows, count, step)`: the rows
     are `count` batched blocks of `rows` rows (n queries each), cycling, and block
-    j's queries and keys sit `j * step` positions later."""
+    j's queries and keys sit `j * step` positions later. `key_start` (one int per
+    `s.shape[0]`) masks each batch row's keys before that position."""
     rows = s.size // s.shape[-1]
     p, lse = _kernel("fcce_attn_softmax", ["s", "geom"], ["p", "lse"], _SOFTMAX)(
-        inputs=[s, _geometry(q_start, k_start, blocks)],
+        inputs=[s, _geometry(s, q_start, k_start, blocks, key_start)],
         template=_template(causal, window, T=s.dtype, P=dtype),
         grid=(_warps(rows), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape[:-1] + (1,)], output_dtypes=[dtype, mx.float32],
@@ -235,15 +243,16 @@ def softmax(s, q_start, k_start, causal, window, dtype, blocks=None):
     return p, lse
 
 
-def score_grads(s, dp, lse, delta, q_start, k_start, causal, window, blocks=None):
+def score_grads(s, dp, lse, delta, q_start, k_start, causal, window, blocks=None,
+                key_start=None):
     """`(p, ds)` in `s.dtype` of a block: raw scores `s` and `dp = dO V^T`
     `[..., n, K]`, its rows' `lse` and `delta = sum(dO * O)` `[..., n, 1]`
-    (positions and `blocks` as in `softmax`)."""
+    (positions, `blocks` and `key_start` as in `softmax`)."""
     p, ds = _kernel(
         "fcce_attn_score_grads", ["s", "dp", "lse", "delta", "geom"], ["p", "ds"], _SCORE_GRADS,
     )(
         inputs=[s, dp, lse.astype(mx.float32), delta.astype(mx.float32),
-                _geometry(q_start, k_start, blocks)],
+                _geometry(s, q_start, k_start, blocks, key_start)],
         template=_template(causal, window, T=s.dtype),
         grid=(_warps(s.size // s.shape[-1]), 1, 1), threadgroup=(_ROWS_PER_BLOCK * 32, 1, 1),
         output_shapes=[s.shape, s.shape], output_dtypes=[s.dtype, s.dtype],
