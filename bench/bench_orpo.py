@@ -29,6 +29,9 @@ Providers (each a full step: forward, backward, gradients evaluated):
                         default set)
   mlx_linears           flash_cce with quantized and LoRA layers computing as mlx-lm
                         defines them, as before `flash_cce.layers` (not in the default set)
+  split_windows         flash_cce with a packed sliding-window layer's rows in two calls
+                        (the prompt's, the continuations'), as before one batched-window
+                        call took them all (not in the default set)
   X+Y                   switches combined, e.g. block=64+no_window
 A provider that fails (e.g. out of memory) is reported with its error; `no_flash_head`
 runs last in each row (see LAST). `--vary-prompt K` gives every step of a row its own
@@ -142,22 +145,24 @@ def _plain_window_mask(n, offset, window):
     return create_causal_mask(n, offset, window_size=window)
 
 
-def ours(model, pairs, no_window=False, mlx_linears=False, **switches):
+def ours(model, pairs, no_window=False, mlx_linears=False, split_windows=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
     pairs = cycling(pairs)
+    attn = flash_cce.attention
 
     def step():
         pair = pairs()
-        saved = flash_cce.attention.window_mask, flash_cce.objectives.training_layers
+        saved = attn.window_mask, flash_cce.objectives.training_layers, attn.PACKED_WINDOWS
         if no_window:
-            flash_cce.attention.window_mask = _plain_window_mask
+            attn.window_mask = _plain_window_mask
         if mlx_linears:
             flash_cce.objectives.training_layers = contextlib.nullcontext
+        attn.PACKED_WINDOWS = not split_windows
         try:
             loss, grads, metrics = value_and_grad(model, [pair], cfg)
             mx.eval(loss, grads, metrics)
         finally:
-            flash_cce.attention.window_mask, flash_cce.objectives.training_layers = saved
+            attn.window_mask, flash_cce.objectives.training_layers, attn.PACKED_WINDOWS = saved
 
     return step
 
@@ -205,6 +210,7 @@ SWITCHES = {
     "no_block_attn": dict(attention_block=0),
     "no_window": dict(no_window=True),
     "mlx_linears": dict(mlx_linears=True),
+    "split_windows": dict(split_windows=True),
 }
 
 
