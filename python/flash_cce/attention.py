@@ -501,8 +501,8 @@ class PackedMask:
 
     Only `routed`'s attention understands it: mlx-lm's layers pass masks through
     untouched, and the routed call splits the rows into two ordinary calls, or,
-    for a sliding window, makes one batched-window call of every row over the
-    prompt's last keys and its own (`_packed_windows`).
+    for a sliding window over more than one block, makes one batched-window call
+    of every row over the prompt's last keys and its own (`_packed_windows`).
     """
 
     def __init__(self, prompt_len, window):
@@ -519,8 +519,8 @@ class PackedMask:
         """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`
         (or the batched windows, with `block` queries a block)."""
         p, n = self.prompt_len, q.shape[2]
-        if PACKED_WINDOWS and BATCH_WINDOWS and block and self.window:
-            return self._packed_windows(q, k, v, scale, min(block, n))
+        if PACKED_WINDOWS and BATCH_WINDOWS and block and self.window and n > block:
+            return self._packed_windows(q, k, v, scale, block)
         head_mask, rest_mask = self._masks(n)
         head = sdpa(q[:1], k[:1], v[:1], None, scale, head_mask)
 
