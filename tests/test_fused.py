@@ -74,12 +74,14 @@ def test_softmax_and_score_grads(case, dtype):
     assert _rel(ds, ds_ref) <= tol
 
 
+@pytest.mark.parametrize("key_start", [None, (0, 7)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_batched_blocks(dtype):
+def test_batched_blocks(dtype, key_start):
     """Rows of batched blocks (`blocks`, as the batched windows of `attention`
     lay them out): block j's queries and keys sit j * n positions later, its rows
-    are (query head, query), keys before position 0 are masked."""
-    n, heads, nb, kn, q0, k0, window = 16, 3, 4, 32, 0, -16, 20
+    are (query head, query), keys before position 0 are masked, and with
+    `key_start` those before each batch row's own first key."""
+    n, heads, nb, kn, q0, k0, window = 16, 3, 4, 32, 8, -16, 20
     rng = np.random.default_rng(2)
     shape = (2, 1, nb, heads * n, kn)
     s = mx.array(rng.standard_normal(shape).astype(np.float32) * 4).astype(dtype)
@@ -88,16 +90,18 @@ def test_batched_blocks(dtype):
     j = mx.arange(nb)[:, None, None, None]
     q = q0 + j * n + mx.arange(n)[:, None]
     k = k0 + j * n + mx.arange(kn)[None]
-    m = (k >= 0) & (k <= q) & (q - k < window)  # [nb, 1, n, kn]: every query head alike
+    first = mx.array(key_start or (0, 0)).reshape(2, 1, 1, 1, 1, 1)
+    m = (k >= first) & (k <= q) & (q - k < window)  # [2, 1, nb, 1, n, kn]: query heads alike
+    assert m.any(axis=-1).all()  # no row fully masked: lse stays on the scale of the scores
     sf = mx.where(m, s.astype(mx.float32).reshape(2, 1, nb, heads, n, kn), attn._NEG).reshape(shape)
     lse_ref = mx.logsumexp(sf, axis=-1, keepdims=True)
     p_ref = mx.exp(sf - lse_ref)
     ds_ref = p_ref * (dp.astype(mx.float32) - delta)
-    blocks = (n, heads * n, nb, n)
-    p, lse = ak.softmax(s, q0, k0, True, window, mx.float32, blocks=blocks)
+    args = dict(blocks=(n, heads * n, nb, n), key_start=key_start)
+    p, lse = ak.softmax(s, q0, k0, True, window, mx.float32, **args)
     assert _rel(lse, lse_ref) <= TOL and _rel(p, p_ref) <= TOL
     tol = TOL if dtype == mx.float32 else 2**-8
-    p2, ds = ak.score_grads(s, dp, lse_ref, delta, q0, k0, True, window, blocks=blocks)
+    p2, ds = ak.score_grads(s, dp, lse_ref, delta, q0, k0, True, window, **args)
     assert _rel(p2, p_ref) <= tol and _rel(ds, ds_ref) <= tol
 
 @pytest.mark.parametrize("mask", ["causal", "window", None])
