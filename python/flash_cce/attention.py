@@ -214,6 +214,12 @@ BATCH_WINDOWS = True  # False: windowed calls take the block loop (tests)
 PACKED_WINDOWS = True  # False: packed sliding-window rows take two calls (benchmarks)
 
 
+def _reach(window, block):
+    """Keys before its block that a block's window reaches, in whole blocks (see
+    `_overlap_add`)."""
+    return -(-(window - 1) // block) * block
+
+
 class _Windows:
     """Geometry of a windowed call: `nb` blocks of `n` queries at positions
     off + j n + i; block j's keys are at first + j n + c for c < kw (those before
@@ -223,7 +229,7 @@ class _Windows:
     def __init__(self, lq, lk, block, window, key_start=None):
         self.window, self.key_start = window, key_start
         self.n = block
-        self.back = -(-(window - 1) // block) * block  # whole blocks: see `_overlap_add`
+        self.back = _reach(window, block)
         self.kw = block + self.back
         self.nb = -(-lq // block)
         self.off = lk - lq
@@ -235,7 +241,7 @@ def _batched_windows(lq, lk, block, mask, window):
     keys, over more than one block."""
     if not (isinstance(mask, str) and window is not None and lq > block):
         return False
-    return block + _Windows(lq, lk, block, window).back < lk
+    return block + _reach(window, block) < lk
 
 
 def _blocked(x, g, groups):
@@ -538,7 +544,7 @@ class PackedMask:
         # them (key_start), so one call serves all rows, where the split above
         # makes two calls and copies the whole prompt's keys for each continuation.
         p, window = self.prompt_len, self.window
-        back = _Windows(block, block, block, window).back
+        back = _reach(window, block)
         rows = q.shape[0]
 
         def extended(x):
