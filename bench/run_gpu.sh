@@ -2,14 +2,22 @@
 # Builds the extension with its CUDA kernels against the MLX found on
 # PYTHONPATH, then runs the requested stages on the GPU:
 #   test      GPU-vs-CPU parity tests (tests/test_gpu_*.py)
+#   select K  the parity tests whose names match pytest's -k expression K
 #   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu
 #   sanitize  compute-sanitizer memcheck and racecheck on a small shape
 #   bench ARGS...  bench/bench_head.py ARGS (must come last)
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
-# skips nvcc with a fatbin built elsewhere from the same sources.
+# skips nvcc with a fatbin built elsewhere from the same sources;
+# FLASH_CCE_WHEELS names a folder of wheels (e.g. the torch peers of bench_head.py) to put
+# on PYTHONPATH first, for machines without a package index.
 set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
+if [ -n "${FLASH_CCE_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/flash-cce-wheels \
+    "$FLASH_CCE_WHEELS"/*.whl >"$out/wheels.log" 2>&1 || { cat "$out/wheels.log"; exit 1; }
+  export PYTHONPATH="/tmp/flash-cce-wheels${PYTHONPATH:+:$PYTHONPATH}"
+fi
 extra=()
 if [ -n "${FLASH_CCE_PREBUILT_FATBIN:-}" ]; then
   extra+=("-DFLASH_CCE_PREBUILT_FATBIN=$FLASH_CCE_PREBUILT_FATBIN")
@@ -31,6 +39,10 @@ while [ $# -gt 0 ]; do
   case $stage in
     test)
       timeout 150 python3 -m pytest -q tests/test_gpu_head.py 2>&1 | tee "$out/test_gpu.log" | tail -15 || status=1 ;;
+    select)
+      timeout ${FLASH_CCE_TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/test_gpu_head.py -k "$1" 2>&1 |
+        tee "$out/select_gpu.log" | tail -15 || status=1
+      shift ;;
     suite)
       FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q -rfE tests 2>&1 | tee "$out/suite_gpu.log" | tail -40 || status=1 ;;
     sanitize)
