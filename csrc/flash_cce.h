@@ -116,9 +116,6 @@ class FlashCCEForward : public mx::Primitive {
     return "FlashCCEForward";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
-  const HeadConfig& config() const {
-    return cfg_;
-  }
 
  private:
   HeadConfig cfg_;

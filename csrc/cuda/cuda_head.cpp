@@ -533,8 +533,6 @@ class ChunkPasses {
     }
   }
 
-  int64_t chunk() const { return chunk_; }
-  const mx::array& buffer() const { return buf_; }
   DsParams& ds() { return ds_; }
   DhParams& dh() { return dh_; }
   Launch& launch() { return launch_; }
