@@ -293,8 +293,8 @@ struct QTile {
   uint4 v[kSegs][kVecs];
   // Two sets of the scales' and biases' bits, by k-step parity: each k-step
   // loads the next tile's into one and converts the other's, loaded a k-step
-  // before. Converting them as they were loaded made the producer wait for
-  // the loads: its most-sampled stall (Nsight Compute).
+  // before. Converting them as they were loaded would make the producer wait
+  // for the loads.
   uint32_t scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
   // 4-bit tiles take them as a pair of T, 8-bit ones as a float.
   using Scale = std::conditional_t<QB == 4, uint32_t, float>;
