@@ -46,10 +46,11 @@ SCRIPT = textwrap.dedent(
     s = h.astype(np.float64) @ w.astype(np.float64).T
     lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
     ref = s[np.arange(M), y] - lse
-    # fp32 dot products of length H err by at most H * u * sum|h_k w_k| (u = 2^-24);
-    # logp = s_y - lse takes two such errors plus a few roundings of |lse|.
+    # The bound of test_head.py: a logit errs by at most (H + 2) u sum|h_k w_k|
+    # (u = 2^-24), and logp by twice that plus (V + 16) u (1 + |lse|).
     u = 2.0 ** -24
-    bound = 2 * H * u * (np.abs(h) @ np.abs(w).T).max(1) + 8 * u * (1 + np.abs(lse))
+    ds = (H + 2) * u * (np.abs(h) @ np.abs(w).T).max(1)
+    bound = 2 * ds + (V + 16) * u * (1 + np.abs(lse))
     err = np.abs(logp - ref)
     assert (err <= bound).all(), (err, bound)
     assert abs(loss + ref.sum()) <= bound.sum(), (loss, -ref.sum())
