@@ -25,12 +25,14 @@ extra=()
 if [ -n "${FLASH_CCE_PREBUILT_FATBIN:-}" ]; then
   extra+=("-DFLASH_CCE_PREBUILT_FATBIN=$FLASH_CCE_PREBUILT_FATBIN")
 fi
+build_start=$SECONDS
 if ! { cmake -S . -B build/gpu -G Ninja -DFLASH_CCE_CUDA=ON \
         -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=${FLASH_CCE_BUILD_TYPE:-Release} "${extra[@]}" &&
       cmake --build build/gpu -j; } >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   exit 1
 fi
+echo "build: $((SECONDS - build_start)) s"
 cp build/gpu/_ext*.so build/gpu/csrc/cuda/flash_cce_kernels.fatbin python/flash_cce/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >"$out/gpu.txt" 2>&1
@@ -47,7 +49,7 @@ while [ $# -gt 0 ]; do
         tee "$out/select_gpu.log" | tail -15 || status=1
       shift ;;
     ptx)
-      FLASH_CCE_FATBIN="$(realpath "$1")" timeout 300 python3 -m pytest -q -rA tests/test_gpu_head.py 2>&1 |
+      FLASH_CCE_FATBIN="$(realpath "$1")" timeout 150 python3 -m pytest -q -rA tests/test_gpu_head.py 2>&1 |
         tee "$out/ptx_gpu.log" | grep -E "flash_cce CUDA kernels|passed|failed|error" | tail -5 || status=1
       shift ;;
     suite)
