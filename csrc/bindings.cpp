@@ -43,5 +43,7 @@ NB_MODULE(_ext, m) {
       "Validates head arguments; returns the bit width of a quantized w.");
 
   m.def("has_gpu_kernels", &flash_cce::has_gpu_kernels);
+  m.def("gpu_kernel_image", &flash_cce::gpu_kernel_image,
+        "The CUDA kernels' fatbin image on the default GPU and the kernels it routes to.");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 }

@@ -617,6 +617,10 @@ bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype) {
 bool has_gpu_kernels() {
   return true;
 }
+std::string gpu_kernel_image() {
+  mx::Device d = mx::default_device();
+  return cuda::kernel_image(d == mx::Device::gpu ? d.index : 0);
+}
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   cuda::forward(stream(), make_problem(inputs, cfg_), inputs, outputs);
@@ -634,6 +638,9 @@ void FlashCCEFusedDh::eval_gpu(const std::vector<mx::array>& inputs,
 #else
 bool has_gpu_kernels() {
   return false;
+}
+std::string gpu_kernel_image() {
+  throw std::runtime_error("[flash_cce] this build has no GPU kernel");
 }
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>&,
                                std::vector<mx::array>&) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -84,6 +85,9 @@ std::vector<mx::array> flash_cce_backward(
 
 // True when eval_gpu has a native kernel in this build (CUDA today).
 bool has_gpu_kernels();
+// The CUDA kernels' image on the default GPU and the kernels it routes to
+// (loads them); an error in a build without GPU kernels.
+std::string gpu_kernel_image();
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);

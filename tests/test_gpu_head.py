@@ -415,3 +415,19 @@ def test_extra_memory_is_bounded(softcap):
     logits = m * v * 4
     assert extra <= allowed, (extra, allowed)
     assert extra < logits / 16, (extra, logits)
+
+
+def test_kernel_image_routes_to_its_kernels():
+    """The fatbin image the driver loaded decides the kernels: only an sm_90a
+    SASS image holds the Hopper ones; PTX, JIT-compiled for a GPU without a
+    matching SASS image, runs the portable ones. The parity tests above check
+    whichever path this image routes to."""
+    image = _ext.gpu_kernel_image()
+    print(f"flash_cce CUDA kernels: {image}")
+    device, rest = image.split(", ", 1)
+    loaded, kernels = rest.rsplit(", ", 1)
+    assert kernels in ("Hopper kernels", "portable kernels"), image
+    if "PTX, JIT-compiled" in loaded or device != "device sm_90":
+        assert kernels == "portable kernels", image
+    else:
+        assert (loaded, kernels) == ("image sm_90a SASS", "Hopper kernels"), image

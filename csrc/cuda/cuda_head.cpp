@@ -46,14 +46,20 @@ std::string fatbin_path() {
   return so.substr(0, so.find_last_of('/') + 1) + "flash_cce_kernels.fatbin";
 }
 
+// The image of the fatbin that the driver picked for this GPU.
+struct Image {
+  int arch = 0;           // __CUDA_ARCH__ it was compiled for (e.g. 900, 800)
+  int binary = 0;         // compute capability of the loaded machine code (e.g. 90)
+  int device = 0;         // the GPU's compute capability
+  bool jit = false;       // PTX compiled by the driver at load time
+  bool wgmma = false;     // holds the Hopper kernels
+};
+
 class Kernels {
  public:
   CUfunction get(const std::string& name, int ordinal, int smem) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!module_) {
-      ordinal_ = ordinal;
-      load();
-    }
+    ensure_loaded(ordinal);
     auto it = fns_.find(name);
     if (it != fns_.end()) {
       return it->second;
@@ -66,7 +72,51 @@ class Kernels {
     return fn;
   }
 
+  const Image& image(int ordinal) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ensure_loaded(ordinal);
+    return image_info_;
+  }
+
  private:
+  void ensure_loaded(int ordinal) {
+    if (!module_) {
+      ordinal_ = ordinal;
+      load();
+      describe();
+    }
+  }
+
+  int read_global(const char* name) {
+    CUdeviceptr ptr;
+    size_t bytes = 0;
+    check(cuModuleGetGlobal(&ptr, &bytes, module_, name), name);
+    int v = 0;
+    check(cuMemcpyDtoH(&v, ptr, sizeof(v)), name);
+    return v;
+  }
+
+  // A SASS image runs as compiled (binary == arch / 10); PTX is compiled by
+  // the driver for the GPU at hand, so its binary version is the GPU's.
+  void describe() {
+    Image& im = image_info_;
+    im.arch = read_global("fcce_image_arch");
+    im.wgmma = read_global("fcce_image_wgmma") != 0;
+    CUfunction fn;
+    check(cuModuleGetFunction(&fn, module_, "fcce_zero"), "kernel fcce_zero");
+    check(cuFuncGetAttribute(&im.binary, CU_FUNC_ATTRIBUTE_BINARY_VERSION, fn),
+          "binary version");
+    CUdevice dev;
+    int major = 0, minor = 0;
+    check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
+    check(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+          "compute capability");
+    check(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+          "compute capability");
+    im.device = major * 10 + minor;
+    im.jit = im.binary * 10 != im.arch;
+  }
+
   void load() {
     const std::string path = fatbin_path();
     std::ifstream in(path, std::ios::binary);
@@ -91,6 +141,7 @@ class Kernels {
   std::mutex mutex_;
   std::string image_;
   CUmodule module_ = nullptr;
+  Image image_info_;
   int ordinal_ = 0;
   std::unordered_map<std::string, CUfunction> fns_;
 };
@@ -213,7 +264,8 @@ bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
       (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 &&
                              (gs & (gs - 1)) == 0 && q4_exact
                        : p.w_dtype == p.h_dtype);
-  return !off && dev.compute_capability_major() == 9 && weight_ok &&
+  return !off && dev.compute_capability_major() == 9 &&
+      kernels().image(s.device.index).wgmma && weight_ok &&
       (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
       reinterpret_cast<uintptr_t>(p.h) % 16 == 0;
 }
@@ -883,6 +935,16 @@ void fused_dh(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   }
   enc.set_output_array(outputs[0]);
   Launch{enc, s.device.index}("fcce_fused_dh", p.M, 0, fp);
+}
+
+std::string kernel_image(int ordinal) {
+  const Image& im = kernels().image(ordinal);
+  auto sm = [](int v) { return std::to_string(v); };
+  std::string out = "device sm_" + sm(im.device) + ", image ";
+  out += im.jit ? "compute_" + sm(im.arch / 10) + " PTX, JIT-compiled to sm_" + sm(im.binary)
+                : "sm_" + sm(im.binary) + (im.wgmma ? "a" : "") + " SASS";
+  out += im.wgmma ? ", Hopper kernels" : ", portable kernels";
+  return out;
 }
 
 } // namespace flash_cce::cuda

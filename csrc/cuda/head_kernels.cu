@@ -1053,3 +1053,15 @@ FCCE_ALL_WEIGHTS(f16, __half)
 
 FCCE_WG_KERNELS(bf16, __nv_bfloat16)
 FCCE_WG_KERNELS(f16, __half)
+
+// Which image of the fatbin the driver loaded (a SASS image, or PTX it
+// compiled for this GPU): the architecture it was built for, and whether it
+// holds the Hopper kernels (only an sm_90a image does; elsewhere they are empty).
+#ifdef __CUDA_ARCH__
+extern "C" __device__ int fcce_image_arch = __CUDA_ARCH__;
+#ifdef FLASH_CCE_WGMMA
+extern "C" __device__ int fcce_image_wgmma = 1;
+#else
+extern "C" __device__ int fcce_image_wgmma = 0;
+#endif
+#endif
