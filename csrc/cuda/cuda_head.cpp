@@ -19,6 +19,7 @@
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "params.h"
+#include "plan.h"
 
 namespace flash_cce::cuda {
 
@@ -211,10 +212,6 @@ std::string variant(const HeadProblem& p) {
   return t + "_qany";
 }
 
-int64_t cdiv(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 mx::array scratch(mx::cu::CommandEncoder& enc, mx::Shape shape, mx::Dtype t) {
   mx::array a(std::move(shape), t, nullptr, {});
   a.set_data(mx::allocator::malloc(a.nbytes()));
@@ -241,18 +238,10 @@ struct Launch {
   }
 };
 
-// Whether environment switch `name` (benchmarks) is set and starts with `c`.
-bool env_is(const char* name, char c) {
-  const char* env = std::getenv(name);
-  return env && env[0] == c;
-}
-
 // The Hopper path takes a 16-bit h with 16-byte rows and either a dense W of
 // the same type or a 4- or 8-bit one (dequantized by the producer warpgroup).
-// Other heads use the mma.sync kernels.
+// Other heads, and tuning.wgmma = false, use the mma.sync kernels.
 bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
-  // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
-  const bool off = env_is("FLASH_CCE_NO_WGMMA", '1');
   const auto& dev = mx::cu::device(s.device);
   // The Hopper kernels read packed rows as 16-byte vectors and find a column's
   // group with a shift. They dequantize 4-bit codes two at a time with one fma
@@ -264,7 +253,7 @@ bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
       (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 &&
                              (gs & (gs - 1)) == 0 && q4_exact
                        : p.w_dtype == p.h_dtype);
-  return !off && dev.compute_capability_major() == 9 &&
+  return p.cfg.tuning.wgmma && dev.compute_capability_major() == 9 &&
       kernels().image(s.device.index).wgmma && weight_ok &&
       (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
       reinterpret_cast<uintptr_t>(p.h) % 16 == 0;
@@ -320,11 +309,11 @@ CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
 }
 
 // On Hopper a quantized head's forward, fused P pass and dh take W as the
-// register operand (head_wgmma_rs.cuh) unless FLASH_CCE_QUANT_RS=0 asks for
-// the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed
-// words; the scales and biases are 16-bit (fp32 ones take the producer).
+// register operand (head_wgmma_rs.cuh) unless tuning.quant_rs = false asks for
+// the dequantizing producer. TMA needs 16-byte rows of packed words; the
+// scales and biases are 16-bit (fp32 ones take the producer).
 bool use_rs(const HeadProblem& p) {
-  return p.cfg.quantized && !env_is("FLASH_CCE_QUANT_RS", '0') &&
+  return p.cfg.quantized && p.cfg.tuning.quant_rs &&
       (p.H * p.cfg.bits / 8) % 16 == 0 && (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
 }
 
@@ -350,61 +339,42 @@ mx::cu::CommandEncoder& begin(mx::Stream s, HeadProblem& p, const std::vector<mx
   return enc;
 }
 
-// Multiprocessors of the device: the grid of the persistent kernels.
-int sm_count(int ordinal) {
+// The attributes the launch planning reads, asked once per GPU.
+DeviceInfo device_info(int ordinal) {
   static std::mutex mutex;
-  static std::unordered_map<int, int> counts;
+  static std::unordered_map<int, DeviceInfo> infos;
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = counts.find(ordinal);
-  if (it == counts.end()) {
+  auto it = infos.find(ordinal);
+  if (it == infos.end()) {
     CUdevice dev;
-    int n = 0;
+    int sms = 0, l2 = 0;
+    check(cuInit(0), "cuInit");
     check(cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+    check(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
           "multiprocessor count");
-    it = counts.emplace(ordinal, n).first;
+    check(cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev), "L2 cache size");
+    it = infos.emplace(ordinal, DeviceInfo{sms, l2}).first;
   }
   return it->second;
 }
 
-// Vocabulary splits of the forward: enough blocks for ~8 waves of one block
-// per multiprocessor, while the [splits, M] partials stay under 32 MB.
-int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
-  const int64_t want = cdiv(132 * 8, m_tiles);
-  const int64_t cap = std::max<int64_t>(1, (int64_t(4) << 20) / M);
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
+// The launch sizes of p on the GPU of s.
+LaunchPlan launch_plan(const mx::Stream& s, const HeadProblem& p) {
+  return plan_launch(p.cfg.tuning, device_info(s.device.index));
 }
 
-// m tiles a forward group keeps in flight: their rows of h, re-read for every
-// vocabulary tile, must stay in L2 (16 MB of the card's 50, the rest for the
-// W tiles the splits stream); each group reads all of W once.
-// FLASH_CCE_FWD_L2_MB sets another budget (benchmarks).
-int forward_group(int64_t m_tiles, int64_t tile_rows, int64_t H, int64_t elt) {
-  int64_t budget = 16;
-  if (const char* env = std::getenv("FLASH_CCE_FWD_L2_MB")) {
-    budget = std::max<int64_t>(1, std::atoll(env));
-  }
-  const int64_t fit = (budget << 20) / (tile_rows * H * elt);
-  return static_cast<int>(std::clamp<int64_t>(fit, 1, m_tiles));
-}
-
-// Width of the vocabulary chunk of the backward and the fused forward, a
-// multiple of both tile widths: the [M, width] dS buffer stays under 48 MB.
-// FLASH_CCE_VOCAB_CHUNK asks for narrower chunks (tests of the chunk loop).
-int64_t backward_chunk(int64_t M, int64_t V) {
-  int64_t cols = (int64_t(48) << 20) / (2 * M);
-  if (const char* env = std::getenv("FLASH_CCE_VOCAB_CHUNK")) {
-    cols = std::min<int64_t>(cols, std::atoll(env));
-  }
-  return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
+// Width of the vocabulary chunk of the backward and the fused forward for
+// blocks of M rows, a multiple of every tile width.
+int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V) {
+  return vocab_chunk(plan, M, V, kWgTileN);
 }
 
 // Whether the Hopper kernels leave the target logits to gather_targets: the
 // register-operand (4/8-bit) ones always, the dense ones unless
-// FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
+// tuning.gather_targets = false.
 bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
   return use_wgmma(s, p) &&
-      (use_rs(p) || (!p.cfg.quantized && !env_is("FLASH_CCE_GATHER_TARGETS", '0')));
+      (use_rs(p) || (!p.cfg.quantized && p.cfg.tuning.gather_targets));
 }
 
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
@@ -449,10 +419,11 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   const int tile_rows = rs ? kRsTileM : kTileM;
   fp.m_tiles = static_cast<int>(cdiv(p.M, tile_rows));
   fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
-  fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
+  const LaunchPlan plan = launch_plan(s, p);
+  fp.splits = forward_splits(plan, p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
-  fp.m_group = forward_group(fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
+  fp.m_group = forward_group(plan, fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
   fp.cap = p.cfg.softcap;
 
   auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
@@ -492,18 +463,6 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   return {parts, fp};
 }
 
-// Rows per block of the chunked passes. The fp32 [rows, H] accumulator is read
-// and written once per vocabulary chunk, and a chunk holds 48 MB / (2 rows)
-// columns, so that traffic grows with rows^2: blocks of at most 4096 rows keep
-// it linear in M. FLASH_CCE_ROW_BLOCK sets another size (tests of the loop).
-int64_t row_block(int64_t M) {
-  int64_t rows = 4096;
-  if (const char* env = std::getenv("FLASH_CCE_ROW_BLOCK")) {
-    rows = std::max<int64_t>(1, std::atoll(env));
-  }
-  return std::min(M, rows);
-}
-
 // Rows [r0, r0 + rows) of p as a problem of their own.
 HeadProblem row_slice(const HeadProblem& p, int64_t r0, int64_t rows) {
   HeadProblem q = p;
@@ -524,7 +483,7 @@ mx::array split_flags(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProbl
   if (!use_wgmma(s, p)) {
     return mx::array(0);
   }
-  const int n = sm_count(s.device.index);
+  const int n = device_info(s.device.index).sms;
   auto flags = scratch(enc, {n}, mx::int32);
   ZeroParams z{mx::gpu_ptr<int32_t>(flags), n};
   enc.set_output_array(flags);
@@ -549,7 +508,8 @@ class ChunkPasses {
     M_ = p.M;
     chunk_ = chunk;
     wg_ = use_wgmma(s, p);
-    sms_ = sm_count(s.device.index);
+    plan_ = launch_plan(s, p);
+    sms_ = plan_.sms;
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
 
     ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
@@ -654,22 +614,19 @@ class ChunkPasses {
 
  private:
   // The split of the last round of a dh launch over `tiles` output tiles.
-  // FLASH_CCE_DH_SPLITS caps the pieces a tile (1: none; benchmarks).
+  // plan_.dh_splits caps the pieces a tile (1: none).
   DhSplit dh_split(int64_t tiles, int64_t width) {
-    int max_splits = 4;
-    if (const char* env = std::getenv("FLASH_CCE_DH_SPLITS")) {
-      max_splits = std::max(1, std::atoi(env));
-    }
     DhSplit sp{};
     sp.flags = mx::gpu_ptr<int32_t>(flags_);
     plan_dh_split(sp, static_cast<int>(tiles), sms_, static_cast<int>(cdiv(width, kWgTileK)),
-                  max_splits, 4);
+                  plan_.dh_splits, 4);
     return sp;
   }
 
   mx::cu::CommandEncoder& enc_;
   Launch launch_;
   HeadProblem p_;
+  LaunchPlan plan_;
   const std::vector<mx::array>& inputs_;
   mx::array acc_;
   mx::array buf_;
@@ -698,7 +655,8 @@ class ChunkPasses {
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
-  const int64_t H = p.H, block = row_block(p.M), chunk = backward_chunk(block, p.V);
+  const LaunchPlan plan = launch_plan(s, p);
+  const int64_t H = p.H, block = row_block(plan, p.M), chunk = backward_chunk(plan, block, p.V);
   const bool wg = use_wgmma(s, p);
   const int64_t tiles = cdiv(chunk, stats_tile_width(wg, wg && use_rs(p)));
   const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
@@ -848,7 +806,9 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   const auto ct = compute_dtype(p);
   const int64_t H = p.H, V = p.V;
   // dW sums over every row per chunk: one block of all rows then.
-  const int64_t block = want_dw ? p.M : row_block(p.M), chunk = backward_chunk(block, V);
+  const LaunchPlan plan = launch_plan(s, p);
+  const int64_t block = want_dw ? p.M : row_block(plan, p.M);
+  const int64_t chunk = backward_chunk(plan, block, V);
   auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, ct);
   // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer
   // (one row block's, reused).
@@ -945,6 +905,19 @@ std::string kernel_image(int ordinal) {
                 : "sm_" + sm(im.binary) + (im.wgmma ? "a" : "") + " SASS";
   out += im.wgmma ? ", Hopper kernels" : ", portable kernels";
   return out;
+}
+
+std::vector<std::pair<std::string, int64_t>> launch_plan_items(int ordinal,
+                                                               const HeadTuning& tuning) {
+  const DeviceInfo d = device_info(ordinal);
+  const LaunchPlan plan = plan_launch(tuning, d);
+  return {{"sms", d.sms},
+          {"l2_bytes", d.l2_bytes},
+          {"row_block", plan.row_block},
+          {"chunk_bytes", plan.chunk_bytes},
+          {"vocab_chunk", plan.vocab_chunk},
+          {"fwd_l2_bytes", plan.fwd_l2_bytes},
+          {"dh_splits", plan.dh_splits}};
 }
 
 } // namespace flash_cce::cuda

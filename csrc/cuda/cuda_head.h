@@ -26,4 +26,9 @@ void fused_dh(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& 
 // routes to, e.g. "device sm_90, image sm_90a SASS, Hopper kernels".
 std::string kernel_image(int ordinal);
 
+// The device attributes of GPU `ordinal` and the launch sizes `tuning`
+// resolves to there (plan.h), as (name, value) pairs.
+std::vector<std::pair<std::string, int64_t>> launch_plan_items(int ordinal,
+                                                               const HeadTuning& tuning);
+
 } // namespace flash_cce::cuda
