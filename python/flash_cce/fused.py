@@ -24,7 +24,6 @@ Gemma's MLP (`layers`): `gelu_approx_grad(x, g)`, the gradient of
 compiled forward op by op: about ten passes).
 """
 
-import os
 
 import mlx.core as mx
 
@@ -191,10 +190,7 @@ def _kernel(name, inputs, outputs, source):
 
 
 def available():
-    """Whether the kernels run here: MLX's CUDA backend is the default device,
-    unless FLASH_CCE_FUSED_KERNELS=0."""
-    if os.environ.get("FLASH_CCE_FUSED_KERNELS", "1") == "0":
-        return False
+    """Whether the kernels run here: MLX's CUDA backend is the default device."""
     return (
         mx.default_device() == mx.gpu
         and hasattr(mx, "cuda") and mx.cuda.is_available()
