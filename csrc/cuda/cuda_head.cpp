@@ -1,169 +1,27 @@
-// Host side of the CUDA flash-CCE head: loads the kernels' fatbin once per
-// process with the driver API (libmlx links the CUDA runtime statically, so
-// kernels registered with our own runtime would be invisible to MLX's graphs),
-// plans the launches and records them on MLX's command encoder.
+// Host side of the CUDA flash-CCE head: the passes of the forward, the
+// backward and the fused dh, recorded as launches on MLX's command encoder
+// (kernels from loader.h, chosen in dispatch.h, sized by plan.h).
 #include "cuda_head.h"
 
 #include <cuda.h>
-#include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <mutex>
-#include <stdexcept>
 #include <string>
-#include <unordered_map>
 
+#include "dispatch.h"
+#include "loader.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "params.h"
 #include "plan.h"
+#include "tma.h"
 
 namespace flash_cce::cuda {
 
 namespace {
 
-void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    const char* msg = nullptr;
-    cuGetErrorString(r, &msg);
-    throw std::runtime_error(std::string("[flash_cce] ") + what + ": " +
-                             (msg ? msg : "unknown CUDA error"));
-  }
-}
-
-// The fatbin installed beside the extension module (FLASH_CCE_FATBIN overrides).
-std::string fatbin_path() {
-  if (const char* env = std::getenv("FLASH_CCE_FATBIN")) {
-    return env;
-  }
-  Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&fatbin_path), &info) || !info.dli_fname) {
-    throw std::runtime_error("[flash_cce] cannot locate the extension module");
-  }
-  std::string so = info.dli_fname;
-  return so.substr(0, so.find_last_of('/') + 1) + "flash_cce_kernels.fatbin";
-}
-
-// The image of the fatbin that the driver picked for this GPU.
-struct Image {
-  int arch = 0;           // __CUDA_ARCH__ it was compiled for (e.g. 900, 800)
-  int binary = 0;         // compute capability of the loaded machine code (e.g. 90)
-  int device = 0;         // the GPU's compute capability
-  bool jit = false;       // PTX compiled by the driver at load time
-  bool wgmma = false;     // holds the Hopper kernels
-};
-
-class Kernels {
- public:
-  CUfunction get(const std::string& name, int ordinal, int smem) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ensure_loaded(ordinal);
-    auto it = fns_.find(name);
-    if (it != fns_.end()) {
-      return it->second;
-    }
-    CUfunction fn;
-    check(cuModuleGetFunction(&fn, module_, name.c_str()), ("kernel " + name).c_str());
-    check(cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-          "shared memory size");
-    fns_.emplace(name, fn);
-    return fn;
-  }
-
-  const Image& image(int ordinal) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ensure_loaded(ordinal);
-    return image_info_;
-  }
-
- private:
-  void ensure_loaded(int ordinal) {
-    if (!module_) {
-      ordinal_ = ordinal;
-      load();
-      describe();
-    }
-  }
-
-  int read_global(const char* name) {
-    CUdeviceptr ptr;
-    size_t bytes = 0;
-    check(cuModuleGetGlobal(&ptr, &bytes, module_, name), name);
-    int v = 0;
-    check(cuMemcpyDtoH(&v, ptr, sizeof(v)), name);
-    return v;
-  }
-
-  // A SASS image runs as compiled (binary == arch / 10); PTX is compiled by
-  // the driver for the GPU at hand, so its binary version is the GPU's.
-  void describe() {
-    Image& im = image_info_;
-    im.arch = read_global("fcce_image_arch");
-    im.wgmma = read_global("fcce_image_wgmma") != 0;
-    CUfunction fn;
-    check(cuModuleGetFunction(&fn, module_, "fcce_zero"), "kernel fcce_zero");
-    check(cuFuncGetAttribute(&im.binary, CU_FUNC_ATTRIBUTE_BINARY_VERSION, fn),
-          "binary version");
-    CUdevice dev;
-    int major = 0, minor = 0;
-    check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
-    check(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-          "compute capability");
-    check(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-          "compute capability");
-    im.device = major * 10 + minor;
-    im.jit = im.binary * 10 != im.arch;
-  }
-
-  void load() {
-    const std::string path = fatbin_path();
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-      throw std::runtime_error("[flash_cce] missing CUDA kernels: " + path);
-    }
-    image_.assign(std::istreambuf_iterator<char>(in), {});
-    // MLX has made its device current through the runtime; make sure the
-    // driver sees that primary context on this thread too.
-    CUcontext ctx = nullptr;
-    check(cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
-    if (!ctx) {
-      CUdevice dev;
-      check(cuInit(0), "cuInit");
-      check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
-      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    }
-    check(cuModuleLoadData(&module_, image_.data()), ("loading " + path).c_str());
-  }
-
-  std::mutex mutex_;
-  std::string image_;
-  CUmodule module_ = nullptr;
-  Image image_info_;
-  int ordinal_ = 0;
-  std::unordered_map<std::string, CUfunction> fns_;
-};
-
-Kernels& kernels() {
-  static Kernels k;
-  return k;
-}
-
 int32_t src_kind(mx::Dtype t) {
   return t == mx::bfloat16 ? kBF16 : t == mx::float16 ? kF16 : kF32;
-}
-
-// Tensor-core operand type: fp16 when h is fp16, else bf16 (fp32 operands are
-// rounded to bf16 in the loaders; accumulation is always fp32).
-bool use_f16(const HeadProblem& p) {
-  return p.h_dtype == mx::float16;
-}
-
-mx::Dtype compute_dtype(const HeadProblem& p) {
-  return use_f16(p) ? mx::float16 : mx::bfloat16;
 }
 
 // A row-major [rows, cols] operand of dtype t, read natively when it already
@@ -200,18 +58,6 @@ Operand weight(const HeadProblem& p, mx::Dtype compute) {
   return o;
 }
 
-// Kernel name suffix: compute type and weight loader.
-std::string variant(const HeadProblem& p) {
-  std::string t = use_f16(p) ? "f16" : "bf16";
-  if (!p.cfg.quantized) {
-    return t + "_dense";
-  }
-  if (p.cfg.bits == 4 || p.cfg.bits == 8) {
-    return t + "_q" + std::to_string(p.cfg.bits);
-  }
-  return t + "_qany";
-}
-
 mx::array scratch(mx::cu::CommandEncoder& enc, mx::Shape shape, mx::Dtype t) {
   mx::array a(std::move(shape), t, nullptr, {});
   a.set_data(mx::allocator::malloc(a.nbytes()));
@@ -232,90 +78,11 @@ struct Launch {
   template <class P>
   void operator()(const std::string& name, int64_t blocks, uint32_t smem, P& params,
                   int threads = kThreads) {
-    CUfunction fn = kernels().get(name, ordinal, std::max<int>(smem, 1));
+    CUfunction fn = kernel_function(name, ordinal, std::max<int>(smem, 1));
     enc.add_kernel_node_ex(fn, dim3(static_cast<unsigned>(blocks)), dim3(threads), dim3(1),
                            smem, params);
   }
 };
-
-// The Hopper path takes a 16-bit h with 16-byte rows and either a dense W of
-// the same type or a 4- or 8-bit one (dequantized by the producer warpgroup).
-// Other heads, and tuning.wgmma = false, use the mma.sync kernels.
-bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
-  const auto& dev = mx::cu::device(s.device);
-  // The Hopper kernels read packed rows as 16-byte vectors and find a column's
-  // group with a shift. They dequantize 4-bit codes two at a time with one fma
-  // in the operand type, exact only for scales and biases of that type; others
-  // (fp16 ones with bf16 h, fp32 ones) take the portable kernels' fp32 fma.
-  const int gs = p.cfg.group_size;
-  const bool q4_exact = p.cfg.bits != 4 || p.sb_dtype == compute_dtype(p);
-  const bool weight_ok = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
-      (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 &&
-                             (gs & (gs - 1)) == 0 && q4_exact
-                       : p.w_dtype == p.h_dtype);
-  return p.cfg.tuning.wgmma && dev.compute_capability_major() == 9 &&
-      kernels().image(s.device.index).wgmma && weight_ok &&
-      (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(p.h) % 16 == 0;
-}
-
-// Suffix of a Hopper GEMM kernel: compute type and how B reaches shared memory.
-std::string wg_variant(const HeadProblem& p) {
-  std::string t = use_f16(p) ? "f16" : "bf16";
-  return t + (p.cfg.quantized ? "_q" + std::to_string(p.cfg.bits) : "_dense");
-}
-
-// A 2-D TMA descriptor over a row-major [rows, cols] matrix of `type` with
-// row stride `pitch` bytes, read in boxes of box_rows x box_cols elements.
-// Reads past rows or cols give zeros.
-CUtensorMap encode_2d(const void* ptr, CUtensorMapDataType type, int64_t rows, int64_t cols,
-                      int64_t pitch, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
-  CUtensorMap m;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t elem[2] = {1, 1};
-  check(cuTensorMapEncodeTiled(&m, type, 2, const_cast<void*>(ptr), dims, strides, box, elem,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-        "cuTensorMapEncodeTiled");
-  return m;
-}
-
-// TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
-// read in boxes of box_rows x 64 with the 128-byte swizzle the wgmma
-// descriptors expect.
-CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int box_rows,
-                       int64_t ld = 0) {
-  return encode_2d(ptr,
-                   t == mx::float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                   rows, cols, (ld ? ld : cols) * 2, box_rows, kWgTileK,
-                   CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
-// TMA descriptor of a quantized W's packed words, [V, H * bits / 32] uint32,
-// read in boxes of box_rows rows x box_cols columns of W, swizzled with the
-// span of a box row (32, 64 or 128 bytes; tile_load in the kernels).
-CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
-  const int64_t words = p.H * p.cfg.bits / 32;
-  const int row_bytes = box_cols * p.cfg.bits / 8;
-  const CUtensorMapSwizzle swizzle = row_bytes == 32   ? CU_TENSOR_MAP_SWIZZLE_32B
-                                     : row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                                       : CU_TENSOR_MAP_SWIZZLE_128B;
-  return encode_2d(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.V, words, words * 4, box_rows,
-                   box_cols * p.cfg.bits / 32, swizzle);
-}
-
-// On Hopper a quantized head's forward, fused P pass and dh take W as the
-// register operand (head_wgmma_rs.cuh) unless tuning.quant_rs = false asks for
-// the dequantizing producer. TMA needs 16-byte rows of packed words; the
-// scales and biases are 16-bit (fp32 ones take the producer).
-bool use_rs(const HeadProblem& p) {
-  return p.cfg.quantized && p.cfg.tuning.quant_rs &&
-      (p.H * p.cfg.bits / 8) % 16 == 0 && (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
-}
 
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {
   p.h = mx::gpu_ptr<void>(in[0]);
@@ -339,42 +106,10 @@ mx::cu::CommandEncoder& begin(mx::Stream s, HeadProblem& p, const std::vector<mx
   return enc;
 }
 
-// The attributes the launch planning reads, asked once per GPU.
-DeviceInfo device_info(int ordinal) {
-  static std::mutex mutex;
-  static std::unordered_map<int, DeviceInfo> infos;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = infos.find(ordinal);
-  if (it == infos.end()) {
-    CUdevice dev;
-    int sms = 0, l2 = 0;
-    check(cuInit(0), "cuInit");
-    check(cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-          "multiprocessor count");
-    check(cuDeviceGetAttribute(&l2, CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev), "L2 cache size");
-    it = infos.emplace(ordinal, DeviceInfo{sms, l2}).first;
-  }
-  return it->second;
-}
-
-// The launch sizes of p on the GPU of s.
-LaunchPlan launch_plan(const mx::Stream& s, const HeadProblem& p) {
-  return plan_launch(p.cfg.tuning, device_info(s.device.index));
-}
-
 // Width of the vocabulary chunk of the backward and the fused forward for
 // blocks of M rows, a multiple of every tile width.
 int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V) {
   return vocab_chunk(plan, M, V, kWgTileN);
-}
-
-// Whether the Hopper kernels leave the target logits to gather_targets: the
-// register-operand (4/8-bit) ones always, the dense ones unless
-// tuning.gather_targets = false.
-bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
-  return use_wgmma(s, p) &&
-      (use_rs(p) || (!p.cfg.quantized && p.cfg.tuning.gather_targets));
 }
 
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
@@ -470,11 +205,6 @@ HeadProblem row_slice(const HeadProblem& p, int64_t r0, int64_t rows) {
   q.h = static_cast<const char*>(p.h) + r0 * p.H * mx::size_of(p.h_dtype);
   q.targets = p.targets + r0;
   return q;
-}
-
-// Width of the fused forward's row-sum tiles: the P kernel's vocabulary tile.
-int64_t stats_tile_width(bool wgmma, bool rs) {
-  return !wgmma ? kTileN : rs ? kRsTileV : kWgTileN;
 }
 
 // The dh kernels' DhSplit flags (at most one per multiprocessor), zeroed once
@@ -895,29 +625,6 @@ void fused_dh(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   }
   enc.set_output_array(outputs[0]);
   Launch{enc, s.device.index}("fcce_fused_dh", p.M, 0, fp);
-}
-
-std::string kernel_image(int ordinal) {
-  const Image& im = kernels().image(ordinal);
-  auto sm = [](int v) { return std::to_string(v); };
-  std::string out = "device sm_" + sm(im.device) + ", image ";
-  out += im.jit ? "compute_" + sm(im.arch / 10) + " PTX, JIT-compiled to sm_" + sm(im.binary)
-                : "sm_" + sm(im.binary) + (im.wgmma ? "a" : "") + " SASS";
-  out += im.wgmma ? ", Hopper kernels" : ", portable kernels";
-  return out;
-}
-
-std::vector<std::pair<std::string, int64_t>> launch_plan_items(int ordinal,
-                                                               const HeadTuning& tuning) {
-  const DeviceInfo d = device_info(ordinal);
-  const LaunchPlan plan = plan_launch(tuning, d);
-  return {{"sms", d.sms},
-          {"l2_bytes", d.l2_bytes},
-          {"row_block", plan.row_block},
-          {"chunk_bytes", plan.chunk_bytes},
-          {"vocab_chunk", plan.vocab_chunk},
-          {"fwd_l2_bytes", plan.fwd_l2_bytes},
-          {"dh_splits", plan.dh_splits}};
 }
 
 } // namespace flash_cce::cuda
