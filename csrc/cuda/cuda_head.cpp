@@ -130,7 +130,7 @@ void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProbl
     enc.set_input_array(a);
   }
   enc.set_output_array(out);
-  launch("fcce_target_" + wg_variant(p), cdiv(p.M, kThreads / 32), 0, tp);
+  launch(kernel_name("target", wg_variant(p)), cdiv(p.M, kThreads / 32), 0, tp);
 }
 
 // The forward GEMM over the vocabulary [0, V_used): per-split row partials
@@ -181,7 +181,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kRsTileM);
     wp.w_map = packed_map(p, kRsTileV, kWgTileK);
     wp.p = kp;
-    launch("fcce_fwd_rs_" + wg_variant(p), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
+    launch(kernel_name("fwd_rs", wg_variant(p)), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
            kWgThreads);
   } else if (wg) {
     WgFwdParams wp{};
@@ -190,10 +190,10 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
       wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     }
     wp.p = kp;
-    launch("fcce_fwd_wg_" + wg_variant(p),
+    launch(kernel_name("fwd_wg", wg_variant(p)),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
-    launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+    launch(kernel_name("fwd", variant(p)), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
   }
   return {parts, fp};
 }
@@ -295,15 +295,15 @@ class ChunkPasses {
     }
     if (rs_ && ds_.part_sum) {
       rs_p_.p = ds_;
-      launch_("fcce_p_rs_" + wg_variant(p_),
+      launch_(kernel_name("p_rs", wg_variant(p_)),
               std::min<int64_t>(cdiv(M_, kRsTileM) * cdiv(width, kRsTileV), sms_), kRsPSmemBytes,
               rs_p_, kWgThreads);
     } else if (wg_) {
       wg_ds_.p = ds_;
-      launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + wg_variant(p_), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
+      launch_(kernel_name(ds_.part_sum ? "p_wg" : "ds_wg", wg_variant(p_)), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
               kWgSmemBytes, wg_ds_, kWgThreads);
     } else {
-      launch_("fcce_ds_" + variant(p_), m_tiles_ * tiles(width), kSmemBytes, ds_);
+      launch_(kernel_name("ds", variant(p_)), m_tiles_ * tiles(width), kSmemBytes, ds_);
     }
   }
 
@@ -333,11 +333,11 @@ class ChunkPasses {
       wg_dh_.v0 = v0;
       wg_dh_.width = width;
       wg_dh_.split = dh_split(tiles, width);
-      launch_((rs_ ? "fcce_dh_rs_" : "fcce_dh_wg_") + wg_variant(p_),
+      launch_(kernel_name(rs_ ? "dh_rs" : "dh_wg", wg_variant(p_)),
               std::min<int64_t>(dh_units(wg_dh_.split), sms_),
               rs_ ? kRsDhSmemBytes : kWgSmemBytes, wg_dh_, kWgThreads);
     } else {
-      launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
+      launch_(kernel_name("dh", variant(p_)), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
               dh_);
     }
   }
@@ -592,10 +592,10 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
       if (passes.wgmma()) {
         wwp.a_map = tensor_map(wp.ds.ptr, ct, M, width, 64, chunk);
         wwp.p = wp;
-        passes.launch()("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
+        passes.launch()(kernel_name("dw_wg", t), v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
                         kWgThreads);
       } else {
-        passes.launch()("fcce_dw_" + t, v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
+        passes.launch()(kernel_name("dw", t), v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
       }
     }
   }

@@ -1,6 +1,9 @@
 #include "dispatch.h"
 
+#include <stdexcept>
+
 #include "cuda_head.h"
+#include "entries.h"
 #include "loader.h"
 #include "mlx/backend/cuda/device.h"
 #include "params.h"
@@ -67,6 +70,16 @@ std::string variant(const HeadProblem& p) {
 std::string wg_variant(const HeadProblem& p) {
   std::string t = use_f16(p) ? "f16" : "bf16";
   return t + (p.cfg.quantized ? "_q" + std::to_string(p.cfg.bits) : "_dense");
+}
+
+const char* kernel_name(std::string_view family, std::string_view variant) {
+  for (const auto& e : kKernelEntries) {
+    if (family == e.family && variant == e.variant) {
+      return e.name;
+    }
+  }
+  throw std::logic_error("[flash_cce] no kernel " + std::string(family) + " for " +
+                         std::string(variant));
 }
 
 int64_t stats_tile_width(bool wgmma, bool rs) {

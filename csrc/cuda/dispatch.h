@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "../head_kernels.h"
 #include "mlx/stream.h"
@@ -27,6 +28,12 @@ bool gathers_targets(const mx::Stream& s, const HeadProblem& p);
 std::string variant(const HeadProblem& p);
 // Suffix of a Hopper GEMM kernel: compute type and how B reaches shared memory.
 std::string wg_variant(const HeadProblem& p);
+
+// The GEMM kernel of `family` ("fwd", "ds", "dh", "dw", "fwd_wg", "ds_wg",
+// "p_wg", "dh_wg", "dw_wg", "fwd_rs", "p_rs", "dh_rs", "target") for `variant`
+// (variant() or wg_variant(); the compute type alone for dw and dw_wg), from
+// the table of entries.h.
+const char* kernel_name(std::string_view family, std::string_view variant);
 
 // Width of the fused forward's row-sum tiles: the P kernel's vocabulary tile.
 int64_t stats_tile_width(bool wgmma, bool rs);
