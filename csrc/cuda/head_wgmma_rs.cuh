@@ -13,8 +13,13 @@
 // that share a column leaves each lane 8 columns, whose running (max, sum)
 // live in shared memory per warp.
 // dh computes dh^T = W^T dS^T with fragments from ldmatrix.trans (dh_rs_body).
-// Included by head_kernels.cu after head_wgmma.cuh.
 #pragma once
+
+#include "head_wgmma.cuh"
+
+namespace flash_cce::cuda {
+
+namespace {
 
 #ifdef FLASH_CCE_WGMMA
 
@@ -929,3 +934,7 @@ __device__ __forceinline__ void fwd_rs_entry(const WgFwdParams& P) {
   fwd_rs_body<T, QB>(P);
 #endif
 }
+
+} // namespace
+
+} // namespace flash_cce::cuda
