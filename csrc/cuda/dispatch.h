@@ -1,6 +1,6 @@
-// Which kernels a head runs: the kernel family (Hopper wgmma, register
-// operand, portable mma.sync), the names' variant suffixes, and the launch
-// plan of its tuning on its GPU.
+// Which kernels a head runs on its GPU: the kernel family (Hopper wgmma,
+// register operand, portable mma.sync; rules.h for the problem's part), the
+// kernels by name, and the launch plan of its tuning.
 #pragma once
 
 #include <string>
@@ -9,25 +9,15 @@
 #include "../head_kernels.h"
 #include "mlx/stream.h"
 #include "plan.h"
+#include "rules.h"
 
 namespace flash_cce::cuda {
 
-// Tensor-core operand type: fp16 when h is fp16, else bf16 (fp32 operands are
-// rounded to bf16 in the loaders; accumulation is always fp32).
-bool use_f16(const HeadProblem& p);
-mx::Dtype compute_dtype(const HeadProblem& p);
-
-// Whether p runs the Hopper wgmma kernels on the GPU of s.
+// Whether p runs the Hopper wgmma kernels on the GPU of s: hopper_fits on an
+// sm_90 GPU whose loaded image holds them.
 bool use_wgmma(const mx::Stream& s, const HeadProblem& p);
-// Whether a Hopper quantized head takes W as the register operand.
-bool use_rs(const HeadProblem& p);
-// Whether the Hopper kernels leave the target logits to fcce_target_*.
+// gathers_targets (rules.h) with use_wgmma.
 bool gathers_targets(const mx::Stream& s, const HeadProblem& p);
-
-// Kernel name suffix of the portable kernels: compute type and weight loader.
-std::string variant(const HeadProblem& p);
-// Suffix of a Hopper GEMM kernel: compute type and how B reaches shared memory.
-std::string wg_variant(const HeadProblem& p);
 
 // The GEMM kernel of `family` ("fwd", "ds", "dh", "dw", "fwd_wg", "ds_wg",
 // "p_wg", "dh_wg", "dw_wg", "fwd_rs", "p_rs", "dh_rs", "target") for `variant`
