@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "cuda/plan.h"
+#include "flash_cce.h"
 
 using flash_cce::HeadTuning;
 using namespace flash_cce::cuda;
@@ -115,4 +116,16 @@ TEST(Tuning, KeysSetAndCompare) {
   HeadTuning neg;
   neg.dh_splits = -2;
   EXPECT_TRUE(rejects([&] { flash_cce::check_tuning(neg); }));
+}
+
+TEST(Tuning, PrimitivesWithOtherTuningAreNotEquivalent) {
+  flash_cce::HeadConfig a, b;
+  b.tuning.wgmma = false;
+  EXPECT_FALSE(a == b);
+  const flash_cce::mx::Stream s(0, flash_cce::mx::Device::cpu);
+  flash_cce::FlashCCEForward fa(s, a), fa2(s, a), fb(s, b);
+  EXPECT_TRUE(fa.is_equivalent(fa2));
+  EXPECT_FALSE(fa.is_equivalent(fb));
+  flash_cce::FlashCCEBackward ba(s, a, false), bb(s, b, false);
+  EXPECT_FALSE(ba.is_equivalent(bb));
 }
