@@ -1,4 +1,4 @@
-// CUDA evaluation of the flash-CCE primitives (kernels in head_kernels.cu and its headers).
+// CUDA evaluation of the flash-CCE primitives (kernels in kernels.cu and its headers).
 #pragma once
 
 #include <string>

@@ -1,6 +1,6 @@
 """Writes the kernels' entry points, one per line so that a grep for a kernel
 name finds where it is defined and where the host launches it:
-entries.inc (device: the extern "C" GEMM kernels that head_kernels.cu includes) and
+entries.inc (device: the extern "C" GEMM kernels that kernels.cu includes) and
 entries.h (host: every kernel name by family and variant). Run from this
 directory."""
 
