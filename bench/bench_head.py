@@ -13,7 +13,6 @@ everything to --json.
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
