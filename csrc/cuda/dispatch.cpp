@@ -20,10 +20,8 @@ bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
 }
 
 const char* kernel_name(std::string_view family, std::string_view variant) {
-  for (const auto& e : kKernelEntries) {
-    if (family == e.family && variant == e.variant) {
-      return e.name;
-    }
+  if (const KernelEntry* e = find_kernel(family, variant)) {
+    return e->name;
   }
   throw std::logic_error("[flash_cce] no kernel " + std::string(family) + " for " +
                          std::string(variant));

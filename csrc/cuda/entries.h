@@ -3,6 +3,8 @@
 // this file.
 #pragma once
 
+#include <string_view>
+
 namespace flash_cce::cuda {
 
 struct KernelEntry {
@@ -83,5 +85,16 @@ inline constexpr KernelEntry kKernelEntries[] = {
     {"target", "f16_q8", "fcce_target_f16_q8"},
     {"dw_wg", "f16", "fcce_dw_wg_f16"},
 };
+
+// The entry of `family` for `variant`, or nullptr.
+inline const KernelEntry* find_kernel(std::string_view family,
+                                      std::string_view variant) {
+  for (const auto& e : kKernelEntries) {
+    if (family == e.family && variant == e.variant) {
+      return &e;
+    }
+  }
+  return nullptr;
+}
 
 } // namespace flash_cce::cuda

@@ -36,12 +36,7 @@ HeadProblem quantized(int bits, int group_size = 64, mx::Dtype sb = mx::bfloat16
 }
 
 bool in_table(const std::string& family, const std::string& variant) {
-  for (const auto& e : kKernelEntries) {
-    if (family == e.family && variant == e.variant) {
-      return true;
-    }
-  }
-  return false;
+  return find_kernel(family, variant) != nullptr;
 }
 
 } // namespace

@@ -15,12 +15,7 @@ using flash_cce::cuda::kKernelEntries;
 namespace {
 
 bool has(const std::string& family, const std::string& variant) {
-  for (const auto& e : kKernelEntries) {
-    if (family == e.family && variant == e.variant) {
-      return true;
-    }
-  }
-  return false;
+  return flash_cce::cuda::find_kernel(family, variant) != nullptr;
 }
 
 } // namespace
