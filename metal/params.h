@@ -37,6 +37,7 @@ struct FcceParams {
   int group_size; // quantized heads: weights per scale/bias
   int row_bytes; // quantized heads: bytes of one packed row (H * bits / 8)
   int groups; // quantized heads: H / group_size
+  int sb_dtype; // quantized heads: dtype of scales and biases (0 float32, 1 float16, 2 bfloat16)
   float softcap; // 0: off
   int ignore_index;
   int splits; // vocabulary splits (grid.x of the head kernel)

@@ -9,33 +9,33 @@ namespace {
 
 // Kernel names, indexed by dtype (f32, f16, bf16) and bit width. Written out
 // so that a search for a name finds the table (and metal/*.metal its entry).
-const char* const kHeadDense[3][3] = {
-    {"fcce_head_hf32_wf32", "fcce_head_hf32_wf16", "fcce_head_hf32_wbf16"},
-    {"fcce_head_hf16_wf32", "fcce_head_hf16_wf16", "fcce_head_hf16_wbf16"},
-    {"fcce_head_hbf16_wf32", "fcce_head_hbf16_wf16", "fcce_head_hbf16_wbf16"}};
+// [mode: fwd, fwd_fused, dh][h][w]
+const char* const kHeadDense[3][3][3] = {
+    {{"fcce_fwd_hf32_wf32", "fcce_fwd_hf32_wf16", "fcce_fwd_hf32_wbf16"},
+     {"fcce_fwd_hf16_wf32", "fcce_fwd_hf16_wf16", "fcce_fwd_hf16_wbf16"},
+     {"fcce_fwd_hbf16_wf32", "fcce_fwd_hbf16_wf16", "fcce_fwd_hbf16_wbf16"}},
+    {{"fcce_fwd_fused_hf32_wf32", "fcce_fwd_fused_hf32_wf16", "fcce_fwd_fused_hf32_wbf16"},
+     {"fcce_fwd_fused_hf16_wf32", "fcce_fwd_fused_hf16_wf16", "fcce_fwd_fused_hf16_wbf16"},
+     {"fcce_fwd_fused_hbf16_wf32", "fcce_fwd_fused_hbf16_wf16", "fcce_fwd_fused_hbf16_wbf16"}},
+    {{"fcce_dh_hf32_wf32", "fcce_dh_hf32_wf16", "fcce_dh_hf32_wbf16"},
+     {"fcce_dh_hf16_wf32", "fcce_dh_hf16_wf16", "fcce_dh_hf16_wbf16"},
+     {"fcce_dh_hbf16_wf32", "fcce_dh_hbf16_wf16", "fcce_dh_hbf16_wbf16"}},
+};
 
 constexpr int kBits[6] = {2, 3, 4, 5, 6, 8};
 
-// [h][bits][scales]
-const char* const kHeadQuant[3][6][3] = {
-    {{"fcce_head_hf32_q2_sf32", "fcce_head_hf32_q2_sf16", "fcce_head_hf32_q2_sbf16"},
-     {"fcce_head_hf32_q3_sf32", "fcce_head_hf32_q3_sf16", "fcce_head_hf32_q3_sbf16"},
-     {"fcce_head_hf32_q4_sf32", "fcce_head_hf32_q4_sf16", "fcce_head_hf32_q4_sbf16"},
-     {"fcce_head_hf32_q5_sf32", "fcce_head_hf32_q5_sf16", "fcce_head_hf32_q5_sbf16"},
-     {"fcce_head_hf32_q6_sf32", "fcce_head_hf32_q6_sf16", "fcce_head_hf32_q6_sbf16"},
-     {"fcce_head_hf32_q8_sf32", "fcce_head_hf32_q8_sf16", "fcce_head_hf32_q8_sbf16"}},
-    {{"fcce_head_hf16_q2_sf32", "fcce_head_hf16_q2_sf16", "fcce_head_hf16_q2_sbf16"},
-     {"fcce_head_hf16_q3_sf32", "fcce_head_hf16_q3_sf16", "fcce_head_hf16_q3_sbf16"},
-     {"fcce_head_hf16_q4_sf32", "fcce_head_hf16_q4_sf16", "fcce_head_hf16_q4_sbf16"},
-     {"fcce_head_hf16_q5_sf32", "fcce_head_hf16_q5_sf16", "fcce_head_hf16_q5_sbf16"},
-     {"fcce_head_hf16_q6_sf32", "fcce_head_hf16_q6_sf16", "fcce_head_hf16_q6_sbf16"},
-     {"fcce_head_hf16_q8_sf32", "fcce_head_hf16_q8_sf16", "fcce_head_hf16_q8_sbf16"}},
-    {{"fcce_head_hbf16_q2_sf32", "fcce_head_hbf16_q2_sf16", "fcce_head_hbf16_q2_sbf16"},
-     {"fcce_head_hbf16_q3_sf32", "fcce_head_hbf16_q3_sf16", "fcce_head_hbf16_q3_sbf16"},
-     {"fcce_head_hbf16_q4_sf32", "fcce_head_hbf16_q4_sf16", "fcce_head_hbf16_q4_sbf16"},
-     {"fcce_head_hbf16_q5_sf32", "fcce_head_hbf16_q5_sf16", "fcce_head_hbf16_q5_sbf16"},
-     {"fcce_head_hbf16_q6_sf32", "fcce_head_hbf16_q6_sf16", "fcce_head_hbf16_q6_sbf16"},
-     {"fcce_head_hbf16_q8_sf32", "fcce_head_hbf16_q8_sf16", "fcce_head_hbf16_q8_sbf16"}}};
+// [mode][h][bits]
+const char* const kHeadQuant[3][3][6] = {
+    {{"fcce_fwd_hf32_q2", "fcce_fwd_hf32_q3", "fcce_fwd_hf32_q4", "fcce_fwd_hf32_q5", "fcce_fwd_hf32_q6", "fcce_fwd_hf32_q8"},
+     {"fcce_fwd_hf16_q2", "fcce_fwd_hf16_q3", "fcce_fwd_hf16_q4", "fcce_fwd_hf16_q5", "fcce_fwd_hf16_q6", "fcce_fwd_hf16_q8"},
+     {"fcce_fwd_hbf16_q2", "fcce_fwd_hbf16_q3", "fcce_fwd_hbf16_q4", "fcce_fwd_hbf16_q5", "fcce_fwd_hbf16_q6", "fcce_fwd_hbf16_q8"}},
+    {{"fcce_fwd_fused_hf32_q2", "fcce_fwd_fused_hf32_q3", "fcce_fwd_fused_hf32_q4", "fcce_fwd_fused_hf32_q5", "fcce_fwd_fused_hf32_q6", "fcce_fwd_fused_hf32_q8"},
+     {"fcce_fwd_fused_hf16_q2", "fcce_fwd_fused_hf16_q3", "fcce_fwd_fused_hf16_q4", "fcce_fwd_fused_hf16_q5", "fcce_fwd_fused_hf16_q6", "fcce_fwd_fused_hf16_q8"},
+     {"fcce_fwd_fused_hbf16_q2", "fcce_fwd_fused_hbf16_q3", "fcce_fwd_fused_hbf16_q4", "fcce_fwd_fused_hbf16_q5", "fcce_fwd_fused_hbf16_q6", "fcce_fwd_fused_hbf16_q8"}},
+    {{"fcce_dh_hf32_q2", "fcce_dh_hf32_q3", "fcce_dh_hf32_q4", "fcce_dh_hf32_q5", "fcce_dh_hf32_q6", "fcce_dh_hf32_q8"},
+     {"fcce_dh_hf16_q2", "fcce_dh_hf16_q3", "fcce_dh_hf16_q4", "fcce_dh_hf16_q5", "fcce_dh_hf16_q6", "fcce_dh_hf16_q8"},
+     {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
+};
 
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
@@ -43,7 +43,8 @@ const char* const kDw[3][3] = {
     {"fcce_dw_hbf16_wf32", "fcce_dw_hbf16_wf16", "fcce_dw_hbf16_wbf16"}};
 
 const char* const kCombine = "fcce_combine";
-const char* const kReduce[3] = {"fcce_reduce_f32", "fcce_reduce_f16", "fcce_reduce_bf16"};
+const char* const kReduceDh[3] = {"fcce_reduce_dh_f32", "fcce_reduce_dh_f16", "fcce_reduce_dh_bf16"};
+const char* const kReduceGsum = "fcce_reduce_gsum";
 // fp32 dW rows to the weight's half type (index 0 unused: fp32 dW needs no cast).
 const char* const kCast[3] = {nullptr, "fcce_cast_f16", "fcce_cast_bf16"};
 
@@ -52,11 +53,9 @@ const char* const kFusedDhDense[3][3] = {
     {"fcce_fused_dh_of32_wf32", "fcce_fused_dh_of32_wf16", "fcce_fused_dh_of32_wbf16"},
     {"fcce_fused_dh_of16_wf32", "fcce_fused_dh_of16_wf16", "fcce_fused_dh_of16_wbf16"},
     {"fcce_fused_dh_obf16_wf32", "fcce_fused_dh_obf16_wf16", "fcce_fused_dh_obf16_wbf16"}};
-// [out][scales]
-const char* const kFusedDhQuant[3][3] = {
-    {"fcce_fused_dh_of32_q_sf32", "fcce_fused_dh_of32_q_sf16", "fcce_fused_dh_of32_q_sbf16"},
-    {"fcce_fused_dh_of16_q_sf32", "fcce_fused_dh_of16_q_sf16", "fcce_fused_dh_of16_q_sbf16"},
-    {"fcce_fused_dh_obf16_q_sf32", "fcce_fused_dh_obf16_q_sf16", "fcce_fused_dh_obf16_q_sbf16"}};
+// [out]
+const char* const kFusedDhQuant[3] = {
+    "fcce_fused_dh_of32_q", "fcce_fused_dh_of16_q", "fcce_fused_dh_obf16_q"};
 
 // Head kernels in flight: enough threadgroups to fill a large Apple GPU.
 constexpr int64_t kTargetThreadgroups = 512;
@@ -95,9 +94,6 @@ uint32_t u32(int64_t v, const char* what) {
   return static_cast<uint32_t>(v);
 }
 
-size_t elem_bytes(DType t) {
-  return t == DType::f32 ? 4 : 2;
-}
 
 void check(const Problem& p) {
   auto bad = [](const std::string& msg) {
@@ -140,6 +136,7 @@ FcceParams base_params(const Problem& p) {
     q.group_size = p.group_size;
     q.row_bytes = static_cast<int>(p.H * p.bits / 8);
     q.groups = static_cast<int>(p.H / p.group_size);
+    q.sb_dtype = dtype_index(p.sb);
   }
   return q;
 }
@@ -167,15 +164,15 @@ std::vector<Binding> operand_bindings(const Problem& p) {
   return b;
 }
 
-const char* head_kernel(const Problem& p) {
+const char* head_kernel(const Problem& p, int mode) {
   const int h = dtype_index(p.h);
-  return p.quantized ? kHeadQuant[h][bits_index(p.bits)][dtype_index(p.sb)]
-                     : kHeadDense[h][dtype_index(p.w)];
+  return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
+                     : kHeadDense[mode][h][dtype_index(p.w)];
 }
 
 Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
   Launch l{};
-  l.kernel = head_kernel(p);
+  l.kernel = head_kernel(p, mode);
   l.grid[0] = u32(q.splits, "splits");
   l.grid[1] = u32(q.m_tiles, "m_tiles");
   l.grid[2] = 1;
@@ -232,7 +229,7 @@ void plan_forward(const Problem& p, Plan& plan) {
     FcceParams r = q;
     r.mode = FCCE_REDUCE_GSUM;
     plan.launches.push_back(elementwise(
-        kReduce[0], p.M * p.H, r,
+        kReduceGsum, p.M * p.H, r,
         {{11, Role::part_acc}, {8, Role::part_max}, {5, Role::lse}, {13, Role::gsum}}));
   }
 }
@@ -274,7 +271,7 @@ void plan_backward(const Problem& p, Plan& plan) {
   plan.launches.push_back(head_launch(p, q, FCCE_MODE_DH));
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
-  plan.launches.push_back(elementwise(kReduce[dtype_index(p.h)], p.M * p.H, r,
+  plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
                                       {{11, Role::part_acc}, {13, Role::dh}}));
   if (p.compute_dw) {
     plan_dw(p, plan);
@@ -284,7 +281,7 @@ void plan_backward(const Problem& p, Plan& plan) {
 void plan_fused_dh(const Problem& p, Plan& plan) {
   const FcceParams q = base_params(p);
   const int o = dtype_index(p.out);
-  const char* kernel = p.quantized ? kFusedDhQuant[o][dtype_index(p.sb)]
+  const char* kernel = p.quantized ? kFusedDhQuant[o]
                                    : kFusedDhDense[o][dtype_index(p.w)];
   std::vector<Binding> b{{13, Role::gsum}, {1, Role::w}, {4, Role::targets},
                          {12, Role::logp}, {5, Role::lse}, {6, Role::g},
@@ -312,8 +309,7 @@ size_t head_threadgroup_bytes() {
 }
 
 size_t dw_threadgroup_bytes() {
-  // h tile [BM, LD], w tile [BN, LD], dS tile [BM, BN + 4], row coefficients 3 x [BM].
-  return size_t(FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + 3 * FCCE_BM) * 4;
+  return head_threadgroup_bytes(); // the same tiles (metal/dw.h uses HeadSmem)
 }
 
 Plan make_plan(const Problem& p) {
@@ -336,16 +332,18 @@ Plan make_plan(const Problem& p) {
 const std::vector<std::string>& kernel_names() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> n;
-    for (auto& row : kHeadDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& h : kHeadQuant)
-      for (auto& row : h) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& mode : kHeadDense)
+      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& mode : kHeadQuant)
+      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
-    n.insert(n.end(), std::begin(kReduce), std::end(kReduce));
+    n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));
+    n.push_back(kReduceGsum);
     n.push_back(kCast[1]);
     n.push_back(kCast[2]);
     for (auto& row : kFusedDhDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& row : kFusedDhQuant) n.insert(n.end(), std::begin(row), std::end(row));
+    n.insert(n.end(), std::begin(kFusedDhQuant), std::end(kFusedDhQuant));
     return n;
   }();
   return names;
