@@ -121,6 +121,13 @@ void check(const Problem& p) {
       bad("compute_dw needs a dense w");
     }
   }
+  if (p.max_splits < 0) {
+    bad("max_splits must be >= 0, got " + std::to_string(p.max_splits));
+  }
+  if (p.dw_slab_rows < 0 || p.dw_slab_rows % FCCE_BN != 0) {
+    bad("dw_slab_rows must be a non-negative multiple of " + std::to_string(FCCE_BN) +
+        ", got " + std::to_string(p.dw_slab_rows));
+  }
 }
 
 FcceParams base_params(const Problem& p) {
@@ -148,6 +155,9 @@ void choose_splits(const Problem& p, bool with_acc, FcceParams& q) {
   int64_t splits = std::max<int64_t>(1, cdiv(kTargetThreadgroups, q.m_tiles));
   if (with_acc) {
     splits = std::min(splits, std::max<int64_t>(1, kPartAccBudgetBytes / (p.M * p.H * 4)));
+  }
+  if (p.max_splits > 0) {
+    splits = std::min<int64_t>(splits, p.max_splits);
   }
   splits = std::clamp<int64_t>(splits, 1, v_blocks);
   const int64_t per = cdiv(v_blocks, splits);
@@ -237,7 +247,8 @@ void plan_forward(const Problem& p, Plan& plan) {
 void plan_dw(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   const bool staged = p.w != DType::f32;
-  const int64_t slab = staged ? std::min(p.V, kDwSlabRows) : p.V;
+  const int64_t rows = p.dw_slab_rows > 0 ? p.dw_slab_rows : kDwSlabRows;
+  const int64_t slab = staged ? std::min(p.V, rows) : p.V;
   if (staged) {
     plan.scratch.push_back({Role::dw_acc, size_t(slab) * p.H * 4});
   }

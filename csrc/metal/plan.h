@@ -53,6 +53,10 @@ struct Problem {
   bool fused = false; // forward: also produce gsum
   Pass pass = Pass::forward;
   bool compute_dw = false; // backward, dense only
+  // Overrides, 0 = the plan's choice: at most this many vocabulary splits,
+  // and this many vocabulary rows per staged dW launch (a multiple of 32).
+  int max_splits = 0;
+  int dw_slab_rows = 0;
 };
 
 enum class Role {
