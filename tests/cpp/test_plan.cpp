@@ -36,6 +36,7 @@ void check_plan(const Problem& p, const Plan& plan) {
   for (const auto& l : plan.launches) {
     ASSERT_TRUE(known(l.kernel)) << l.kernel;
     ASSERT_LE(l.threadgroup_bytes, 32768u) << l.kernel;
+    ASSERT_LE(head_threadgroup_bytes(), 32768u);
     ASSERT_GE(l.grid[0] * l.grid[1] * l.grid[2], 1u);
     std::set<int> indices{l.params_index};
     for (const auto& b : l.buffers) {
