@@ -342,3 +342,10 @@ def test_params_layout_matches_the_plan():
     fields = he.param_fields()
     assert [n for _, n in fields] == list(plan["launches"][0]["params"])
     assert plan["params_bytes"] == 4 * len(fields)
+
+
+@pytest.mark.parametrize("seed", [11, 23, 37])
+def test_dense_under_other_schedules(dense, seed):
+    # Other random thread orders (and threadgroup orders) of the same launches.
+    p = Head(37, 70, 333, "bf16", ignore=(2,), seed=seed)
+    check_all(dense, p, 3.0, compute_dw=True, seed=seed, max_splits=3, dw_slab_rows=192)
