@@ -1,8 +1,12 @@
 // The emulator's runtime: runs a job file of dispatches. Each threadgroup's
 // threads run as ucontext fibers on one OS thread; a fiber runs until it
 // reaches a barrier or SIMD operation, then the scheduler resumes a runnable
-// fiber chosen at random (seeded), so that a missing barrier shows up as a
-// wrong result instead of being hidden by a fixed order.
+// fiber chosen by the seed, so that a missing barrier shows up as a wrong
+// result instead of being hidden by a fixed order. The seed also picks one of
+// three schedules, by seed % 3: 0, the runnable threads of the SIMD group with
+// the highest random priority first (one SIMD group runs ahead up to the next
+// threadgroup barrier); 1, the runnable thread with the highest random
+// priority first (one thread runs ahead); 2, any runnable thread at random.
 //
 // Job file, one command per line:
 //   buffer <id> <bytes> <input file | ->
@@ -87,6 +91,8 @@ struct Runtime {
   ucontext_t sched;
   std::vector<int> runnable;
   std::mt19937_64 rng;
+  int schedule = 0;
+  std::vector<uint32_t> priority;  // per thread, by the schedule
   Meeting tg;
   std::vector<Meeting> simd;
   std::vector<std::vector<unsigned char>> slots;
@@ -243,8 +249,27 @@ void run_threadgroup() {
     makecontext(&f.ctx, fiber_main, 0);
     R.runnable.push_back(i);
   }
+  R.priority.assign(n, 0);
+  if (R.schedule != 0) {
+    std::vector<uint32_t> perm(R.schedule == 1 ? nsimd : n);
+    for (size_t i = 0; i < perm.size(); i++) perm[i] = uint32_t(i);
+    std::shuffle(perm.begin(), perm.end(), R.rng);
+    for (int i = 0; i < n; i++) R.priority[i] = perm[R.schedule == 1 ? i / kSimdWidth : i];
+  }
+  std::vector<size_t> best;
   while (!R.runnable.empty()) {
-    size_t k = R.rng() % R.runnable.size();
+    uint32_t top = 0;
+    best.clear();
+    for (size_t j = 0; j < R.runnable.size(); j++) {
+      uint32_t p = R.priority[R.runnable[j]];
+      if (best.empty() || p > top) {
+        best.assign(1, j);
+        top = p;
+      } else if (p == top) {
+        best.push_back(j);
+      }
+    }
+    size_t k = best[R.rng() % best.size()];
     R.current = R.runnable[k];
     R.runnable[k] = R.runnable.back();
     R.runnable.pop_back();
@@ -331,6 +356,7 @@ void run_dispatch(uint64_t seed, bool shuffle) {
     R.fibers.back().stack = static_cast<char*>(s);
   }
   R.rng.seed(seed);
+  R.schedule = int((seed + 1) % 3);
   std::vector<uint64_t> order;
   uint64_t total = uint64_t(d.groups[0]) * d.groups[1] * d.groups[2];
   for (uint64_t g = 0; g < total; g++) order.push_back(g);

@@ -65,15 +65,23 @@ constexpr float bfloat_bits_to_float(uint16_t b) {
   return __builtin_bit_cast(float, uint32_t(b) << 16);
 }
 
-struct from_bits_t {};
+template <typename T>
+constexpr T from_bits(uint16_t b) {
+  return __builtin_bit_cast(T, b);
+}
 
 }  // namespace emu
 
+#if defined(EMU_TYPECHECK) && __clang_major__ >= 15
+// The type-check build (compiled, never run) uses clang's own 16-bit types, so
+// that values of them in device or threadgroup memory behave as scalars.
+typedef _Float16 half;
+typedef __bf16 bfloat;
+#else
 // MSL lets float and integers convert implicitly to half.
 struct half {
   uint16_t bits;
   half() = default;
-  constexpr half(emu::from_bits_t, uint16_t b) : bits(b) {}
   constexpr half(float f) : bits(emu::float_to_half_bits(f)) {}
   template <typename U, typename = std::enable_if_t<std::is_arithmetic<U>::value>>
   constexpr half(U u) : bits(emu::float_to_half_bits(float(u))) {}
@@ -86,12 +94,13 @@ struct half {
 struct bfloat {
   uint16_t bits;
   bfloat() = default;
-  constexpr bfloat(emu::from_bits_t, uint16_t b) : bits(b) {}
   template <typename U, typename = std::enable_if_t<std::is_arithmetic<U>::value>>
   constexpr explicit bfloat(U u) : bits(emu::float_to_bfloat_bits(float(u))) {}
   constexpr explicit bfloat(half h) : bfloat(float(h)) {}
   constexpr operator float() const { return emu::bfloat_bits_to_float(bits); }
 };
+
+#endif
 
 namespace emu {
 
@@ -141,6 +150,7 @@ constexpr auto widen(T v) {
 
 }  // namespace emu
 
+#if !(defined(EMU_TYPECHECK) && __clang_major__ >= 15)
 #define EMU_LOW_FP_BINOP(op)                                                        \
   template <typename A, typename B, typename R = emu::low_fp_result_t<A, B>>        \
   constexpr R operator op(A a, B b) {                                               \
@@ -173,7 +183,7 @@ EMU_LOW_FP_CMP(>=)
 
 template <typename A, typename = std::enable_if_t<emu::is_low_fp<A>::value>>
 constexpr A operator-(A a) {
-  return A(emu::from_bits_t{}, uint16_t(a.bits ^ 0x8000u));
+  return emu::from_bits<A>(uint16_t(a.bits ^ 0x8000u));
 }
 template <typename A, typename = std::enable_if_t<emu::is_low_fp<A>::value>>
 constexpr A operator+(A a) {
@@ -187,6 +197,8 @@ template <typename A, typename = std::enable_if_t<emu::is_low_fp<A>::value>>
 constexpr A& operator--(A& a) {
   return a -= 1;
 }
+
+#endif
 
 // MSL's literal suffixes: 1.0h (half), 1.0bf (bfloat).
 #pragma clang diagnostic push

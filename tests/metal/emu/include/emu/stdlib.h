@@ -100,12 +100,12 @@ struct emu_low_fp_limits {
   static constexpr bool is_signed = true;
   static constexpr bool has_infinity = true;
   static constexpr bool has_quiet_NaN = true;
-  static constexpr T max() { return T(emu::from_bits_t{}, Max); }
-  static constexpr T min() { return T(emu::from_bits_t{}, Min); }
-  static constexpr T lowest() { return T(emu::from_bits_t{}, Lowest); }
-  static constexpr T epsilon() { return T(emu::from_bits_t{}, Eps); }
-  static constexpr T infinity() { return T(emu::from_bits_t{}, Inf); }
-  static constexpr T quiet_NaN() { return T(emu::from_bits_t{}, Nan); }
+  static constexpr T max() { return emu::from_bits<T>(Max); }
+  static constexpr T min() { return emu::from_bits<T>(Min); }
+  static constexpr T lowest() { return emu::from_bits<T>(Lowest); }
+  static constexpr T epsilon() { return emu::from_bits<T>(Eps); }
+  static constexpr T infinity() { return emu::from_bits<T>(Inf); }
+  static constexpr T quiet_NaN() { return emu::from_bits<T>(Nan); }
 };
 template <>
 struct numeric_limits<half>
