@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+import emu_env
 import metal_emu
-import mlx_metal_headers
 
 ROOT = Path(__file__).resolve().parents[2]
 METAL = ROOT / "metal"
@@ -114,8 +114,7 @@ def kernel_source(kernels=None) -> str:
 
 
 def build(kernels=None, *, source: str | None = None, mode: str = "run") -> metal_emu.Program:
-    return metal_emu.build(source if source is not None else kernel_source(kernels),
-                           include_dirs=[mlx_metal_headers.include_dir()], mode=mode)
+    return emu_env.build(source if source is not None else kernel_source(kernels), mode=mode)
 
 
 def plan_kernels(*plans: dict) -> set[str]:

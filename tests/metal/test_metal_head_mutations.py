@@ -40,9 +40,10 @@ def forward_error(program, p, fused, seed=0, scratch_short=None):
     return err / tol if np.isfinite(err) else np.inf
 
 
-def source_for(fused):
+def source_for(fused=None):
+    """The kernels of both forward plans (one build serves both)."""
     p = Head(2, 8, 40)
-    return he.kernel_source(he.plan_kernels(forward_plan(p, fused)))
+    return he.kernel_source(he.plan_kernels(forward_plan(p, False), forward_plan(p, True)))
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,8 @@ def head():
 
 def test_unmodified_passes_in_run_and_asan(head):
     for mode in ("run", "asan"):
+        prog = he.build(source=source_for(), mode=mode)
         for fused in (False, True):
-            prog = he.build(source=source_for(fused), mode=mode)
             assert forward_error(prog, head, fused) <= 1
 
 
@@ -74,14 +75,14 @@ BARRIERS = {
 @pytest.mark.parametrize("barrier", sorted(BARRIERS))
 def test_barrier_removed_is_caught(head, barrier):
     # A race shows under some thread schedules: four seeded schedules, one must fail.
-    src = metal_emu.mutate(source_for(False), *BARRIERS[barrier])
+    src = metal_emu.mutate(source_for(), *BARRIERS[barrier])
     prog = he.build(source=src)
     assert max(forward_error(prog, head, False, seed=s) for s in range(4)) > 1
 
 
 def test_threadgroup_memory_one_float_short_is_caught(head):
     # The fused forward writes the last float (the row factors' last entry).
-    src = source_for(True)
+    src = source_for()
     decl = "threadgroup float smem[FCCE_SMEM_FLOATS];"
     at = src[: src.index("void head_fwd_fused(")].count(decl)  # the fused forward's own
     src = metal_emu.mutate(src, decl, "threadgroup float smem[FCCE_SMEM_FLOATS - 1];",
@@ -92,17 +93,27 @@ def test_threadgroup_memory_one_float_short_is_caught(head):
 
 
 def test_scratch_buffer_one_float_short_is_caught(head):
-    prog = he.build(source=source_for(False), mode="asan")
+    prog = he.build(source=source_for(), mode="asan")
     with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer"):
         forward_error(prog, head, False, scratch_short="part_sum")
 
 
 def test_wrong_buffer_index_is_caught(head):
     # part_max and part_sum swapped: every buffer still bound, the values wrong.
-    src = source_for(False)
+    src = source_for()
     src = metal_emu.mutate(src, "device float* part_max [[buffer(8)]],",
                            "device float* part_max [[buffer(9)]],", occurrence=0)
     src = metal_emu.mutate(src, "device float* part_sum [[buffer(9)]],",
                            "device float* part_sum [[buffer(8)]],", occurrence=0)
     prog = he.build(source=src)
     assert forward_error(prog, head, False) > 1
+
+
+def test_address_spaces_type_check():
+    # Every kernel compiles with device / constant / threadgroup as distinct
+    # clang address spaces; a threadgroup pointer used as a device pointer does not.
+    he.build(mode="typecheck")
+    src = metal_emu.mutate(he.kernel_source(), "    device float* dst = part + i0;",
+                           "    device float* dst = sm.cs + i0;")
+    with pytest.raises(metal_emu.CompileError, match="address_space"):
+        he.build(source=src, mode="typecheck")
