@@ -34,7 +34,7 @@ struct HeadSmem {
   threadgroup float* cs; // [BM, kLdC] logits, then coefficients
   threadgroup float* factor; // [BM] per-row rescale of the partials
 
-  METAL_FUNC explicit HeadSmem(threadgroup float* smem)
+  METAL_FUNC HeadSmem(threadgroup float* smem)
       : hs(smem),
         ws(smem + FCCE_BM * FCCE_LD),
         cs(smem + (FCCE_BM + FCCE_BN) * FCCE_LD),
