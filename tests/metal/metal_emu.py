@@ -248,11 +248,13 @@ def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
     return text
 
 
-# Struct copies between address spaces are legal MSL, but clang's C++ address
-# spaces reject them (the implicit copy members take generic references). The
-# type-check build excuses exactly those diagnostics.
+# Struct copies between address spaces, and threadgroup variables of struct
+# type, are legal MSL, but clang's C++ address spaces reject them (implicit
+# special members work on the generic space only). The type-check build
+# excuses exactly those diagnostics.
 _STRUCT_COPY = re.compile(r"'this' object is in address space|cannot bind reference in address "
-                          r"space|binding reference .*address space")
+                          r"space|binding reference .*address space|cannot be used to construct "
+                          r"an object in address space")
 
 
 def address_space_errors(stderr: str) -> list[str]:

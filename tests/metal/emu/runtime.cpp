@@ -469,12 +469,12 @@ void threadgroup_barrier(const void* site) {
   meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier");
 }
 
-const unsigned char* simd_exchange(const void* data, size_t size, const void* site) {
+const unsigned char* simd_exchange(const void* data, size_t size) {
   Fiber& f = cur();
   f.simd_ops++;
   int sg = f.pos.simd_group;
   std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
-  meet(R.simd[sg], site, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
+  meet(R.simd[sg], nullptr, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
   return R.slots[sg].data();
 }
 
@@ -483,7 +483,7 @@ void simd_release() {
   int sg = f.pos.simd_group;
   // The second meeting keeps a fast lane from overwriting its slot before the
   // others have read it.
-  meet(R.simd[sg], R.simd[sg].site, 2 * f.simd_ops + 1, simd_active(sg), "SIMD-group operation");
+  meet(R.simd[sg], nullptr, 2 * f.simd_ops + 1, simd_active(sg), "SIMD-group operation");
 }
 
 bool lane_active(int l) {
