@@ -42,7 +42,7 @@ MSL_ATTRIBUTES = BUILTINS + (
     "function_constant", "texture", "sampler", "user", "thread_execution_width",
 )
 
-FLAGS = ["-std=c++17", "-fno-fast-math", "-Wno-unknown-attributes", "-Wno-unknown-pragmas",
+FLAGS = ["-std=c++17", "-fno-fast-math", "-U_FORTIFY_SOURCE", "-Wno-unknown-attributes", "-Wno-unknown-pragmas",
          "-Wno-pass-failed", "-Wno-ignored-attributes", "-Wno-unused-value"]
 MODE_FLAGS = {
     "run": ["-O1"],
