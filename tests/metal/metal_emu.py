@@ -174,8 +174,9 @@ def _bindings(params: str, kernel: str) -> list[Binding]:
     return bindings
 
 
-def parse_kernels(text: str) -> dict[str, Kernel]:
-    """Kernel functions and host_name instantiations in preprocessed MSL."""
+def parse_kernels(text: str) -> tuple[dict[str, Kernel], dict[str, Kernel]]:
+    """(entry points, template kernels) in preprocessed MSL: entry points are
+    the host_name instantiations and plain kernel functions."""
     functions: dict[str, tuple[list[Binding], int]] = {}
     templated: set[str] = set()
     for m in _KERNEL.finditer(text):
@@ -195,12 +196,14 @@ def parse_kernels(text: str) -> dict[str, Kernel]:
         except CompileError as e:
             bindings = e  # raised only if the kernel is instantiated
         functions[name] = (bindings, int(mt.group(1)) if mt else 0)
-    kernels = {}
+    kernels, templates = {}, {}
     for name, (bindings, mt) in functions.items():
         if isinstance(bindings, CompileError) and name not in templated:
             raise bindings
         if name not in templated:
             kernels[name] = Kernel(name, name, bindings, mt)
+        elif not isinstance(bindings, CompileError):
+            templates[name] = Kernel(name, name, bindings, mt)
     for m in _INSTANTIATION.finditer(text):
         host, func = m.group(1), m.group(2)
         lt = m.end() - 1
@@ -211,7 +214,7 @@ def parse_kernels(text: str) -> dict[str, Kernel]:
         if isinstance(bindings, CompileError):
             raise bindings
         kernels[host] = Kernel(host, func + args, bindings, mt)
-    return kernels
+    return kernels, templates
 
 
 def _strip_attributes(text: str) -> str:
@@ -478,18 +481,22 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     work = CACHE / f"{key}.{os.getpid()}.tmp"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    kernels = parse_kernels(pre)
+    kernels, templates = parse_kernels(pre)
     for e in entries:
         func = e.split("<")[0].strip()
-        match = [k for k in kernels.values() if k.function == func]
-        if not match:
+        if func not in templates:
             raise CompileError(f"entry {e!r}: no [[kernel]] function {func!r} in the source")
         name = re.sub(r"\s+", "", e)
-        kernels[name] = Kernel(name, e, match[0].bindings, match[0].max_threads)
+        kernels[name] = Kernel(name, e, templates[func].bindings, templates[func].max_threads)
     if not kernels:
         raise CompileError("no [[kernel]] entry points found in the source")
     body = _rewrite_threadgroup(_strip_attributes(pre), typecheck=mode == "typecheck")
-    (work / "kernel.ii").write_text(body + _entry_table(kernels))
+    if mode == "typecheck":
+        # Compile only: instantiating the explicit entries is enough.
+        tail = "".join(f"\ntemplate decltype({e}) {e};" for e in entries) + "\n"
+    else:
+        tail = _entry_table(kernels)
+    (work / "kernel.ii").write_text(body + tail)
     compile_flags = [cxx, "-x", "c++-cpp-output", *FLAGS, *mode_flags, str(work / "kernel.ii")]
     if mode == "typecheck":
         proc = subprocess.run(compile_flags, capture_output=True, text=True)

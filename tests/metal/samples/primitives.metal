@@ -83,3 +83,35 @@ using namespace metal;
     per_group[gid] = atomic_load_explicit(&count, memory_order_relaxed);
   }
 }
+
+// Reverses each threadgroup's slice of x through [[threadgroup(0)]] memory.
+[[kernel]] void reverse_groups(
+    const device float* x [[buffer(0)]],
+    device float* y [[buffer(1)]],
+    threadgroup float* buf [[threadgroup(0)]],
+    uint gid [[thread_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint2 tsize [[threads_per_threadgroup]]) {
+  buf[tid] = x[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  y[gid] = buf[tsize.x - 1 - tid];
+}
+
+// Writes thread and threadgroup positions: out [threads, 4] per threadgroup.
+[[kernel]] void positions(
+    device uint4* out [[buffer(0)]],
+    uint3 grid [[thread_position_in_grid]],
+    ushort3 local [[thread_position_in_threadgroup]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint index [[thread_index_in_threadgroup]],
+    uint3 size [[threads_per_threadgroup]]) {
+  const uint g = (group.z * groups.y + group.y) * groups.x + group.x;
+  const uint n = size.x * size.y * size.z;
+  out[g * n + index] = uint4(grid.x, grid.y, uint(local.x) + 10 * local.y + 100 * local.z, g);
+}
+
+template <typename T>
+[[kernel]] void fill(device T* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = T(i);
+}
