@@ -223,9 +223,11 @@ def _strip_attributes(text: str) -> str:
 
 
 _TG_VAR = re.compile(
-    r"(?<![\w])__emu_threadgroup\s+((?:const\s+|volatile\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
+    r"(?<![\w])__emu_threadgroup\s+((?:const\s+|volatile\s+|typename\s+)*[A-Za-z_][\w:]*"
+    r"(?:\s*<[^;{}()]*?>)?(?:::[A-Za-z_]\w*)*)"
     r"\s+([A-Za-z_]\w*)\s*((?:\[[^\];]*\]\s*)*);"
 )
+_TG_LEFT = re.compile(r"(?<![\w])__emu_threadgroup\b([^;,)=*&{]*)([;,)={])")
 
 
 def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
@@ -238,10 +240,17 @@ def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
             return m.group(0)
         type_, name, dims = m.group(1), m.group(2), m.group(3).strip()
         if typecheck:
-            return f"static __emu_threadgroup {type_} {name}{dims};"
+            return f"static __attribute__((address_space(3))) {type_} {name}{dims};"
         return f"auto& {name} = ::emu::threadgroup_var<{type_}{dims}, {next(counter)}>();"
 
     text = _TG_VAR.sub(repl, text)
+    for m in _TG_LEFT.finditer(text):
+        # Not a pointer or reference, and not rewritten above: a threadgroup
+        # object that would silently become one copy per thread.
+        line = text[: m.start()].count("\n") + 1
+        raise CompileError(f"cannot rewrite the threadgroup declaration "
+                           f"'threadgroup{m.group(1)}{m.group(2)}' (line {line} of the "
+                           f"preprocessed source); declare it as `threadgroup T name[N];`")
     space = "__attribute__((address_space(3)))" if typecheck else ""
     text = re.sub(r"\b__emu_threadgroup\b", space, text)
     if typecheck:
@@ -405,7 +414,7 @@ class Program:
                 binds = [(int(i), buffer_id(v)) for i, v in sorted(d.buffers.items())]
                 tgm = sorted((int(i), int(v)) for i, v in d.threadgroup_memory.items())
                 job.append(" ".join(map(str, [
-                    "run", d.entry, *d.threadgroups, *d.threads, seed + n,
+                    "run", d.entry, *d.threadgroups, *d.threads, seed + 3 * n,
                     int(shuffle_groups), len(binds), *[x for b in binds for x in b],
                     len(tgm), *[x for t in tgm for x in t]])))
             for bid in arrays:

@@ -101,3 +101,12 @@ def test_constant_parameter_larger_than_its_buffer():
     with pytest.raises(me.EmulationError, match=r"'n' \(buffer 2\) needs 4 bytes, the buffer has 2"):
         prog.run(me.Dispatch("row_sum_float", {0: x, 1: np.zeros(1, np.float32),
                                                2: np.int16(32)}, threads=(32, 1, 1)))
+
+
+def test_threadgroup_declaration_it_cannot_share_is_refused():
+    """Two threadgroup arrays in one declaration would silently become one copy
+    per thread; the build refuses instead."""
+    src = me.mutate((Path(__file__).parent / "samples" / "reduce.metal").read_text(),
+                    "threadgroup float partial[32];", "threadgroup float partial[32], other[4];")
+    with pytest.raises(me.CompileError, match="cannot rewrite the threadgroup declaration"):
+        build(src)
