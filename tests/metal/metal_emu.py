@@ -46,7 +46,8 @@ FLAGS = ["-std=c++17", "-fno-fast-math", "-U_FORTIFY_SOURCE", "-Wno-unknown-attr
          "-Wno-pass-failed", "-Wno-ignored-attributes", "-Wno-unused-value"]
 MODE_FLAGS = {
     "run": ["-O1"],
-    "asan": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"],
+    "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+             "-fno-omit-frame-pointer"],
     "typecheck": ["-DEMU_TYPECHECK", "-fsyntax-only", "-ferror-limit=0"],
 }
 
@@ -515,7 +516,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
                                                                  or proc.stderr[-6000:]))
     else:
         _run([*compile_flags, "-c", "-o", str(work / "kernel.o")], "compiling the kernel")
-        san = ["-fsanitize=address"] if mode == "asan" else []
+        san = ["-fsanitize=address,undefined"] if mode == "asan" else []
         _run([cxx, *san, str(work / "kernel.o"), str(_runtime_object(cxx, mode)), "-o",
               str(work / "kernel")], "linking")
     _save_kernels(work / "kernels.txt", kernels)

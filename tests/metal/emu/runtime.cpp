@@ -472,7 +472,7 @@ const unsigned char* simd_exchange(const void* data, size_t size) {
   Fiber& f = cur();
   f.simd_ops++;
   int sg = f.pos.simd_group;
-  std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
+  if (size) std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
   meet(R.simd[sg], nullptr, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
   return R.slots[sg].data();
 }
