@@ -34,9 +34,9 @@ const ThreadPos& pos();
 // `site` identifies the call so that divergent barriers are reported.
 void threadgroup_barrier(const void* site);
 // Publishes `size` bytes for this lane, waits until every active lane of the
-// SIMD group has published at the same site, and returns the 32 slots
-// (kSimdSlot bytes each). Call simd_release() once done reading.
-const unsigned char* simd_exchange(const void* data, size_t size, const void* site);
+// SIMD group has published (as its same-numbered SIMD operation), and returns
+// the 32 slots (kSimdSlot bytes each). Call simd_release() once done reading.
+const unsigned char* simd_exchange(const void* data, size_t size);
 void simd_release();
 // Whether lane `l` of the caller's SIMD group exists and has not returned.
 bool lane_active(int l);
