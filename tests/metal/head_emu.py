@@ -85,7 +85,7 @@ def params_bytes(params: dict) -> bytes:
 def host_names(text: str) -> list[str]:
     """Entry point names: host_name instantiations and plain fcce_ kernels."""
     return (re.findall(r'^template \[\[host_name\("([^"]+)"\)\]\]', text, re.M)
-            + re.findall(r"^\[\[kernel\]\] void (fcce_\w+)\(", text, re.M))
+            + re.findall(r"^\[\[kernel\]\].* void (fcce_\w+)\(", text, re.M))
 
 
 def kernel_source(kernels=None) -> str:
@@ -103,7 +103,7 @@ def kernel_source(kernels=None) -> str:
     if kernels is not None:
         kernels = set(kernels)
         missing = kernels - set(host_names(text))
-        kernels |= set(re.findall(r"^\[\[kernel\]\] void (fcce_\w+)\(", text, re.M))
+        kernels |= set(re.findall(r"^\[\[kernel\]\].* void (fcce_\w+)\(", text, re.M))
         if missing:
             raise ValueError(f"not in {SOURCE.name}: {sorted(missing)}")
         text = "\n".join(
