@@ -422,8 +422,12 @@ class Program:
                 job.append(f"save {bid} {tmp / f'out{bid}'}")
             (tmp / "job").write_text("\n".join(job) + "\n")
             env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-            proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
-                                  text=True, timeout=timeout, env=env)
+            try:
+                proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
+                                      text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:
+                raise EmulationError(f"the kernels did not finish within {timeout} s (a loop "
+                                     f"that never ends, or a problem too large to emulate)")
             if proc.returncode != 0:
                 raise EmulationError(_error_message(proc.stderr, proc.returncode))
             for bid, arr in arrays.items():
