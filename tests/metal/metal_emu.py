@@ -439,7 +439,11 @@ def _error_message(stderr: str, rc: int) -> str:
     for line in stderr.splitlines():
         if line.startswith("emu error:"):
             return line
-    asan = [ln for ln in stderr.splitlines() if "AddressSanitizer" in ln]
+    lines = stderr.splitlines()
+    ubsan = [ln for ln in lines if "runtime error:" in ln]
+    if ubsan:
+        return "UndefinedBehaviorSanitizer: " + ubsan[0] + "\n" + stderr[-3000:]
+    asan = [ln for ln in lines if "AddressSanitizer" in ln and "WARNING" not in ln]
     if asan:
         return "AddressSanitizer: " + " | ".join(asan[:2]) + "\n" + stderr[-3000:]
     return f"the emulator exited with status {rc}:\n{stderr[-3000:]}"

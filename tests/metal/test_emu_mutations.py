@@ -13,6 +13,7 @@ import metal_emu as me
 from emu_env import build
 
 SAMPLES = Path(__file__).parent / "samples"
+PRIMITIVES = SAMPLES / "primitives.metal"
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 ROWS, N = 3, 1000
 
@@ -71,11 +72,26 @@ def test_output_buffer_one_element_short():
 
 
 def test_threadgroup_array_one_element_short():
-    # 256 threads are 8 SIMD groups; partial[7] holds 7.
+    # 256 threads are 8 SIMD groups; partial[7] holds 7. The array's type
+    # carries its size, so UndefinedBehaviorSanitizer's bounds check reports
+    # it first; through a pointer (a [[threadgroup(n)]] buffer) AddressSanitizer does.
     src = me.mutate(reduce_source(), "threadgroup float partial[32];",
                     "threadgroup float partial[7];")
-    with pytest.raises(me.EmulationError, match="AddressSanitizer: .*heap-buffer-overflow"):
+    with pytest.raises(me.EmulationError, match="index 7 out of bounds for type 'float\\[7\\]'"):
         row_sum(build(src, mode="asan"))
+
+
+def test_threadgroup_buffer_one_element_short():
+    prog = build(PRIMITIVES, mode="asan")
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros(64, np.float32)
+    d = me.Dispatch("reverse_groups", {0: x, 1: y}, threads=(64, 1, 1),
+                    threadgroup_memory={0: 256})
+    prog.run(d)
+    np.testing.assert_array_equal(y, x[::-1])
+    d.threadgroup_memory = {0: 240}
+    with pytest.raises(me.EmulationError, match="AddressSanitizer: .*heap-buffer-overflow"):
+        prog.run(d)
 
 
 def test_buffer_index_not_set_by_the_dispatch():
