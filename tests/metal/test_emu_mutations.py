@@ -120,6 +120,17 @@ def test_simd_operation_under_thread_dependent_branch():
         row_sum(build(src))
 
 
+def test_simd_operations_at_different_sites_in_branches():
+    """Both branches reduce once (the counts agree); the lanes meet at different
+    calls, which MSL leaves undefined."""
+    src = me.mutate(reduce_source(), "acc = simd_sum(acc);",
+                    "if (lane < 16) {\n    acc = simd_sum(acc);\n  } else {\n"
+                    "    acc = simd_sum(acc + 1.0f);\n  }")
+    with pytest.raises(me.EmulationError, match=r"divergent SIMD-group operation: this thread "
+                       r"is at source.metal:\d+ \(its call #1\)"):
+        row_sum(build(src))
+
+
 def test_threadgroup_pointer_assigned_to_device_pointer():
     src = me.mutate(reduce_source(), "  if (lane == 0) {\n",
                     "  device float* p = partial;\n  if (lane == 0) {\n")

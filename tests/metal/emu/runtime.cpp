@@ -174,10 +174,13 @@ void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   Fiber& f = cur();
   if (!m.waiting.empty() && (!same(m.site, site) || m.seq != seq)) {
     const Fiber& o = R.fibers[m.first];
+    // SIMD operations meet twice each (seq 2n and 2n + 1).
+    const uint64_t per = kind[0] == 'S' ? 2 : 1;
     fail("divergent %s: this thread is at %s:%d (its call #%llu) while thread (%u,%u,%u) waits "
          "at %s:%d (its call #%llu)",
-         kind, site.file, site.line, (unsigned long long)seq, o.pos.local[0], o.pos.local[1],
-         o.pos.local[2], m.site.file, m.site.line, (unsigned long long)m.seq);
+         kind, site.file, site.line, (unsigned long long)(seq / per), o.pos.local[0],
+         o.pos.local[1], o.pos.local[2], m.site.file, m.site.line,
+         (unsigned long long)(m.seq / per));
   }
   if (m.waiting.empty()) {
     m.site = site;
