@@ -422,8 +422,12 @@ class Program:
                 job.append(f"save {bid} {tmp / f'out{bid}'}")
             (tmp / "job").write_text("\n".join(job) + "\n")
             env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-            proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
-                                  text=True, timeout=timeout, env=env)
+            try:
+                proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
+                                      text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:
+                raise EmulationError(f"the kernels did not finish within {timeout} s (a loop "
+                                     f"that never ends, or a problem too large to emulate)")
             if proc.returncode != 0:
                 raise EmulationError(_error_message(proc.stderr, proc.returncode))
             for bid, arr in arrays.items():
@@ -435,7 +439,11 @@ def _error_message(stderr: str, rc: int) -> str:
     for line in stderr.splitlines():
         if line.startswith("emu error:"):
             return line
-    asan = [ln for ln in stderr.splitlines() if "AddressSanitizer" in ln]
+    lines = stderr.splitlines()
+    ubsan = [ln for ln in lines if "runtime error:" in ln]
+    if ubsan:
+        return "UndefinedBehaviorSanitizer: " + ubsan[0] + "\n" + stderr[-3000:]
+    asan = [ln for ln in lines if "AddressSanitizer" in ln and "WARNING" not in ln]
     if asan:
         return "AddressSanitizer: " + " | ".join(asan[:2]) + "\n" + stderr[-3000:]
     return f"the emulator exited with status {rc}:\n{stderr[-3000:]}"

@@ -110,3 +110,8 @@ def test_threadgroup_declaration_it_cannot_share_is_refused():
                     "threadgroup float partial[32];", "threadgroup float partial[32], other[4];")
     with pytest.raises(me.CompileError, match="cannot rewrite the threadgroup declaration"):
         build(src)
+
+
+def test_kernel_that_never_finishes_times_out(prog):
+    with pytest.raises(me.EmulationError, match="did not finish within 2 s"):
+        prog.run(me.Dispatch("spin", {0: np.zeros(1, np.int32)}), timeout=2)

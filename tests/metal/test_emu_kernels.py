@@ -5,6 +5,7 @@ The error bounds: a float32 sum of k terms carries at most k * u * sum|x|
 kernel's dtype first, so the reference sees exactly what the kernel reads.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ from emu_env import build
 SAMPLES = Path(__file__).parent / "samples"
 U32 = 2.0**-24
 DTYPES = ["float", "half", "bfloat"]
+# Larger problems are opt-in (the project's switch for the Metal sweeps).
+SWEEP = os.environ.get("FLASH_CCE_METAL_SWEEP") == "1"
 
 
 def to_dtype(x, dtype):
@@ -129,3 +132,19 @@ def test_mlx_qmm_t(dtype, group_size, bits):
              + (k / 8 + 2) * U32 * np.abs(xf) @ np.abs(np.array(wq, np.float64)).T
              + u * np.abs(ref))
     assert np.all(np.abs(as_f64(y, dtype) - ref) <= bound)
+
+
+@pytest.mark.skipif(not SWEEP, reason="larger emulated problems: set FLASH_CCE_METAL_SWEEP=1")
+@pytest.mark.parametrize("mode,seed", [("run", 0), ("run", 1), ("run", 2), ("asan", 0)])
+def test_steel_gemm_large(mode, seed):
+    """256 x 256 x 256: 64 threadgroups of 128 threads, every schedule."""
+    prog = build(SAMPLES / "gemm_nt.metal", mode=mode)
+    m = n = k = 256
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    c = np.full((m, n), np.nan, np.float32)
+    prog.run(me.Dispatch("gemm_nt_float", {0: a, 1: b, 2: c, 3: np.array([m, n, k, 0], np.int32)},
+                         threadgroups=(8, 8, 1), threads=(128, 1, 1)), seed=seed)
+    bound = (k / 8 + 2) * U32 * (np.abs(a).astype(np.float64) @ np.abs(b).T)
+    assert np.all(np.abs(c - a.astype(np.float64) @ b.T) <= bound)

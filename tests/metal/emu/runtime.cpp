@@ -65,7 +65,7 @@ struct Fiber {
   State state = State::runnable;
   uint64_t barriers = 0;  // threadgroup barriers passed
   uint64_t simd_ops = 0;  // SIMD exchanges started
-  const void* wait_site = nullptr;
+  Site wait_site = {nullptr, 0};
   const char* wait_kind = nullptr;
   void* fake_stack = nullptr;
 };
@@ -73,7 +73,7 @@ struct Fiber {
 // Threads waiting at one barrier or SIMD exchange.
 struct Meeting {
   std::vector<int> waiting;
-  const void* site = nullptr;
+  Site site = {nullptr, 0};
   uint64_t seq = 0;
   int first = -1;
 };
@@ -166,14 +166,21 @@ void release(Meeting& m) {
 
 // Adds the current fiber to meeting `m`, which completes at `expected`
 // arrivals; fails if another thread waits there at a different site or count.
-void meet(Meeting& m, const void* site, uint64_t seq, int expected, const char* kind) {
+bool same(Site a, Site b) {
+  return a.line == b.line && (a.file == b.file || (a.file && b.file && !strcmp(a.file, b.file)));
+}
+
+void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   Fiber& f = cur();
-  if (!m.waiting.empty() && (m.site != site || m.seq != seq)) {
+  if (!m.waiting.empty() && (!same(m.site, site) || m.seq != seq)) {
     const Fiber& o = R.fibers[m.first];
-    fail("divergent %s: this thread is at its call #%llu (site %p) while thread (%u,%u,%u) waits "
-         "at call #%llu (site %p)",
-         kind, (unsigned long long)seq, site, o.pos.local[0], o.pos.local[1], o.pos.local[2],
-         (unsigned long long)m.seq, m.site);
+    // SIMD operations meet twice each (seq 2n and 2n + 1).
+    const uint64_t per = kind[0] == 'S' ? 2 : 1;
+    fail("divergent %s: this thread is at %s:%d (its call #%llu) while thread (%u,%u,%u) waits "
+         "at %s:%d (its call #%llu)",
+         kind, site.file, site.line, (unsigned long long)(seq / per), o.pos.local[0],
+         o.pos.local[1], o.pos.local[2], m.site.file, m.site.line,
+         (unsigned long long)(m.seq / per));
   }
   if (m.waiting.empty()) {
     m.site = site;
@@ -289,8 +296,8 @@ void run_threadgroup() {
     for (int i = 0; i < n && shown < 4; i++) {
       const Fiber& f = R.fibers[i];
       if (f.state != State::waiting) continue;
-      s << (shown++ ? "; " : "") << "thread " << i << " at a " << f.wait_kind << " (site "
-        << f.wait_site << ")";
+      s << (shown++ ? "; " : "") << "thread " << i << " at a " << f.wait_kind << " at "
+        << f.wait_site.file << ":" << f.wait_site.line;
     }
     s << ") — a barrier or SIMD operation in divergent control flow";
     fail("%s", s.str().c_str());
@@ -458,7 +465,7 @@ void fail(const char* fmt, ...) {
   _Exit(3);
 }
 
-void threadgroup_barrier(const void* site) {
+void threadgroup_barrier(Site site) {
   Fiber& f = cur();
   f.barriers++;
   if (R.done > 0)
@@ -468,12 +475,12 @@ void threadgroup_barrier(const void* site) {
   meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier");
 }
 
-const unsigned char* simd_exchange(const void* data, size_t size) {
+const unsigned char* simd_exchange(const void* data, size_t size, Site site) {
   Fiber& f = cur();
   f.simd_ops++;
   int sg = f.pos.simd_group;
   if (size) std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
-  meet(R.simd[sg], nullptr, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
+  meet(R.simd[sg], site, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
   return R.slots[sg].data();
 }
 
@@ -482,7 +489,7 @@ void simd_release() {
   int sg = f.pos.simd_group;
   // The second meeting keeps a fast lane from overwriting its slot before the
   // others have read it.
-  meet(R.simd[sg], nullptr, 2 * f.simd_ops + 1, simd_active(sg), "SIMD-group operation");
+  meet(R.simd[sg], R.simd[sg].site, 2 * f.simd_ops + 1, simd_active(sg), "SIMD-group operation");
 }
 
 bool lane_active(int l) {

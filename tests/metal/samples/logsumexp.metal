@@ -6,7 +6,7 @@ using namespace metal;
 
 METAL_FUNC void combine(thread float& m, thread float& s, float om, float os) {
   const float nm = max(m, om);
-  s = s * exp(m - nm) + os * exp(om - nm);
+  s = s * metal::fast::exp(m - nm) + os * metal::precise::exp(om - nm);
   m = nm;
 }
 

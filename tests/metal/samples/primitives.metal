@@ -115,3 +115,9 @@ template <typename T>
 [[kernel]] void fill(device T* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   out[i] = T(i);
 }
+
+// Waits for a flag nobody sets.
+[[kernel]] void spin(device atomic_int* flag [[buffer(0)]]) {
+  while (atomic_load_explicit(flag, memory_order_relaxed) == 0) {
+  }
+}
