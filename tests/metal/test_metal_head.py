@@ -354,3 +354,12 @@ def test_dense_under_other_schedules(dense, seed):
     # Other random thread orders (and threadgroup orders) of the same launches.
     p = Head(37, 70, 333, "bf16", ignore=(2,), seed=seed)
     check_all(dense, p, 3.0, compute_dw=True, seed=seed, max_splits=3, dw_slab_rows=192)
+
+
+@pytest.mark.skipif(not SWEEP, reason="larger emulated problems: set FLASH_CCE_METAL_SWEEP=1")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_plan_defaults_larger(dense, dtype):
+    # The plan's own split choice: 10 m tiles x 55 vocabulary blocks give
+    # splits of two blocks each.
+    p = Head(300, 64, 1733, dtype, ignore=(0, 299), seed=12)
+    check_all(dense, p, 30.0, compute_dw=True)
