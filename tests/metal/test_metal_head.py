@@ -360,6 +360,6 @@ def test_dense_under_other_schedules(dense, seed):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_plan_defaults_larger(dense, dtype):
     # The plan's own split choice: 10 m tiles x 55 vocabulary blocks give
-    # splits of two blocks each.
+    # splits of two blocks (forward) or three (passes with partials).
     p = Head(300, 64, 1733, dtype, ignore=(0, 299), seed=12)
     check_all(dense, p, 30.0, compute_dw=True)
