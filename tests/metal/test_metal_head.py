@@ -363,3 +363,14 @@ def test_plan_defaults_larger(dense, dtype):
     # splits of two blocks (forward) or three (passes with partials).
     p = Head(300, 64, 1733, dtype, ignore=(0, 299), seed=12)
     check_all(dense, p, 30.0, compute_dw=True)
+
+
+@pytest.mark.skipif(not SWEEP, reason="every dtype pair: set FLASH_CCE_METAL_SWEEP=1")
+@pytest.mark.parametrize("h_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", DTYPES)
+def test_dense_dtype_pairs(h_dtype, w_dtype):
+    p = Head(33, 40, 70, h_dtype, w_dtype=w_dtype, ignore=(3,), seed=13)
+    kernels = set()
+    for plan in plans_for(p, 3.0, compute_dw=True, dw_slab_rows=32):
+        kernels |= he.plan_kernels(plan)
+    check_all(program(kernels), p, 3.0, compute_dw=True, max_splits=2, dw_slab_rows=32)
