@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -43,5 +44,13 @@ NB_MODULE(_ext, m) {
       "Validates head arguments; returns the bit width of a quantized w.");
 
   m.def("has_gpu_kernels", &flash_cce::has_gpu_kernels);
+  m.def("has_metal_kernels", &flash_cce::has_metal_kernels);
+  m.def(
+      "metal_library",
+      [] {
+        auto st = flash_cce::metal_library_status();
+        return std::make_tuple(st.source, st.path, st.error);
+      },
+      "Loads the Metal kernels' library once; returns (source, path, error).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -82,8 +83,20 @@ std::vector<mx::array> flash_cce_backward(
     bool compute_dw,
     mx::StreamOrDevice s = {});
 
-// True when eval_gpu has a native kernel in this build (CUDA today).
+// True when eval_gpu has a native kernel in this build (CUDA or Metal).
 bool has_gpu_kernels();
+
+// True when this build has the Metal kernels (an Apple build).
+bool has_metal_kernels();
+
+// Where the Metal kernels' library came from, after loading it once:
+// source is "metallib" (built with the module), "source" (compiled at run
+// time from the embedded source) or empty when neither worked; error holds the
+// reasons (also a metallib's that was passed over for the source).
+struct MetalLibraryStatus {
+  std::string source, path, error;
+};
+MetalLibraryStatus metal_library_status();
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);

@@ -8,7 +8,8 @@ import os
 
 import mlx.core as mx
 
-from . import _ext, fallback
+from . import _ext, fallback, metal
+from .selfcheck import HeadSpec
 
 _BACKENDS = (None, "auto", "native", "fallback")
 
@@ -27,7 +28,10 @@ def has_native_kernel(device=None):
     return _device(device).type == mx.cpu or _ext.has_gpu_kernels()
 
 
-def _use_native(backend, stream):
+def _use_native(backend, stream, spec=None):
+    """Whether a call runs the native kernels. `spec` (a HeadSpec) lets "auto"
+    consult the Metal gate: on a Metal GPU the kernels run only for
+    configurations that passed the self-check (see metal.py)."""
     source = "backend"
     if backend is None:
         backend, source = os.environ.get("FLASH_CCE_BACKEND") or None, "FLASH_CCE_BACKEND"
@@ -35,10 +39,13 @@ def _use_native(backend, stream):
         raise ValueError(f"{source} must be one of {_BACKENDS[1:]}, got {backend!r}")
     if backend == "fallback":
         return False
-    native = has_native_kernel(_device(stream))
+    device = _device(stream)
+    native = has_native_kernel(device)
     if backend == "native" and not native:
-        raise ValueError(f"backend='native' but {_device(stream)} has no flash-CCE kernel")
-    return native
+        raise ValueError(f"backend='native' but {device} has no flash-CCE kernel")
+    if backend == "native" or not native or spec is None or not metal.gated(device):
+        return native
+    return metal.GATE.allows(spec)
 
 
 def _is_tracing_error(err):
@@ -96,7 +103,7 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
     if validate_targets:
         check_targets(targets, w.shape[0], ignore_index)
-    if _use_native(backend, stream):
+    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size)):
         logp, lse = _ext.forward(
             h, w, targets, scales, biases, group_size=group_size, bits=bits,
             softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
@@ -128,7 +135,7 @@ def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
     if compute_dw and scales is not None:
         raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
-    if _use_native(backend, stream):
+    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size)):
         out = _ext.backward(
             h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
             bits=bits, softcap=softcap, ignore_index=ignore_index,
