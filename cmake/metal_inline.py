@@ -199,7 +199,7 @@ def main(argv=None):
     ap.add_argument("--cpp", help="write a C++ header embedding the source here")
     ap.add_argument("--symbol", default="flash_cce_metal_source",
                     help="name of the C++ string (with --cpp)")
-    ap.add_argument("--depfile", help="write the files read, one per line, here")
+    ap.add_argument("--depfile", help="write a Makefile rule: the outputs depend on the files read")
     args = ap.parse_args(argv)
     if not (args.output or args.cpp):
         ap.error("give -o and/or --cpp")
@@ -213,7 +213,10 @@ def main(argv=None):
     if args.cpp:
         _write_if_changed(args.cpp, cpp_header(source, args.symbol))
     if args.depfile:
-        _write_if_changed(args.depfile, "".join(f + "\n" for f in files))
+        esc = lambda path: path.replace("\\", "/").replace(" ", "\\ ")  # noqa: E731
+        targets = " ".join(esc(os.path.abspath(t)) for t in (args.output, args.cpp) if t)
+        deps = "".join(f" \\\n  {esc(f)}" for f in files)
+        _write_if_changed(args.depfile, f"{targets}:{deps}\n")
     return 0
 
 

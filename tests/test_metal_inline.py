@@ -133,7 +133,9 @@ def test_command_line_writes_outputs_and_fails_cleanly(tmp_path, capsys):
             "--depfile", str(dep), str(tmp_path / "kern/main.metal")]
     assert metal_inline.main(args) == 0
     assert "inline constexpr const char flash_cce_metal_source[]" in hdr.read_text()
-    assert len(dep.read_text().splitlines()) == 5
+    rule = dep.read_text().splitlines()
+    assert rule[0] == f"{out} {hdr}: \\" and len(rule) == 6
+    assert rule[-1].strip().endswith("plain.inc")
     assert metal_inline.main(["-o", str(out), str(tmp_path / "nope.metal")]) == 1
     assert "nope.metal" in capsys.readouterr().err
 
