@@ -213,3 +213,15 @@ def test_metal_status_without_metal():
         assert st["active"] == "fallback (this build has no Metal kernels)"
         assert st["configs"] == {}
     assert "configs:" in str(st)
+
+
+def test_sizes_beyond_the_kernels_indexing_use_the_fallback(cpu_gated, monkeypatch):
+    native = Native()
+    g, log = cpu_gated(native)
+    h, w, y, _ = _problem(False)
+    monkeypatch.setattr(metal, "MAX_ELEMENTS", h.size - 1)
+    logp, _ = fc.flash_cce_forward(h, w, y, stream=mx.cpu)
+    with mx.stream(mx.cpu):
+        want, _ = fallback.forward(h, w, y)
+    assert np.array_equal(np.array(logp), np.array(want))
+    assert native.calls == 0 and not g.checks and not log

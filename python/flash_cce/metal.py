@@ -105,6 +105,15 @@ COMMON_SPECS = (
 )
 
 
+# The kernels index [M, H] arrays with 32-bit ints (csrc/metal/plan.cpp).
+MAX_ELEMENTS = 2**31 - 1
+
+
+def fits(h):
+    """Whether the Metal kernels take an `h` of this size (else the fallback runs)."""
+    return h is None or h.size <= MAX_ELEMENTS
+
+
 def gated(device):
     """Whether calls on `device` go through GATE (the GPU of a Metal build)."""
     return device.type == mx.gpu and _ext.has_metal_kernels()
