@@ -27,11 +27,11 @@ template <typename HT, typename WT>
     device float* part_sum [[buffer(9)]],
     device float* target_logit [[buffer(10)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::DenseWeight<WT> wt{w};
   fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
@@ -48,11 +48,11 @@ template <typename HT, int bits>
     device float* part_sum [[buffer(9)]],
     device float* target_logit [[buffer(10)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::QuantWeight<bits> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
@@ -69,11 +69,11 @@ template <typename HT, typename WT>
     device float* target_logit [[buffer(10)]],
     device float* part_acc [[buffer(11)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::DenseWeight<WT> wt{w};
   fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
       part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
@@ -91,11 +91,11 @@ template <typename HT, int bits>
     device float* target_logit [[buffer(10)]],
     device float* part_acc [[buffer(11)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::QuantWeight<bits> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
       part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
@@ -112,11 +112,11 @@ template <typename HT, typename WT>
     const device float* g_lse [[buffer(7)]],
     device float* part_acc [[buffer(11)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::DenseWeight<WT> wt{w};
   fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
@@ -134,11 +134,11 @@ template <typename HT, int bits>
     const device float* g_lse [[buffer(7)]],
     device float* part_acc [[buffer(11)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::QuantWeight<bits> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
@@ -155,16 +155,16 @@ template <typename HT, typename WT>
     const device float* g_lse [[buffer(7)]],
     device float* acc [[buffer(14)]],
     constant FcceParams& p [[buffer(20)]],
-    threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
   const fcce::DenseWeight<WT> wt{w};
   fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
 }
 
-[[kernel]] void combine(
+[[kernel]] void fcce_combine(
     const device int* targets [[buffer(4)]],
     device float* lse [[buffer(5)]],
     const device float* part_max [[buffer(8)]],
@@ -185,7 +185,7 @@ template <typename OutT>
   fcce::reduce_splits<FCCE_REDUCE_SUM>(part_acc, nullptr, nullptr, out, p, i);
 }
 
-[[kernel]] void reduce_gsum(
+[[kernel]] void fcce_reduce_gsum(
     const device float* lse [[buffer(5)]],
     const device float* part_max [[buffer(8)]],
     const device float* part_acc [[buffer(11)]],
@@ -238,8 +238,8 @@ template <typename OutT>
   fcce::fused_dh_element(gsum, wt, targets, logp, lse, g, g_lse, dh, p, i);
 }
 
-// One line per entry point: its name (as csrc/metal/plan.cpp lists it) and the
-// instantiation.
+// One line per template entry point: its name (as csrc/metal/plan.cpp lists
+// it) and the instantiation. fcce_combine and fcce_reduce_gsum are plain kernels.
 
 // fwd: dense heads
 template [[host_name("fcce_fwd_hf32_wf32")]] [[kernel]] decltype(head_fwd<float, float>) head_fwd<float, float>;
@@ -339,11 +339,9 @@ template [[host_name("fcce_dw_hbf16_wf32")]] [[kernel]] decltype(head_dw<bfloat1
 template [[host_name("fcce_dw_hbf16_wf16")]] [[kernel]] decltype(head_dw<bfloat16_t, half>) head_dw<bfloat16_t, half>;
 template [[host_name("fcce_dw_hbf16_wbf16")]] [[kernel]] decltype(head_dw<bfloat16_t, bfloat16_t>) head_dw<bfloat16_t, bfloat16_t>;
 // Element-wise passes
-template [[host_name("fcce_combine")]] [[kernel]] decltype(combine) combine;
 template [[host_name("fcce_reduce_dh_f32")]] [[kernel]] decltype(reduce_dh<float>) reduce_dh<float>;
 template [[host_name("fcce_reduce_dh_f16")]] [[kernel]] decltype(reduce_dh<half>) reduce_dh<half>;
 template [[host_name("fcce_reduce_dh_bf16")]] [[kernel]] decltype(reduce_dh<bfloat16_t>) reduce_dh<bfloat16_t>;
-template [[host_name("fcce_reduce_gsum")]] [[kernel]] decltype(reduce_gsum) reduce_gsum;
 template [[host_name("fcce_cast_f16")]] [[kernel]] decltype(cast_dw<half>) cast_dw<half>;
 template [[host_name("fcce_cast_bf16")]] [[kernel]] decltype(cast_dw<bfloat16_t>) cast_dw<bfloat16_t>;
 template [[host_name("fcce_fused_dh_of32_wf32")]] [[kernel]] decltype(fused_dh<float, float>) fused_dh<float, float>;

@@ -13,6 +13,11 @@
 #define FCCE_THREADS (FCCE_WM * FCCE_WN * 32)
 // Row stride (in floats) of the threadgroup tiles: padded against bank conflicts.
 #define FCCE_LD (FCCE_BK + 4)
+// Threadgroup memory of the head and dW kernels, in floats (declared in the
+// kernels; metal/head.h's HeadSmem carves it): h tile [BM, LD], w tile
+// [BN, LD], coefficient tile [BM, BN + 4], row factors [BM].
+#define FCCE_SMEM_FLOATS \
+  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
 // Threads per threadgroup of the element-wise kernels (combine, reduce, cast, fused dh).
 #define FCCE_EW_THREADS 256
 

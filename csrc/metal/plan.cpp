@@ -188,7 +188,7 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
   l.grid[2] = 1;
   l.threads[0] = FCCE_THREADS;
   l.threads[1] = l.threads[2] = 1;
-  l.threadgroup_bytes = head_threadgroup_bytes();
+  l.threadgroup_bytes = 0; // declared in the kernel
   l.buffers = operand_bindings(p);
   if (mode == FCCE_MODE_DH) {
     l.buffers.insert(l.buffers.end(), {{5, Role::lse}, {6, Role::g}, {7, Role::g_lse}});
@@ -262,7 +262,7 @@ void plan_dw(const Problem& p, Plan& plan) {
     l.grid[1] = l.grid[2] = 1;
     l.threads[0] = FCCE_THREADS;
     l.threads[1] = l.threads[2] = 1;
-    l.threadgroup_bytes = dw_threadgroup_bytes();
+    l.threadgroup_bytes = 0;
     l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
                  {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
     l.params_index = kParamsIndex;
@@ -315,8 +315,7 @@ const char* role_name(Role r) {
 }
 
 size_t head_threadgroup_bytes() {
-  // h tile [BM, LD], w tile [BN, LD], coefficient tile [BM, BN + 4], row factors [BM].
-  return size_t(FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM) * 4;
+  return size_t(FCCE_SMEM_FLOATS) * 4;
 }
 
 size_t dw_threadgroup_bytes() {

@@ -8,8 +8,9 @@
 //   launches (or the caller) wrote, so a memory barrier between consecutive
 //   launches is enough.
 // - `grid` counts threadgroups (dispatch_threadgroups), `threads` is the
-//   threadgroup size. `threadgroup_bytes` is the dynamic threadgroup memory at
-//   index 0 (set_threadgroup_memory_length(bytes, 0)); 0 means none.
+//   threadgroup size. `threadgroup_bytes` is dynamic threadgroup memory at
+//   index 0 (set_threadgroup_memory_length(bytes, 0)); 0 means none, which is
+//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS).
 // - `buffers` lists every device buffer of the launch as (index, role), all
 //   bound at offset 0. Scratch roles name buffers of Plan::scratch, allocated
 //   by the caller (contents undefined on entry: every kernel writes a scratch
@@ -116,7 +117,7 @@ Plan make_plan(const Problem& p);
 // Every kernel name the Metal sources define (metal/*.metal), in one table.
 const std::vector<std::string>& kernel_names();
 
-// Threadgroup memory of each kernel family, in bytes (all under 32 KB).
+// Threadgroup memory each kernel family declares, in bytes (under 32 KB).
 size_t head_threadgroup_bytes();
 size_t dw_threadgroup_bytes();
 
