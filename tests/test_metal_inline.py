@@ -6,9 +6,9 @@ each set of macro definitions that switches the conditional includes.
 """
 
 import importlib.util
-import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +181,36 @@ def test_project_kernels_inline_like_the_preprocessor(tmp_path):
     for defines in [(), ("__METAL_VERSION__=310", "__HAVE_BFLOAT__")]:
         want = _preprocess(unit, [inc], defines, tmp_path)
         assert _preprocess(inlined, [], defines, tmp_path) == want
+
+
+def test_inlined_source_is_what_the_emulation_compiles(tmp_path):
+    """The shipped source, inlined with the emulation's shadow headers in front
+    (tests/metal/emu/shadow replaces four MLX headers that do not compile as
+    C++), preprocesses exactly as the emulation preprocesses metal/*.metal: the
+    kernels Metal compiles are the ones the emulation tests ran."""
+    sys.path.insert(0, str(ROOT / "tests" / "metal"))
+    try:
+        import metal_emu
+    finally:
+        sys.path.pop(0)
+    cxx = metal_emu.find_compiler()
+    sources = sorted((ROOT / "metal").glob("*.metal"))
+    inc = _mlx_metal_include()
+    if cxx is None or not sources or inc is None:
+        pytest.skip("needs clang++, metal/*.metal and MLX's Metal headers")
+    shadow = metal_emu.EMU / "shadow"
+    source, _ = metal_inline.inline_sources([str(s) for s in sources], [str(shadow), str(inc)])
+    inlined = tmp_path / "inlined.metal"
+    inlined.write_text(source)
+    unit = tmp_path / "unit.metal"
+    unit.write_text("".join(f'#include "{s}"\n' for s in sources))
+
+    def emu_preprocess(path, include_dirs):
+        cmd = [cxx, "-E", "-P", "-x", "c++", *metal_emu.FLAGS, "-I", str(shadow),
+               "-I", str(metal_emu.EMU / "include"), *[f"-I{d}" for d in include_dirs], str(path)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return [line.strip() for line in out.splitlines() if line.strip()]
+
+    want = emu_preprocess(unit, [inc])
+    assert emu_preprocess(inlined, []) == want
+    assert any("fcce_fwd_hbf16_q4" in line for line in want)
