@@ -15,7 +15,7 @@ import warnings
 import mlx.core as mx
 
 from . import _ext
-from .selfcheck import HeadSpec, self_check
+from .selfcheck import PROBLEMS, HeadSpec, self_check
 
 REPORT = (
     "Please report it on the project's issue tracker with the output of\n"
@@ -40,14 +40,15 @@ class Gate:
     load_library() -> {"source", "path", "error"}; native: an object with
     forward/backward like flash_cce._ext; stream: where the self-check runs
     (None: a new stream on the GPU, so that a kernel fault cannot poison the
-    caller's stream).
+    caller's stream); problems: the self-check's (selfcheck.PROBLEMS).
     """
 
     def __init__(self, load_library=_library_from_ext, native=_ext, stream=None,
-                 warn=None):
+                 warn=None, problems=PROBLEMS):
         self._load_library = load_library
         self._native = native
         self._stream = stream
+        self._problems = problems
         self._warn = warn or (lambda msg: warnings.warn(msg, FlashCCEMetalWarning, stacklevel=4))
         self._lock = threading.RLock()
         self.library = None
@@ -84,7 +85,8 @@ class Gate:
             if result is None:
                 if self._stream is None:
                     self._stream = mx.new_stream(mx.gpu)
-                result = self.checks[spec.key] = self_check(spec, self._native, self._stream)
+                result = self.checks[spec.key] = self_check(spec, self._native, self._stream,
+                                                            self._problems)
                 if not result.passed:
                     self.last_error = f"{spec.key}: {result.detail}"
             if not result.passed:
