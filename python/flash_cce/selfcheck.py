@@ -25,7 +25,7 @@ A wrong kernel (a lost tile, a wrong index, a missing barrier) misses these by
 orders of magnitude; rounding stays inside them.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -64,10 +64,13 @@ class HeadSpec:
 
     @staticmethod
     def of(h, w, scales=None, bits=None, group_size=64):
-        name = lambda t: str(t).rsplit(".", 1)[-1]  # noqa: E731
         if scales is None:
-            return HeadSpec(name(h.dtype), name(w.dtype))
-        return HeadSpec(name(h.dtype), "uint32", bits, group_size, name(scales.dtype))
+            return HeadSpec(_name(h.dtype), _name(w.dtype))
+        return HeadSpec(_name(h.dtype), "uint32", bits, group_size, _name(scales.dtype))
+
+
+def _name(dtype):
+    return str(dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
 
 
 @dataclass
@@ -75,7 +78,6 @@ class CheckResult:
     passed: bool
     worst: float = float("nan")  # largest |native - fallback| / bound
     detail: str = ""
-    problems: list = field(default_factory=list)
 
 
 def _grid(rng, shape, scale):
@@ -162,14 +164,13 @@ def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
                                        compute_dw=dense, **q)
         mx.eval(logp_r, lse_r, dh_r, dw_r)
 
-    u_op = UNIT[DTYPES[spec.h_dtype]]
+    u_op = UNIT[DTYPES[spec.h_dtype]]  # also the unit of dh's dtype
     dsW, dsH, B = _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap)
     ds = 2 * (HIDDEN + 2) * U32 * B
     lse64 = _f64(lse_r)
     row = 2 * ds.max(axis=1) + 2 * (V + 16) * U32 * (1 + np.abs(lse64))
     grad_unit = 2 * (V + 4) * U32 + u_op
-    u_out = UNIT[DTYPES[spec.h_dtype]]
-    dh_bound = 2 * u_out * np.abs(_f64(dh_r)) + (grad_unit + 4 * row[:, None]) * dsW
+    dh_bound = 2 * u_op * np.abs(_f64(dh_r)) + (grad_unit + 4 * row[:, None]) * dsW
 
     for fused in (False, True):
         logp, lse = native.forward(h, w, y, scales, biases, fused_backward=fused,
@@ -191,7 +192,7 @@ def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
         return native.forward(h_, w, y, scales, biases, fused_backward=True,
                               stream=stream, **q)
 
-    _, (dh_v,) = mx.vjp(lambda h_: f(h_), [h], [g, g_lse])
+    _, (dh_v,) = mx.vjp(f, [h], [g, g_lse])
     cmp("dh(vjp)", dh_v, dh_r, dh_bound)
 
 
