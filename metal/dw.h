@@ -27,27 +27,13 @@ METAL_FUNC void dw_tiles(
   const int er = int(tid) / 4, ec = int(tid % 4) * 8;
 
   for (int m0 = 0; m0 < p.M; m0 += FCCE_BM) {
-    const int m = m0 + er;
-    const bool row_ok = m < p.M;
-    const int y = row_ok ? targets[m] : -1;
-    const bool y_ok = row_ok && y != p.ignore_index && y >= 0 && y < p.V;
-    const float gm = y_ok ? g[m] : 0.0f;
-    const float coef = row_ok ? g_lse[m] - gm : 0.0f;
-    const float row_lse = row_ok ? lse[m] : 0.0f;
-
+    const RowTarget t = row_target(p, targets, m0 + er);
+    const RowGrad r = row_grad(t, lse, g, g_lse, m0 + er);
     logits_tile(h, w, p, m0, v0, sm, tid, sgid, lane);
     threadgroup float* crow = sm.cs + er * kLdC + ec;
     float s[8], dcap[8];
-    for (int j = 0; j < 8; ++j) {
-      s[j] = crow[j];
-    }
-    softcap8(s, dcap, p.softcap);
-    for (int j = 0; j < 8; ++j) {
-      const int v = v0 + ec + j;
-      float d = v < p.V && row_ok ? coef * metal::precise::exp(s[j] - row_lse) : 0.0f;
-      d += y_ok && v == y ? gm : 0.0f;
-      crow[j] = d * dcap[j];
-    }
+    read_logits8(crow, s, dcap, p.softcap);
+    write_ds8(crow, s, dcap, v0 + ec, p, t, r);
 
     for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {
       threadgroup_barrier(mem_flags::mem_threadgroup);

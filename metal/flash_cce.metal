@@ -1,7 +1,9 @@
 // The flash-CCE head's Metal kernels: entry points and their instantiations.
 // MLX's steel GEMM and quantization headers come from the installed MLX
 // (include path: the directory holding mlx/backend/metal/kernels).
-// Buffer indices follow csrc/metal/plan.cpp, which lists each launch.
+// Buffer indices follow csrc/metal/plan.cpp, which lists each launch. Each
+// kernel declares the threadgroup size the plan launches it with, so that the
+// compiler keeps its registers within what that size needs.
 #include <metal_stdlib>
 
 #include "mlx/backend/metal/kernels/utils.h"
@@ -19,7 +21,7 @@ using namespace metal;
 
 // Forward: per-split row statistics and target logits.
 template <typename HT, typename WT>
-[[kernel]] void head_fwd(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd(
     const device HT* h [[buffer(0)]],
     const device WT* w [[buffer(1)]],
     const device int* targets [[buffer(4)]],
@@ -38,7 +40,7 @@ template <typename HT, typename WT>
 }
 
 template <typename HT, int bits>
-[[kernel]] void head_fwd_q(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_q(
     const device HT* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
     const device uint8_t* scales [[buffer(2)]],
@@ -60,7 +62,7 @@ template <typename HT, int bits>
 
 // Fused forward: the statistics plus the splits' partial gsum.
 template <typename HT, typename WT>
-[[kernel]] void head_fwd_fused(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused(
     const device HT* h [[buffer(0)]],
     const device WT* w [[buffer(1)]],
     const device int* targets [[buffer(4)]],
@@ -80,7 +82,7 @@ template <typename HT, typename WT>
 }
 
 template <typename HT, int bits>
-[[kernel]] void head_fwd_fused_q(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_q(
     const device HT* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
     const device uint8_t* scales [[buffer(2)]],
@@ -103,7 +105,7 @@ template <typename HT, int bits>
 
 // Backward for h: the splits' partial dh.
 template <typename HT, typename WT>
-[[kernel]] void head_dh(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh(
     const device HT* h [[buffer(0)]],
     const device WT* w [[buffer(1)]],
     const device int* targets [[buffer(4)]],
@@ -123,7 +125,7 @@ template <typename HT, typename WT>
 }
 
 template <typename HT, int bits>
-[[kernel]] void head_dh_q(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_q(
     const device HT* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
     const device uint8_t* scales [[buffer(2)]],
@@ -146,7 +148,7 @@ template <typename HT, int bits>
 
 // Backward for a dense w: float32 dW rows of the launch's slab.
 template <typename HT, typename WT>
-[[kernel]] void head_dw(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw(
     const device HT* h [[buffer(0)]],
     const device WT* w [[buffer(1)]],
     const device int* targets [[buffer(4)]],
@@ -164,7 +166,7 @@ template <typename HT, typename WT>
   fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
 }
 
-[[kernel]] void fcce_combine(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_combine(
     const device int* targets [[buffer(4)]],
     device float* lse [[buffer(5)]],
     const device float* part_max [[buffer(8)]],
@@ -177,7 +179,7 @@ template <typename HT, typename WT>
 }
 
 template <typename OutT>
-[[kernel]] void reduce_dh(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void reduce_dh(
     const device float* part_acc [[buffer(11)]],
     device OutT* out [[buffer(13)]],
     constant FcceParams& p [[buffer(20)]],
@@ -185,7 +187,7 @@ template <typename OutT>
   fcce::reduce_splits<FCCE_REDUCE_SUM>(part_acc, nullptr, nullptr, out, p, i);
 }
 
-[[kernel]] void fcce_reduce_gsum(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_reduce_gsum(
     const device float* lse [[buffer(5)]],
     const device float* part_max [[buffer(8)]],
     const device float* part_acc [[buffer(11)]],
@@ -196,7 +198,7 @@ template <typename OutT>
 }
 
 template <typename OutT>
-[[kernel]] void cast_dw(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void cast_dw(
     const device float* acc [[buffer(14)]],
     device OutT* dw [[buffer(15)]],
     constant FcceParams& p [[buffer(20)]],
@@ -205,7 +207,7 @@ template <typename OutT>
 }
 
 template <typename OutT, typename WT>
-[[kernel]] void fused_dh(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fused_dh(
     const device WT* w [[buffer(1)]],
     const device int* targets [[buffer(4)]],
     const device float* lse [[buffer(5)]],
@@ -221,7 +223,7 @@ template <typename OutT, typename WT>
 }
 
 template <typename OutT>
-[[kernel]] void fused_dh_q(
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fused_dh_q(
     const device uint8_t* w [[buffer(1)]],
     const device uint8_t* scales [[buffer(2)]],
     const device uint8_t* biases [[buffer(3)]],

@@ -34,7 +34,7 @@ struct HeadSmem {
   threadgroup float* cs; // [BM, kLdC] logits, then coefficients
   threadgroup float* factor; // [BM] per-row rescale of the partials
 
-  METAL_FUNC explicit HeadSmem(threadgroup float* smem)
+  METAL_FUNC HeadSmem(threadgroup float* smem)
       : hs(smem),
         ws(smem + FCCE_BM * FCCE_LD),
         cs(smem + (FCCE_BM + FCCE_BN) * FCCE_LD),
@@ -69,6 +69,63 @@ METAL_FUNC void softcap8(thread float* s, thread float* dcap, float cap) {
     } else {
       dcap[j] = 1.0f;
     }
+  }
+}
+
+// One row's target: whether the row exists, its target and whether that
+// takes a gradient (not ignored, inside [0, V)).
+struct RowTarget {
+  bool ok;
+  int y;
+  bool y_ok;
+};
+
+METAL_FUNC RowTarget row_target(const constant FcceParams& p, const device int* targets, int m) {
+  RowTarget t;
+  t.ok = m < p.M;
+  t.y = t.ok ? targets[m] : -1;
+  t.y_ok = t.ok && t.y != p.ignore_index && t.y >= 0 && t.y < p.V;
+  return t;
+}
+
+// The backward's per-row factors: g masked by the target, g_lse - g, lse.
+struct RowGrad {
+  float gm;
+  float coef;
+  float lse;
+};
+
+METAL_FUNC RowGrad row_grad(
+    thread const RowTarget& t, const device float* lse, const device float* g,
+    const device float* g_lse, int m) {
+  RowGrad r{0.0f, 0.0f, 0.0f};
+  if (t.ok) {
+    r.gm = t.y_ok ? g[m] : 0.0f;
+    r.coef = g_lse[m] - r.gm;
+    r.lse = lse[m];
+  }
+  return r;
+}
+
+// The thread's 8 logits from the tile, softcapped; dcap receives the softcap's derivative.
+METAL_FUNC void read_logits8(threadgroup float* crow, thread float* s, thread float* dcap,
+                             float cap) {
+  for (int j = 0; j < 8; ++j) {
+    s[j] = crow[j];
+  }
+  softcap8(s, dcap, cap);
+}
+
+// dS = (g [v == y] + (g_lse - g) exp(s - lse)) dcap for columns v0 ... v0 + 7,
+// written over the logits; 0 for columns past V and rows past M.
+METAL_FUNC void write_ds8(threadgroup float* crow, thread const float* s,
+                          thread const float* dcap, int v0, const constant FcceParams& p,
+                          thread const RowTarget& t, thread const RowGrad& r) {
+  for (int j = 0; j < 8; ++j) {
+    const int v = v0 + j;
+    float d = v < p.V && t.ok ? r.coef * metal::precise::exp(s[j] - r.lse) : 0.0f;
+    d += t.y_ok && v == t.y ? r.gm : 0.0f;
+    crow[j] = d * dcap[j];
   }
 }
 
@@ -128,16 +185,9 @@ METAL_FUNC void head_tiles(
 
   // This thread's row and columns in the epilogue.
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
-  const bool row_ok = m < p.M;
-  const int y = row_ok ? targets[m] : -1;
-  const bool y_ok = row_ok && y != p.ignore_index && y >= 0 && y < p.V;
+  const RowTarget t = row_target(p, targets, m);
+  const RowGrad r = MODE == FCCE_MODE_DH ? row_grad(t, lse, g, g_lse, m) : RowGrad{0, 0, 0};
   float run_max = kFloorLogit, run_sum = 0.0f;
-  float row_lse = 0.0f, gm = 0.0f, coef = 0.0f;
-  if (MODE == FCCE_MODE_DH && row_ok) {
-    gm = y_ok ? g[m] : 0.0f;
-    coef = g_lse[m] - gm;
-    row_lse = lse[m];
-  }
   device float* part = MODE == FCCE_MODE_FWD
       ? part_acc
       : part_acc + (size_t(split) * size_t(p.M) + size_t(m0)) * size_t(p.H);
@@ -148,22 +198,14 @@ METAL_FUNC void head_tiles(
 
     threadgroup float* crow = sm.cs + er * kLdC + ec;
     float s[8], dcap[8];
-    for (int j = 0; j < 8; ++j) {
-      s[j] = crow[j];
-    }
-    softcap8(s, dcap, p.softcap);
+    read_logits8(crow, s, dcap, p.softcap);
     if (MODE == FCCE_MODE_DH) {
-      for (int j = 0; j < 8; ++j) {
-        const int v = v0 + ec + j;
-        float d = v < p.V && row_ok ? coef * metal::precise::exp(s[j] - row_lse) : 0.0f;
-        d += y_ok && v == y ? gm : 0.0f;
-        crow[j] = d * dcap[j];
-      }
+      write_ds8(crow, s, dcap, v0 + ec, p, t, r);
     } else {
       float bmax = kFloorLogit;
       for (int j = 0; j < 8; ++j) {
         const int v = v0 + ec + j;
-        if (y_ok && v == y) {
+        if (t.y_ok && v == t.y) {
           target_logit[m] = s[j];
         }
         s[j] = v < p.V ? s[j] : kFloorLogit;
@@ -190,7 +232,7 @@ METAL_FUNC void head_tiles(
                     sm, tid, sgid, lane);
     }
   }
-  if (MODE != FCCE_MODE_DH && ec == 0 && row_ok) {
+  if (MODE != FCCE_MODE_DH && ec == 0 && t.ok) {
     part_max[split * p.M + m] = run_max;
     part_sum[split * p.M + m] = run_sum;
   }

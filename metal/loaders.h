@@ -7,7 +7,8 @@
 
 namespace fcce {
 
-static_assert(FCCE_BK == 32 && FCCE_BM == 32 && FCCE_BN == 32 && FCCE_THREADS == 128,
+static_assert(FCCE_BK == 32 && FCCE_BM == 32 && FCCE_BN == 32 && FCCE_THREADS == 128 &&
+                  FCCE_WM * FCCE_WN * 32 == FCCE_THREADS,
               "the loaders map 128 threads onto 32 x 32 tiles");
 
 // Rows [r0, r0 + 32) and columns [c0, c0 + 32) of a dense [rows, cols] matrix.

@@ -10,7 +10,7 @@
 #define FCCE_BK 32
 #define FCCE_WM 2
 #define FCCE_WN 2
-#define FCCE_THREADS (FCCE_WM * FCCE_WN * 32)
+#define FCCE_THREADS 128 // FCCE_WM * FCCE_WN SIMD groups of 32 (asserted in loaders.h)
 // Row stride (in floats) of the threadgroup tiles: padded against bank conflicts.
 #define FCCE_LD (FCCE_BK + 4)
 // Threadgroup memory of the head and dW kernels, in floats (declared in the

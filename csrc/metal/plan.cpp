@@ -57,10 +57,13 @@ const char* const kFusedDhDense[3][3] = {
 const char* const kFusedDhQuant[3] = {
     "fcce_fused_dh_of32_q", "fcce_fused_dh_of16_q", "fcce_fused_dh_obf16_q"};
 
-// Head kernels in flight: enough threadgroups to fill a large Apple GPU.
+// Head threadgroups in flight: enough to fill a large Apple GPU (several per
+// core); fewer when each split keeps a [BM, H] float32 partial, whose total
+// is kept small for unified memory.
 constexpr int64_t kTargetThreadgroups = 512;
+constexpr int64_t kTargetThreadgroupsWithAcc = 256;
 // Upper bound of the per-split [splits, M, H] float32 partials (dh, gsum).
-constexpr int64_t kPartAccBudgetBytes = int64_t(256) << 20;
+constexpr int64_t kPartAccBudgetBytes = int64_t(128) << 20;
 // Vocabulary rows per dW launch when dW needs a float32 staging buffer.
 constexpr int64_t kDwSlabRows = 8192;
 
@@ -152,7 +155,8 @@ FcceParams base_params(const Problem& p) {
 // partials (when kept) within budget, and no empty split.
 void choose_splits(const Problem& p, bool with_acc, FcceParams& q) {
   const int64_t v_blocks = cdiv(p.V, FCCE_BN);
-  int64_t splits = std::max<int64_t>(1, cdiv(kTargetThreadgroups, q.m_tiles));
+  const int64_t target = with_acc ? kTargetThreadgroupsWithAcc : kTargetThreadgroups;
+  int64_t splits = std::max<int64_t>(1, cdiv(target, q.m_tiles));
   if (with_acc) {
     splits = std::min(splits, std::max<int64_t>(1, kPartAccBudgetBytes / (p.M * p.H * 4)));
   }

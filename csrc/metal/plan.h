@@ -20,6 +20,9 @@
 // - Inputs are row-major and contiguous: h [M, H], w [V, H] (dense) or packed
 //   uint32 [V, H * bits / 32], scales/biases [V, H / group_size], targets [M]
 //   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32.
+// - Outputs: logp, lse [M] float32; gsum [M, H] float32; dh [M, H] in h's
+//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype. The launches
+//   write every output element, so outputs need no zero-fill.
 #pragma once
 
 #include <cstddef>

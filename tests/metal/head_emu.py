@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+import emu_env
 import metal_emu
-import mlx_metal_headers
 
 ROOT = Path(__file__).resolve().parents[2]
 METAL = ROOT / "metal"
@@ -85,7 +85,7 @@ def params_bytes(params: dict) -> bytes:
 def host_names(text: str) -> list[str]:
     """Entry point names: host_name instantiations and plain fcce_ kernels."""
     return (re.findall(r'^template \[\[host_name\("([^"]+)"\)\]\]', text, re.M)
-            + re.findall(r"^\[\[kernel\]\] void (fcce_\w+)\(", text, re.M))
+            + re.findall(r"^\[\[kernel\]\].* void (fcce_\w+)\(", text, re.M))
 
 
 def kernel_source(kernels=None) -> str:
@@ -103,7 +103,7 @@ def kernel_source(kernels=None) -> str:
     if kernels is not None:
         kernels = set(kernels)
         missing = kernels - set(host_names(text))
-        kernels |= set(re.findall(r"^\[\[kernel\]\] void (fcce_\w+)\(", text, re.M))
+        kernels |= set(re.findall(r"^\[\[kernel\]\].* void (fcce_\w+)\(", text, re.M))
         if missing:
             raise ValueError(f"not in {SOURCE.name}: {sorted(missing)}")
         text = "\n".join(
@@ -114,8 +114,7 @@ def kernel_source(kernels=None) -> str:
 
 
 def build(kernels=None, *, source: str | None = None, mode: str = "run") -> metal_emu.Program:
-    return metal_emu.build(source if source is not None else kernel_source(kernels),
-                           include_dirs=[mlx_metal_headers.include_dir()], mode=mode)
+    return emu_env.build(source if source is not None else kernel_source(kernels), mode=mode)
 
 
 def plan_kernels(*plans: dict) -> set[str]:

@@ -42,11 +42,12 @@ MSL_ATTRIBUTES = BUILTINS + (
     "function_constant", "texture", "sampler", "user", "thread_execution_width",
 )
 
-FLAGS = ["-std=c++17", "-fno-fast-math", "-Wno-unknown-attributes", "-Wno-unknown-pragmas",
+FLAGS = ["-std=c++17", "-fno-fast-math", "-U_FORTIFY_SOURCE", "-Wno-unknown-attributes", "-Wno-unknown-pragmas",
          "-Wno-pass-failed", "-Wno-ignored-attributes", "-Wno-unused-value"]
 MODE_FLAGS = {
     "run": ["-O1"],
-    "asan": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"],
+    "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+             "-fno-omit-frame-pointer"],
     "typecheck": ["-DEMU_TYPECHECK", "-fsyntax-only", "-ferror-limit=0"],
 }
 
@@ -174,8 +175,9 @@ def _bindings(params: str, kernel: str) -> list[Binding]:
     return bindings
 
 
-def parse_kernels(text: str) -> dict[str, Kernel]:
-    """Kernel functions and host_name instantiations in preprocessed MSL."""
+def parse_kernels(text: str) -> tuple[dict[str, Kernel], dict[str, Kernel]]:
+    """(entry points, template kernels) in preprocessed MSL: entry points are
+    the host_name instantiations and plain kernel functions."""
     functions: dict[str, tuple[list[Binding], int]] = {}
     templated: set[str] = set()
     for m in _KERNEL.finditer(text):
@@ -195,12 +197,14 @@ def parse_kernels(text: str) -> dict[str, Kernel]:
         except CompileError as e:
             bindings = e  # raised only if the kernel is instantiated
         functions[name] = (bindings, int(mt.group(1)) if mt else 0)
-    kernels = {}
+    kernels, templates = {}, {}
     for name, (bindings, mt) in functions.items():
         if isinstance(bindings, CompileError) and name not in templated:
             raise bindings
         if name not in templated:
             kernels[name] = Kernel(name, name, bindings, mt)
+        elif not isinstance(bindings, CompileError):
+            templates[name] = Kernel(name, name, bindings, mt)
     for m in _INSTANTIATION.finditer(text):
         host, func = m.group(1), m.group(2)
         lt = m.end() - 1
@@ -211,7 +215,7 @@ def parse_kernels(text: str) -> dict[str, Kernel]:
         if isinstance(bindings, CompileError):
             raise bindings
         kernels[host] = Kernel(host, func + args, bindings, mt)
-    return kernels
+    return kernels, templates
 
 
 def _strip_attributes(text: str) -> str:
@@ -220,9 +224,11 @@ def _strip_attributes(text: str) -> str:
 
 
 _TG_VAR = re.compile(
-    r"(?<![\w])__emu_threadgroup\s+((?:const\s+|volatile\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
+    r"(?<![\w])__emu_threadgroup\s+((?:const\s+|volatile\s+|typename\s+)*[A-Za-z_][\w:]*"
+    r"(?:\s*<[^;{}()]*?>)?(?:::[A-Za-z_]\w*)*)"
     r"\s+([A-Za-z_]\w*)\s*((?:\[[^\];]*\]\s*)*);"
 )
+_TG_LEFT = re.compile(r"(?<![\w])__emu_threadgroup\b([^;,)=*&{]*)([;,)={])")
 
 
 def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
@@ -235,10 +241,17 @@ def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
             return m.group(0)
         type_, name, dims = m.group(1), m.group(2), m.group(3).strip()
         if typecheck:
-            return f"static __emu_threadgroup {type_} {name}{dims};"
+            return f"static __attribute__((address_space(3))) {type_} {name}{dims};"
         return f"auto& {name} = ::emu::threadgroup_var<{type_}{dims}, {next(counter)}>();"
 
     text = _TG_VAR.sub(repl, text)
+    for m in _TG_LEFT.finditer(text):
+        # Not a pointer or reference, and not rewritten above: a threadgroup
+        # object that would silently become one copy per thread.
+        line = text[: m.start()].count("\n") + 1
+        raise CompileError(f"cannot rewrite the threadgroup declaration "
+                           f"'threadgroup{m.group(1)}{m.group(2)}' (line {line} of the "
+                           f"preprocessed source); declare it as `threadgroup T name[N];`")
     space = "__attribute__((address_space(3)))" if typecheck else ""
     text = re.sub(r"\b__emu_threadgroup\b", space, text)
     if typecheck:
@@ -248,11 +261,13 @@ def _rewrite_threadgroup(text: str, typecheck: bool) -> str:
     return text
 
 
-# Struct copies between address spaces are legal MSL, but clang's C++ address
-# spaces reject them (the implicit copy members take generic references). The
-# type-check build excuses exactly those diagnostics.
+# Struct copies between address spaces, and threadgroup variables of struct
+# type, are legal MSL, but clang's C++ address spaces reject them (implicit
+# special members work on the generic space only). The type-check build
+# excuses exactly those diagnostics.
 _STRUCT_COPY = re.compile(r"'this' object is in address space|cannot bind reference in address "
-                          r"space|binding reference .*address space")
+                          r"space|binding reference .*address space|cannot be used to construct "
+                          r"an object in address space")
 
 
 def address_space_errors(stderr: str) -> list[str]:
@@ -279,6 +294,18 @@ def address_space_errors(stderr: str) -> list[str]:
 _ARRAY_PARAM = re.compile(
     r"(__attribute__\(\(address_space\(\d\)\)\)\s+(?:const\s+)?[A-Za-z_][\w:]*(?:\s+const)?)"
     r"\s+([A-Za-z_]\w*)\s*\[[^\]]*\]\s*(?=[,)])")
+
+
+def _use_shadows(text: str) -> str:
+    """In a source with MLX's headers inlined (sections `// ---- NAME` guarded
+    by `#ifndef G` / `#define G` ... `#endif // G`), the sections of the
+    headers that emu/shadow replaces become `#include "NAME"` again."""
+    for path in sorted((EMU / "shadow").rglob("*.h")):
+        name = re.escape(str(path.relative_to(EMU / "shadow")))
+        text = re.sub(r"^// ---- " + name + r"\n#ifndef (\w+)\n#define \1\n.*?^#endif // \1$",
+                      lambda m: f'#include "{path.relative_to(EMU / "shadow")}"', text,
+                      flags=re.S | re.M)
+    return text
 
 
 def _entry_table(kernels: dict[str, Kernel]) -> str:
@@ -388,15 +415,19 @@ class Program:
                 binds = [(int(i), buffer_id(v)) for i, v in sorted(d.buffers.items())]
                 tgm = sorted((int(i), int(v)) for i, v in d.threadgroup_memory.items())
                 job.append(" ".join(map(str, [
-                    "run", d.entry, *d.threadgroups, *d.threads, seed + n,
+                    "run", d.entry, *d.threadgroups, *d.threads, seed + 3 * n,
                     int(shuffle_groups), len(binds), *[x for b in binds for x in b],
                     len(tgm), *[x for t in tgm for x in t]])))
             for bid in arrays:
                 job.append(f"save {bid} {tmp / f'out{bid}'}")
             (tmp / "job").write_text("\n".join(job) + "\n")
             env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-            proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
-                                  text=True, timeout=timeout, env=env)
+            try:
+                proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
+                                      text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:
+                raise EmulationError(f"the kernels did not finish within {timeout} s (a loop "
+                                     f"that never ends, or a problem too large to emulate)")
             if proc.returncode != 0:
                 raise EmulationError(_error_message(proc.stderr, proc.returncode))
             for bid, arr in arrays.items():
@@ -408,7 +439,11 @@ def _error_message(stderr: str, rc: int) -> str:
     for line in stderr.splitlines():
         if line.startswith("emu error:"):
             return line
-    asan = [ln for ln in stderr.splitlines() if "AddressSanitizer" in ln]
+    lines = stderr.splitlines()
+    ubsan = [ln for ln in lines if "runtime error:" in ln]
+    if ubsan:
+        return "UndefinedBehaviorSanitizer: " + ubsan[0] + "\n" + stderr[-3000:]
+    asan = [ln for ln in lines if "AddressSanitizer" in ln and "WARNING" not in ln]
     if asan:
         return "AddressSanitizer: " + " | ".join(asan[:2]) + "\n" + stderr[-3000:]
     return f"the emulator exited with status {rc}:\n{stderr[-3000:]}"
@@ -438,6 +473,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
         text, incs = path.read_text(), [path.parent, *map(Path, include_dirs)]
     else:
         text, incs = str(source), list(map(Path, include_dirs))
+    text = _use_shadows(text)
     defines = dict(defines or {})
     inc_flags = ["-I", str(EMU / "shadow"), "-I", str(EMU / "include")]
     for p in incs:
@@ -463,18 +499,22 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     work = CACHE / f"{key}.{os.getpid()}.tmp"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    kernels = parse_kernels(pre)
+    kernels, templates = parse_kernels(pre)
     for e in entries:
         func = e.split("<")[0].strip()
-        match = [k for k in kernels.values() if k.function == func]
-        if not match:
+        if func not in templates:
             raise CompileError(f"entry {e!r}: no [[kernel]] function {func!r} in the source")
         name = re.sub(r"\s+", "", e)
-        kernels[name] = Kernel(name, e, match[0].bindings, match[0].max_threads)
+        kernels[name] = Kernel(name, e, templates[func].bindings, templates[func].max_threads)
     if not kernels:
         raise CompileError("no [[kernel]] entry points found in the source")
     body = _rewrite_threadgroup(_strip_attributes(pre), typecheck=mode == "typecheck")
-    (work / "kernel.ii").write_text(body + _entry_table(kernels))
+    if mode == "typecheck":
+        # Compile only: instantiating the explicit entries is enough.
+        tail = "".join(f"\ntemplate decltype({e}) {e};" for e in entries) + "\n"
+    else:
+        tail = _entry_table(kernels)
+    (work / "kernel.ii").write_text(body + tail)
     compile_flags = [cxx, "-x", "c++-cpp-output", *FLAGS, *mode_flags, str(work / "kernel.ii")]
     if mode == "typecheck":
         proc = subprocess.run(compile_flags, capture_output=True, text=True)
@@ -484,7 +524,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
                                                                  or proc.stderr[-6000:]))
     else:
         _run([*compile_flags, "-c", "-o", str(work / "kernel.o")], "compiling the kernel")
-        san = ["-fsanitize=address"] if mode == "asan" else []
+        san = ["-fsanitize=address,undefined"] if mode == "asan" else []
         _run([cxx, *san, str(work / "kernel.o"), str(_runtime_object(cxx, mode)), "-o",
               str(work / "kernel")], "linking")
     _save_kernels(work / "kernels.txt", kernels)

@@ -13,6 +13,7 @@ import metal_emu as me
 from emu_env import build
 
 SAMPLES = Path(__file__).parent / "samples"
+PRIMITIVES = SAMPLES / "primitives.metal"
 BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 ROWS, N = 3, 1000
 
@@ -71,11 +72,26 @@ def test_output_buffer_one_element_short():
 
 
 def test_threadgroup_array_one_element_short():
-    # 256 threads are 8 SIMD groups; partial[7] holds 7.
+    # 256 threads are 8 SIMD groups; partial[7] holds 7. The array's type
+    # carries its size, so UndefinedBehaviorSanitizer's bounds check reports
+    # it first; through a pointer (a [[threadgroup(n)]] buffer) AddressSanitizer does.
     src = me.mutate(reduce_source(), "threadgroup float partial[32];",
                     "threadgroup float partial[7];")
-    with pytest.raises(me.EmulationError, match="AddressSanitizer: .*heap-buffer-overflow"):
+    with pytest.raises(me.EmulationError, match="index 7 out of bounds for type 'float\\[7\\]'"):
         row_sum(build(src, mode="asan"))
+
+
+def test_threadgroup_buffer_one_element_short():
+    prog = build(PRIMITIVES, mode="asan")
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros(64, np.float32)
+    d = me.Dispatch("reverse_groups", {0: x, 1: y}, threads=(64, 1, 1),
+                    threadgroup_memory={0: 256})
+    prog.run(d)
+    np.testing.assert_array_equal(y, x[::-1])
+    d.threadgroup_memory = {0: 240}
+    with pytest.raises(me.EmulationError, match="AddressSanitizer: .*heap-buffer-overflow"):
+        prog.run(d)
 
 
 def test_buffer_index_not_set_by_the_dispatch():
@@ -101,6 +117,17 @@ def test_simd_operation_under_thread_dependent_branch():
     src = me.mutate(reduce_source(), "acc = simd_sum(acc);",
                     "if (lane < 16) acc = simd_sum(acc);")
     with pytest.raises(me.EmulationError, match="SIMD-group operation|deadlock"):
+        row_sum(build(src))
+
+
+def test_simd_operations_at_different_sites_in_branches():
+    """Both branches reduce once (the counts agree); the lanes meet at different
+    calls, which MSL leaves undefined."""
+    src = me.mutate(reduce_source(), "acc = simd_sum(acc);",
+                    "if (lane < 16) {\n    acc = simd_sum(acc);\n  } else {\n"
+                    "    acc = simd_sum(acc + 1.0f);\n  }")
+    with pytest.raises(me.EmulationError, match=r"divergent SIMD-group operation: this thread "
+                       r"is at source.metal:\d+ \(its call #1\)"):
         row_sum(build(src))
 
 

@@ -32,7 +32,7 @@ from reference import dequantize, forward_backward
 U32 = 2.0**-24
 UNIT = {"f32": 2.0**-24, "bf16": 2.0**-8, "f16": 2.0**-11}
 DTYPES = ["f32", "f16", "bf16"]
-# The full sweep (all bit widths and dtypes for quantized heads) is opt-in.
+# The full sweep (quantized heads with float16 and bfloat16 h too) is opt-in.
 SWEEP = os.environ.get("FLASH_CCE_METAL_SWEEP") == "1"
 
 pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
@@ -44,8 +44,9 @@ class Head:
     """One head problem: host arrays in storage form and float64 values."""
 
     def __init__(self, M, H, V, dtype="f32", w_dtype=None, ignore=(), scale=2.0, seed=0,
-                 quant=None, sb_dtype="f32", out_of_range=()):
+                 quant=None, sb_dtype="f32", out_of_range=(), ignore_index=-100):
         rng = np.random.default_rng(seed)
+        self.ignore_index = ignore_index
         self.M, self.H, self.V, self.dtype = M, H, V, dtype
         self.h = he.to_storage(rng.standard_normal((M, H)) * scale, dtype)
         self.H64 = he.to_f64(self.h, dtype)
@@ -70,14 +71,14 @@ class Head:
             self.Wabs = np.abs(self.W64)
         self.y = rng.integers(0, V, M).astype(np.int32)
         for i in ignore:
-            self.y[i] = -100
+            self.y[i] = ignore_index
         for i in out_of_range:
             self.y[i] = V + 3
         self.g = rng.standard_normal(M).astype(np.float32)
         self.g_lse = (rng.standard_normal(M) * 0.5).astype(np.float32)
 
     def kw(self, **extra):
-        kw = dict(h=self.dtype)
+        kw = dict(h=self.dtype, ignore_index=self.ignore_index)
         if self.quant:
             kw.update(quantized=True, bits=self.quant[0], group_size=self.quant[1],
                       sb=self.sb_dtype)
@@ -101,9 +102,9 @@ class Head:
 
 def reference(p: Head, softcap, g=None, g_lse=None):
     y = p.y.astype(np.int64)
-    valid = (y >= 0) & (y < p.V) | (y == -100)
-    y_ref = np.where(valid, y, -100)  # out-of-range rows: compared separately
-    return forward_backward(p.H64, p.W64, y_ref, g, g_lse, softcap)
+    valid = (y >= 0) & (y < p.V) | (y == p.ignore_index)
+    y_ref = np.where(valid, y, p.ignore_index)  # out-of-range rows: compared separately
+    return forward_backward(p.H64, p.W64, y_ref, g, g_lse, softcap, p.ignore_index)
 
 
 def ref_ds(p: Head, softcap, g, g_lse, lse):
@@ -113,7 +114,7 @@ def ref_ds(p: Head, softcap, g, g_lse, lse):
         s, dcap = softcap * t, 1 - t * t
     else:
         s, dcap = raw, np.ones_like(raw)
-    keep = (p.y != -100) & (p.y >= 0) & (p.y < p.V)
+    keep = (p.y != p.ignore_index) & (p.y >= 0) & (p.y < p.V)
     gm = np.where(keep, g, 0.0)
     P = np.exp(s - lse[:, None])
     onehot = np.zeros_like(s)
@@ -178,12 +179,12 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
 
     plain = run_forward(prog, p, softcap, fused=False, seed=seed, **plan_kw)
     fused = run_forward(prog, p, softcap, fused=True, seed=seed + 1, **plan_kw)
-    ok = (p.y >= 0) & (p.y < p.V) | (p.y == -100)
+    ok = (p.y >= 0) & (p.y < p.V) | (p.y == p.ignore_index)
     for out in (plain, fused):
         np.testing.assert_allclose(out["lse"], ref_lse, rtol=0, atol=tol_lse)
         np.testing.assert_allclose(out["logp"][ok], ref_logp[ok], rtol=0, atol=tol_lse)
         assert np.isnan(out["logp"][~ok]).all()
-        assert (out["logp"][p.y == -100] == 0).all()
+        assert (out["logp"][p.y == p.ignore_index] == 0).all()
 
     # gsum = sum_v p_v dcap_v W_v: the gradient with g = 0, g_lse = 1.
     P_dcap, _, _ = ref_ds(p, cap, np.zeros(p.M), np.ones(p.M), ref_lse)
@@ -211,7 +212,7 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
 
     # The fused backward from the kernels' own forward outputs.
     fd = run_fused_dh(prog, p, softcap, fused["gsum"], fused["logp"], fused["lse"], seed + 3)
-    keep = (p.y != -100) & ok
+    keep = (p.y != p.ignore_index) & ok
     gm = np.where(keep, g, 0.0)
     coef = (g_lse - gm)[:, None]
     Wy = p.W64[np.where(keep, p.y, 0)] * keep[:, None]
@@ -268,14 +269,12 @@ def dense():
     return program(dense_kernels())
 
 
-DEFAULT_BITS = [4, 8]
 ALL_BITS = [2, 3, 4, 5, 6, 8]
 
 
 @pytest.fixture(scope="module")
 def quant():
-    bits = ALL_BITS if SWEEP else DEFAULT_BITS
-    return program(quant_kernels(bits, DTYPES if SWEEP else ["f32"]))
+    return program(quant_kernels(ALL_BITS, DTYPES if SWEEP else ["f32"]))
 
 
 # --- Tests ------------------------------------------------------------------
@@ -318,7 +317,13 @@ def test_ignored_and_out_of_range_targets(dense):
     assert (bw["dh"][[1, 2]] != 0).any()
 
 
-@pytest.mark.parametrize("bits", ALL_BITS if SWEEP else DEFAULT_BITS)
+def test_ignore_index_inside_the_vocabulary(dense):
+    # Targets equal to a custom ignore_index (a real token id) are ignored.
+    p = Head(12, 24, 50, "f32", ignore=(1, 4), ignore_index=7, seed=6)
+    check_all(dense, p, 2.0, compute_dw=True)
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES if SWEEP else ["f32"])
 def test_quantized(quant, bits, group_size, dtype):

@@ -11,12 +11,14 @@ import pytest
 
 import head_emu as he
 import metal_emu
-from test_metal_head import U32, Head, reference
+from test_metal_head import U32, Head, check_all, plans_for, reference
 
 pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
 
 # Two m tiles, three splits of several blocks: every barrier of the tile loop matters.
 PROBLEM = dict(M=37, H=70, V=333)
+# Under AddressSanitizer (slower): still two m tiles, partial k and vocabulary tiles.
+SMALL = dict(M=33, H=36, V=70)
 
 
 def forward_plan(p, fused):
@@ -40,9 +42,10 @@ def forward_error(program, p, fused, seed=0, scratch_short=None):
     return err / tol if np.isfinite(err) else np.inf
 
 
-def source_for(fused):
+def source_for(fused=None):
+    """The kernels of both forward plans (one build serves both)."""
     p = Head(2, 8, 40)
-    return he.kernel_source(he.plan_kernels(forward_plan(p, fused)))
+    return he.kernel_source(he.plan_kernels(forward_plan(p, False), forward_plan(p, True)))
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +53,33 @@ def head():
     return Head(**PROBLEM, seed=7)
 
 
-def test_unmodified_passes_in_run_and_asan(head):
-    for mode in ("run", "asan"):
-        for fused in (False, True):
-            prog = he.build(source=source_for(fused), mode=mode)
-            assert forward_error(prog, head, fused) <= 1
+@pytest.fixture(scope="module")
+def small():
+    return Head(**SMALL, seed=8)
+
+
+def test_unmodified_passes(head, small):
+    prog = he.build(source=source_for())
+    for fused in (False, True):
+        assert forward_error(prog, head, fused) <= 1
+    asan = he.build(source=source_for(), mode="asan")
+    for fused in (False, True):
+        assert forward_error(asan, small, fused) <= 1
+
+
+def test_every_pass_clean_under_asan():
+    # Buffers and threadgroup arrays of exact size: no access outside them in
+    # any pass of a dense float32 head or a 3- and 4-bit head.
+    kernels = set()
+    for plan in plans_for(Head(2, 8, 40), 0.0, compute_dw=True):
+        kernels |= he.plan_kernels(plan)
+    for bits in (3, 4):
+        for plan in plans_for(Head(2, 32, 40, quant=(bits, 32)), 0.0):
+            kernels |= he.plan_kernels(plan)
+    prog = he.build(kernels, mode="asan")
+    check_all(prog, Head(**SMALL, ignore=(1,), seed=9), 3.0, compute_dw=True, max_splits=2)
+    for bits in (3, 4):
+        check_all(prog, Head(5, 64, 45, quant=(bits, 32), seed=bits), 30.0, max_splits=1)
 
 
 # The three barriers of the logits tile: before loading the next h and w
@@ -74,35 +99,45 @@ BARRIERS = {
 @pytest.mark.parametrize("barrier", sorted(BARRIERS))
 def test_barrier_removed_is_caught(head, barrier):
     # A race shows under some thread schedules: four seeded schedules, one must fail.
-    src = metal_emu.mutate(source_for(False), *BARRIERS[barrier])
+    src = metal_emu.mutate(source_for(), *BARRIERS[barrier])
     prog = he.build(source=src)
     assert max(forward_error(prog, head, False, seed=s) for s in range(4)) > 1
 
 
-def test_threadgroup_memory_one_float_short_is_caught(head):
+def test_threadgroup_memory_one_float_short_is_caught(small):
     # The fused forward writes the last float (the row factors' last entry).
-    src = source_for(True)
+    src = source_for()
     decl = "threadgroup float smem[FCCE_SMEM_FLOATS];"
     at = src[: src.index("void head_fwd_fused(")].count(decl)  # the fused forward's own
     src = metal_emu.mutate(src, decl, "threadgroup float smem[FCCE_SMEM_FLOATS - 1];",
                            occurrence=at)
     prog = he.build(source=src, mode="asan")
-    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer"):
-        forward_error(prog, head, True)
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, small, True)
 
 
-def test_scratch_buffer_one_float_short_is_caught(head):
-    prog = he.build(source=source_for(False), mode="asan")
-    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer"):
-        forward_error(prog, head, False, scratch_short="part_sum")
+def test_scratch_buffer_one_float_short_is_caught(small):
+    prog = he.build(source=source_for(), mode="asan")
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, small, False, scratch_short="part_sum")
 
 
 def test_wrong_buffer_index_is_caught(head):
     # part_max and part_sum swapped: every buffer still bound, the values wrong.
-    src = source_for(False)
+    src = source_for()
     src = metal_emu.mutate(src, "device float* part_max [[buffer(8)]],",
                            "device float* part_max [[buffer(9)]],", occurrence=0)
     src = metal_emu.mutate(src, "device float* part_sum [[buffer(9)]],",
                            "device float* part_sum [[buffer(8)]],", occurrence=0)
     prog = he.build(source=src)
     assert forward_error(prog, head, False) > 1
+
+
+def test_address_spaces_type_check():
+    # Every kernel compiles with device / constant / threadgroup as distinct
+    # clang address spaces; a threadgroup pointer used as a device pointer does not.
+    he.build(mode="typecheck")
+    src = metal_emu.mutate(he.kernel_source(), "    device float* dst = part + i0;",
+                           "    device float* dst = sm.cs + i0;")
+    with pytest.raises(metal_emu.CompileError, match="address_space"):
+        he.build(source=src, mode="typecheck")

@@ -13,6 +13,7 @@
 //   run <entry> <groups x y z> <threads x y z> <seed> <shuffle groups 0|1>
 //       <n> (<buffer index> <id>)*n <m> (<threadgroup index> <bytes>)*m
 //   save <id> <output file>
+#include <setjmp.h>
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <queue>
 #include <random>
 #include <sstream>
 #include <string>
@@ -55,13 +57,15 @@ constexpr int kMaxThreads = 1024;
 enum class State { runnable, waiting, done };
 
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t ctx;      // the first entry
+  jmp_buf jb;          // later switches: _setjmp/_longjmp skip swapcontext's
+  bool started = false;  // signal-mask system calls
   char* stack = nullptr;
   ThreadPos pos;
   State state = State::runnable;
   uint64_t barriers = 0;  // threadgroup barriers passed
   uint64_t simd_ops = 0;  // SIMD exchanges started
-  const void* wait_site = nullptr;
+  Site wait_site = {nullptr, 0};
   const char* wait_kind = nullptr;
   void* fake_stack = nullptr;
 };
@@ -69,7 +73,7 @@ struct Fiber {
 // Threads waiting at one barrier or SIMD exchange.
 struct Meeting {
   std::vector<int> waiting;
-  const void* site = nullptr;
+  Site site = {nullptr, 0};
   uint64_t seq = 0;
   int first = -1;
 };
@@ -89,7 +93,10 @@ struct Runtime {
   int current = -1;
   int done = 0;
   ucontext_t sched;
-  std::vector<int> runnable;
+  jmp_buf sched_jb;
+  // Runnable threads by key: the schedule's priority in the high bits, a
+  // random number below it (so that ties, and schedule 2, pick at random).
+  std::priority_queue<std::pair<uint64_t, int>> runnable;
   std::mt19937_64 rng;
   int schedule = 0;
   std::vector<uint32_t> priority;  // per thread, by the schedule
@@ -140,31 +147,40 @@ void to_scheduler() {
   __sanitizer_start_switch_fiber(f.state == State::done ? nullptr : &f.fake_stack,
                                  R.main_stack_bottom, R.main_stack_size);
 #endif
-  swapcontext(&f.ctx, &R.sched);
+  if (!_setjmp(f.jb)) _longjmp(R.sched_jb, 1);
 #ifdef EMU_ASAN
   __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
 #endif
 }
 
+void make_runnable(int id) {
+  R.fibers[id].state = State::runnable;
+  R.runnable.push({(uint64_t(R.priority[id]) << 32) | (R.rng() & 0xffffffffu), id});
+}
+
 void release(Meeting& m) {
-  for (int id : m.waiting) {
-    R.fibers[id].state = State::runnable;
-    R.runnable.push_back(id);
-  }
+  for (int id : m.waiting) make_runnable(id);
   m.waiting.clear();
   m.first = -1;
 }
 
 // Adds the current fiber to meeting `m`, which completes at `expected`
 // arrivals; fails if another thread waits there at a different site or count.
-void meet(Meeting& m, const void* site, uint64_t seq, int expected, const char* kind) {
+bool same(Site a, Site b) {
+  return a.line == b.line && (a.file == b.file || (a.file && b.file && !strcmp(a.file, b.file)));
+}
+
+void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   Fiber& f = cur();
-  if (!m.waiting.empty() && (m.site != site || m.seq != seq)) {
+  if (!m.waiting.empty() && (!same(m.site, site) || m.seq != seq)) {
     const Fiber& o = R.fibers[m.first];
-    fail("divergent %s: this thread is at its call #%llu (site %p) while thread (%u,%u,%u) waits "
-         "at call #%llu (site %p)",
-         kind, (unsigned long long)seq, site, o.pos.local[0], o.pos.local[1], o.pos.local[2],
-         (unsigned long long)m.seq, m.site);
+    // SIMD operations meet twice each (seq 2n and 2n + 1).
+    const uint64_t per = kind[0] == 'S' ? 2 : 1;
+    fail("divergent %s: this thread is at %s:%d (its call #%llu) while thread (%u,%u,%u) waits "
+         "at %s:%d (its call #%llu)",
+         kind, site.file, site.line, (unsigned long long)(seq / per), o.pos.local[0],
+         o.pos.local[1], o.pos.local[2], m.site.file, m.site.line,
+         (unsigned long long)(m.seq / per));
   }
   if (m.waiting.empty()) {
     m.site = site;
@@ -221,7 +237,14 @@ void run_threadgroup() {
   R.done = 0;
   R.current = -1;
   for (auto& [index, len] : d.tg_lengths) R.tg_dynamic[index] = Span{tg_alloc(len, 16), len};
-  R.runnable.clear();
+  R.runnable = {};
+  R.priority.assign(n, 0);
+  if (R.schedule != 2) {
+    std::vector<uint32_t> perm(R.schedule == 0 ? nsimd : n);
+    for (size_t i = 0; i < perm.size(); i++) perm[i] = uint32_t(i);
+    std::shuffle(perm.begin(), perm.end(), R.rng);
+    for (int i = 0; i < n; i++) R.priority[i] = perm[R.schedule == 0 ? i / kSimdWidth : i];
+  }
   for (int i = 0; i < n; i++) {
     Fiber& f = R.fibers[i];
     ThreadPos& p = f.pos;
@@ -239,7 +262,7 @@ void run_threadgroup() {
     p.lane = i % kSimdWidth;
     p.simd_group = i / kSimdWidth;
     p.simd_groups = nsimd;
-    f.state = State::runnable;
+    f.started = false;
     f.barriers = f.simd_ops = 0;
     f.fake_stack = nullptr;
     getcontext(&f.ctx);
@@ -247,37 +270,20 @@ void run_threadgroup() {
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
-    R.runnable.push_back(i);
+    make_runnable(i);
   }
-  R.priority.assign(n, 0);
-  if (R.schedule != 0) {
-    std::vector<uint32_t> perm(R.schedule == 1 ? nsimd : n);
-    for (size_t i = 0; i < perm.size(); i++) perm[i] = uint32_t(i);
-    std::shuffle(perm.begin(), perm.end(), R.rng);
-    for (int i = 0; i < n; i++) R.priority[i] = perm[R.schedule == 1 ? i / kSimdWidth : i];
-  }
-  std::vector<size_t> best;
   while (!R.runnable.empty()) {
-    uint32_t top = 0;
-    best.clear();
-    for (size_t j = 0; j < R.runnable.size(); j++) {
-      uint32_t p = R.priority[R.runnable[j]];
-      if (best.empty() || p > top) {
-        best.assign(1, j);
-        top = p;
-      } else if (p == top) {
-        best.push_back(j);
-      }
-    }
-    size_t k = best[R.rng() % best.size()];
-    R.current = R.runnable[k];
-    R.runnable[k] = R.runnable.back();
-    R.runnable.pop_back();
+    R.current = R.runnable.top().second;
+    R.runnable.pop();
     Fiber& f = cur();
 #ifdef EMU_ASAN
     __sanitizer_start_switch_fiber(&R.sched_fake_stack, f.stack, kStackBytes);
 #endif
-    swapcontext(&R.sched, &f.ctx);
+    if (!_setjmp(R.sched_jb)) {
+      if (f.started) _longjmp(f.jb, 1);
+      f.started = true;
+      swapcontext(&R.sched, &f.ctx);
+    }
 #ifdef EMU_ASAN
     __sanitizer_finish_switch_fiber(R.sched_fake_stack, nullptr, nullptr);
 #endif
@@ -290,8 +296,8 @@ void run_threadgroup() {
     for (int i = 0; i < n && shown < 4; i++) {
       const Fiber& f = R.fibers[i];
       if (f.state != State::waiting) continue;
-      s << (shown++ ? "; " : "") << "thread " << i << " at a " << f.wait_kind << " (site "
-        << f.wait_site << ")";
+      s << (shown++ ? "; " : "") << "thread " << i << " at a " << f.wait_kind << " at "
+        << f.wait_site.file << ":" << f.wait_site.line;
     }
     s << ") — a barrier or SIMD operation in divergent control flow";
     fail("%s", s.str().c_str());
@@ -356,7 +362,7 @@ void run_dispatch(uint64_t seed, bool shuffle) {
     R.fibers.back().stack = static_cast<char*>(s);
   }
   R.rng.seed(seed);
-  R.schedule = int((seed + 1) % 3);
+  R.schedule = int(seed % 3);
   std::vector<uint64_t> order;
   uint64_t total = uint64_t(d.groups[0]) * d.groups[1] * d.groups[2];
   for (uint64_t g = 0; g < total; g++) order.push_back(g);
@@ -459,7 +465,7 @@ void fail(const char* fmt, ...) {
   _Exit(3);
 }
 
-void threadgroup_barrier(const void* site) {
+void threadgroup_barrier(Site site) {
   Fiber& f = cur();
   f.barriers++;
   if (R.done > 0)
@@ -469,11 +475,11 @@ void threadgroup_barrier(const void* site) {
   meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier");
 }
 
-const unsigned char* simd_exchange(const void* data, size_t size, const void* site) {
+const unsigned char* simd_exchange(const void* data, size_t size, Site site) {
   Fiber& f = cur();
   f.simd_ops++;
   int sg = f.pos.simd_group;
-  std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
+  if (size) std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
   meet(R.simd[sg], site, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
   return R.slots[sg].data();
 }
@@ -494,8 +500,7 @@ bool lane_active(int l) {
 
 void yield() {
   Fiber& f = cur();
-  f.state = State::runnable;
-  R.runnable.push_back(R.current);
+  make_runnable(R.current);
   to_scheduler();
 }
 

@@ -27,16 +27,24 @@ struct ThreadPos {
 
 const ThreadPos& pos();
 
+// A call's source location (from __builtin_FILE/__builtin_LINE as default
+// arguments, so that it is the kernel's call, not the emulator's).
+struct Site {
+  const char* file;
+  int line;
+};
+
 // Fails the run with a message naming the kernel, threadgroup and thread.
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
-// Waits until every thread of the threadgroup reaches a threadgroup barrier;
-// `site` identifies the call so that divergent barriers are reported.
-void threadgroup_barrier(const void* site);
+// Waits until every thread of the threadgroup reaches a threadgroup barrier,
+// the same one (site and count) or the run fails as divergent.
+void threadgroup_barrier(Site site);
 // Publishes `size` bytes for this lane, waits until every active lane of the
-// SIMD group has published at the same site, and returns the 32 slots
-// (kSimdSlot bytes each). Call simd_release() once done reading.
-const unsigned char* simd_exchange(const void* data, size_t size, const void* site);
+// SIMD group has published at the same operation (site and count), and
+// returns the 32 slots (kSimdSlot bytes each). Call simd_release() once done
+// reading.
+const unsigned char* simd_exchange(const void* data, size_t size, Site site);
 void simd_release();
 // Whether lane `l` of the caller's SIMD group exists and has not returned.
 bool lane_active(int l);

@@ -339,27 +339,6 @@ T popcount(T x) {
 
 // Apple's fast:: variants trade accuracy for speed; the emulation uses the
 // precise functions for both (fast-math accuracy is not emulated).
-namespace fast {
-using metal::abs;
-using metal::ceil;
-using metal::cos;
-using metal::divide;
-using metal::exp;
-using metal::exp2;
-using metal::fabs;
-using metal::floor;
-using metal::fmax;
-using metal::fmin;
-using metal::log;
-using metal::log2;
-using metal::max;
-using metal::min;
-using metal::pow;
-using metal::rsqrt;
-using metal::sin;
-using metal::sqrt;
-using metal::tanh;
-}  // namespace fast
 namespace precise {
 using metal::abs;
 using metal::ceil;
@@ -381,5 +360,8 @@ using metal::sin;
 using metal::sqrt;
 using metal::tanh;
 }  // namespace precise
+namespace fast {
+using namespace metal::precise;
+}  // namespace fast
 
 }  // namespace metal

@@ -1,7 +1,8 @@
 // MSL's synchronising operations on the emulator's fibers: barriers, SIMD-group
 // shuffles and reductions, quad operations, simdgroup_matrix 8x8, atomics.
-// Every operation identifies its call site (noinline + return address) so that
-// threads meeting at different sites are reported as divergent.
+// Threads meeting at a barrier or SIMD operation must be at the same source
+// location (default arguments EMU_AT) and have passed as many before it, so
+// that one under divergent control flow is reported.
 #pragma once
 
 #include <cstring>
@@ -9,8 +10,7 @@
 #include "emu/runtime.h"
 #include "emu/stdlib.h"
 
-#define EMU_SITE __builtin_return_address(0)
-#define EMU_SYNC __attribute__((noinline))
+#define EMU_AT emu::Site emu_at = {__builtin_FILE(), __builtin_LINE()}
 
 namespace metal {
 
@@ -20,9 +20,9 @@ inline constexpr mem_flags operator|(mem_flags a, mem_flags b) {
 }
 
 // Memory flags are not modelled: emulated memory is always coherent.
-EMU_SYNC inline void threadgroup_barrier(mem_flags) { emu::threadgroup_barrier(EMU_SITE); }
-EMU_SYNC inline void simdgroup_barrier(mem_flags) {
-  emu::simd_exchange(nullptr, 0, EMU_SITE);
+inline void threadgroup_barrier(mem_flags, EMU_AT) { emu::threadgroup_barrier(emu_at); }
+inline void simdgroup_barrier(mem_flags, EMU_AT) {
+  emu::simd_exchange(nullptr, 0, emu_at);
   emu::simd_release();
 }
 
@@ -45,9 +45,9 @@ struct Pair {
 };
 
 template <typename T, typename F>
-auto simd_op(const T& v, const void* site, F f) {
+auto simd_op(const T& v, Site at, F f) {
   static_assert(sizeof(T) <= kSimdSlot, "SIMD operand too large for the emulator's slot");
-  const unsigned char* slots = simd_exchange(&v, sizeof(T), site);
+  const unsigned char* slots = simd_exchange(&v, sizeof(T), at);
   auto r = f(slots, int(pos().lane));
   simd_release();
   return r;
@@ -72,8 +72,8 @@ namespace metal {
 
 #define EMU_SIMD_FN(name, body)                                            \
   template <typename T>                                                    \
-  EMU_SYNC T name(T v, ushort arg) {                                       \
-    return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int l) { \
+  T name(T v, ushort arg, EMU_AT) {                               \
+    return emu::simd_op(v, emu_at, [&](const unsigned char* s, int l) { \
       body;                                                                \
     });                                                                    \
   }
@@ -96,18 +96,18 @@ EMU_SIMD_FN(quad_shuffle_up, return int(l & 3) >= int(arg) ? emu::slot<T>(s, l -
 
 // Lanes whose source leaves the SIMD group (or the `modulo` window) read `filling`.
 template <typename T>
-EMU_SYNC T simd_shuffle_and_fill_down(T v, T filling, ushort delta, ushort modulo = 32) {
+T simd_shuffle_and_fill_down(T v, T filling, ushort delta, ushort modulo = 32, EMU_AT) {
   T both[2] = {v, filling};
-  return emu::simd_op(both, EMU_SITE, [&](const unsigned char* s, int l) {
+  return emu::simd_op(both, emu_at, [&](const unsigned char* s, int l) {
     int base = l / modulo * modulo, src = l + delta;
     using P = emu::Pair<T>;
     return src < base + modulo ? emu::slot<P>(s, src).a : emu::slot<P>(s, src - modulo).b;
   });
 }
 template <typename T>
-EMU_SYNC T simd_shuffle_and_fill_up(T v, T filling, ushort delta, ushort modulo = 32) {
+T simd_shuffle_and_fill_up(T v, T filling, ushort delta, ushort modulo = 32, EMU_AT) {
   T both[2] = {v, filling};
-  return emu::simd_op(both, EMU_SITE, [&](const unsigned char* s, int l) {
+  return emu::simd_op(both, emu_at, [&](const unsigned char* s, int l) {
     int base = l / modulo * modulo, src = l - delta;
     using P = emu::Pair<T>;
     return src >= base ? emu::slot<P>(s, src).a : emu::slot<P>(s, src + modulo).b;
@@ -116,8 +116,8 @@ EMU_SYNC T simd_shuffle_and_fill_up(T v, T filling, ushort delta, ushort modulo 
 
 #define EMU_SIMD_REDUCE(name, width, expr)                                                   \
   template <typename T>                                                                     \
-  EMU_SYNC T name(T v) {                                                                    \
-    return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int l) {                  \
+  T name(T v, EMU_AT) {                                                            \
+    return emu::simd_op(v, emu_at, [&](const unsigned char* s, int l) {                  \
       return emu::simd_reduce<T>(s, l / width * width, width, [](T a, T b) { return expr; }); \
     });                                                                                     \
   }
@@ -136,30 +136,30 @@ EMU_SIMD_REDUCE(quad_min, 4, metal::min(a, b))
 #undef EMU_SIMD_REDUCE
 
 template <typename T>
-EMU_SYNC T simd_prefix_inclusive_sum(T v) {
-  return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int l) {
+T simd_prefix_inclusive_sum(T v, EMU_AT) {
+  return emu::simd_op(v, emu_at, [&](const unsigned char* s, int l) {
     return emu::simd_reduce<T>(s, 0, l + 1, [](T a, T b) { return T(a + b); });
   });
 }
 template <typename T>
-EMU_SYNC T simd_prefix_exclusive_sum(T v) {
-  return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int l) {
+T simd_prefix_exclusive_sum(T v, EMU_AT) {
+  return emu::simd_op(v, emu_at, [&](const unsigned char* s, int l) {
     return l == 0 ? T(0) : emu::simd_reduce<T>(s, 0, l, [](T a, T b) { return T(a + b); });
   });
 }
-EMU_SYNC inline bool simd_all(bool v) {
-  return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int) {
+inline bool simd_all(bool v, EMU_AT) {
+  return emu::simd_op(v, emu_at, [&](const unsigned char* s, int) {
     return emu::simd_reduce<bool>(s, 0, 32, [](bool a, bool b) { return a && b; });
   });
 }
-EMU_SYNC inline bool simd_any(bool v) {
-  return emu::simd_op(v, EMU_SITE, [&](const unsigned char* s, int) {
+inline bool simd_any(bool v, EMU_AT) {
+  return emu::simd_op(v, emu_at, [&](const unsigned char* s, int) {
     return emu::simd_reduce<bool>(s, 0, 32, [](bool a, bool b) { return a || b; });
   });
 }
-EMU_SYNC inline bool simd_is_first() {
+inline bool simd_is_first(EMU_AT) {
   char c = 0;
-  return emu::simd_op(c, EMU_SITE, [&](const unsigned char*, int l) {
+  return emu::simd_op(c, emu_at, [&](const unsigned char*, int l) {
     for (int k = 0; k < l; k++)
       if (emu::lane_active(k)) return false;
     return true;
@@ -211,14 +211,14 @@ struct MatPair {
 // D = A * B + C over the SIMD group; products and sums in double, rounded once
 // to D's type (the hardware's rounding order is not emulated).
 template <typename TD, typename TA, typename TB, typename TC>
-EMU_SYNC void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
                                             const simdgroup_matrix<TA, 8, 8>& a,
                                             const simdgroup_matrix<TB, 8, 8>& b,
-                                            const simdgroup_matrix<TC, 8, 8>& c) {
+                                            const simdgroup_matrix<TC, 8, 8>& c, EMU_AT) {
   static_assert(sizeof(TA) == sizeof(TB), "mixed operand sizes are not emulated");
   emu_detail::MatPair<TA> mine{a.e, vec<TA, 2>(b.e)};
   vec<TC, 2> cm = c.e;
-  const unsigned char* s = emu::simd_exchange(&mine, sizeof(mine), EMU_SITE);
+  const unsigned char* s = emu::simd_exchange(&mine, sizeof(mine), emu_at);
   double A[8][8], B[8][8];
   for (int l = 0; l < emu::kSimdWidth; l++) {
     auto p = emu::slot<emu_detail::MatPair<TA>>(s, l);
@@ -241,17 +241,17 @@ EMU_SYNC void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d,
 
 template <typename TD, typename TA, typename TB>
 void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
-                        const simdgroup_matrix<TB, 8, 8>& b) {
+                        const simdgroup_matrix<TB, 8, 8>& b, EMU_AT) {
   simdgroup_matrix<TD, 8, 8> zero = make_filled_simdgroup_matrix<TD, 8, 8>(TD(0));
-  simdgroup_multiply_accumulate(d, a, b, zero);
+  simdgroup_multiply_accumulate(d, a, b, zero, emu_at);
 }
 
 // Element (r, c) of the matrix is src[(origin.y + r) * elements_per_row +
 // origin.x + c] (with transpose, r and c swap roles in the source).
 template <typename T, typename P>
-EMU_SYNC void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, P src, ulong elements_per_row = 8,
-                             ulong2 origin = ulong2(0, 0), bool transpose = false) {
-  emu::simd_exchange(nullptr, 0, EMU_SITE);
+void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, P src, ulong elements_per_row = 8,
+                             ulong2 origin = ulong2(0, 0), bool transpose = false, EMU_AT) {
+  emu::simd_exchange(nullptr, 0, emu_at);
   emu::simd_release();
   int r, c;
   simdgroup_coord(int(emu::pos().lane), r, c);
@@ -262,10 +262,10 @@ EMU_SYNC void simdgroup_load(simdgroup_matrix<T, 8, 8>& d, P src, ulong elements
 }
 
 template <typename T, typename P>
-EMU_SYNC void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst,
+void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst,
                               ulong elements_per_row = 8, ulong2 origin = ulong2(0, 0),
-                              bool transpose = false) {
-  emu::simd_exchange(nullptr, 0, EMU_SITE);
+                              bool transpose = false, EMU_AT) {
+  emu::simd_exchange(nullptr, 0, emu_at);
   emu::simd_release();
   int r, c;
   simdgroup_coord(int(emu::pos().lane), r, c);
