@@ -79,7 +79,7 @@ TEST(MetalRoles, EveryBoundRoleResolves) {
             EXPECT_TRUE(scratch.count(b.role)) << where << " without allocating it";
             break;
           case Slot::missing:
-            ADD_FAILURE() << where << ", which the primitive does not have";
+            EXPECT_TRUE(false) << where << ", which the primitive does not have";
         }
       }
     }
@@ -169,7 +169,7 @@ TEST(MetalRoles, InputPositionsMatchThePrimitives) {
   auto pd = find_primitive(grads[0], "FlashCCEFusedDh");
   const auto& gsum = pd.inputs().at(role_slot(Pass::fused_dh, Role::gsum).index);
   EXPECT_EQ(gsum.dtype(), mx::float32);
-  EXPECT_EQ(gsum.shape(), (mx::Shape{M, H}));
+  EXPECT_TRUE(gsum.shape() == (mx::Shape{M, H}));
   expect_role(pd, Pass::fused_dh, Role::g, 2.0f);
   expect_role(pd, Pass::fused_dh, Role::g_lse, 3.0f);
   expect_role(pd, Pass::fused_dh, Role::scales, 0.5f);
