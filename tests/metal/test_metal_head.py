@@ -354,3 +354,23 @@ def test_dense_under_other_schedules(dense, seed):
     # Other random thread orders (and threadgroup orders) of the same launches.
     p = Head(37, 70, 333, "bf16", ignore=(2,), seed=seed)
     check_all(dense, p, 3.0, compute_dw=True, seed=seed, max_splits=3, dw_slab_rows=192)
+
+
+@pytest.mark.skipif(not SWEEP, reason="larger emulated problems: set FLASH_CCE_METAL_SWEEP=1")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_plan_defaults_larger(dense, dtype):
+    # The plan's own split choice: 10 m tiles x 55 vocabulary blocks give
+    # splits of two blocks (forward) or three (passes with partials).
+    p = Head(300, 64, 1733, dtype, ignore=(0, 299), seed=12)
+    check_all(dense, p, 30.0, compute_dw=True)
+
+
+@pytest.mark.skipif(not SWEEP, reason="every dtype pair: set FLASH_CCE_METAL_SWEEP=1")
+@pytest.mark.parametrize("h_dtype", DTYPES)
+@pytest.mark.parametrize("w_dtype", DTYPES)
+def test_dense_dtype_pairs(h_dtype, w_dtype):
+    p = Head(33, 40, 70, h_dtype, w_dtype=w_dtype, ignore=(3,), seed=13)
+    kernels = set()
+    for plan in plans_for(p, 3.0, compute_dw=True, dw_slab_rows=32):
+        kernels |= he.plan_kernels(plan)
+    check_all(program(kernels), p, 3.0, compute_dw=True, max_splits=2, dw_slab_rows=32)
