@@ -236,3 +236,18 @@ def test_sizes_beyond_the_kernels_indexing_use_the_fallback(cpu_gated, monkeypat
         want, _ = fallback.forward(h, w, y)
     assert np.array_equal(np.array(logp), np.array(want))
     assert native.calls == 0 and not g.checks and not log
+
+
+def test_the_check_runs_inside_compile_and_grad(cpu_gated):
+    # The trainer's step is compiled: the first call traces, and the gate's
+    # self-check evaluates its own arrays meanwhile.
+    g, log = cpu_gated(Native())
+    h, w, y, _ = _problem(False)
+
+    def loss(h_):
+        return -fc.flash_cce_forward(h_, w, y, stream=mx.cpu, validate_targets=False)[0].sum()
+
+    got = mx.compile(mx.grad(loss))(h)
+    assert g.checks[HeadSpec.of(h, w).key].passed and not log
+    want = mx.grad(lambda h_: -_ext.forward(h_, w, y, stream=mx.cpu)[0].sum())(h)
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
