@@ -98,7 +98,8 @@ def test_interface_errors(prog):
 def test_constant_parameter_larger_than_its_buffer():
     prog = build(Path(__file__).parent / "samples" / "reduce.metal")
     x = np.zeros((1, 32), np.float32)
-    with pytest.raises(me.EmulationError, match=r"'n' \(buffer 2\) needs 4 bytes, the buffer has 2"):
+    with pytest.raises(me.EmulationError,
+                       match=r"'n' \(buffer 2\) needs 4 bytes, the buffer has 2"):
         prog.run(me.Dispatch("row_sum_float", {0: x, 1: np.zeros(1, np.float32),
                                                2: np.int16(32)}, threads=(32, 1, 1)))
 
