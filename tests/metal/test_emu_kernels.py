@@ -40,10 +40,12 @@ def as_f64(a, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_sum(dtype):
+@pytest.mark.parametrize("threads", [256, 48])
+def test_row_sum(dtype, threads):
+    """48 threads: a second SIMD group of 16 lanes."""
     prog = build(SAMPLES / "reduce.metal")
     rng = np.random.default_rng(1)
-    rows, n, threads = 3, 1000, 256
+    rows, n = 3, 1000
     x = to_dtype(rng.standard_normal((rows, n)), dtype)
     out = np.zeros(rows, np.float32)
     prog.run(me.Dispatch(f"row_sum_{dtype}", {0: x, 1: out, 2: np.int32(n)},

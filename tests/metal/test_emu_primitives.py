@@ -109,3 +109,14 @@ def test_atomics(prog):
                          threads=(96, 1, 1)))
     assert total[0] == 5 * sum(range(96))
     np.testing.assert_array_equal(per_group, 96)
+
+
+def test_lanes_that_returned_drop_out(prog):
+    out = np.full(64, -1, np.int32)
+    prog.run(me.Dispatch("early_exit", {0: out, 1: np.array([20, 1], np.int32)}))
+    np.testing.assert_array_equal(out[:20], sum(range(20)))
+    np.testing.assert_array_equal(out[32:52], np.arange(20) ^ 1)
+    np.testing.assert_array_equal(out[20:32], -1)
+    # Lanes 4 to 15 would read lanes 20 to 31, which returned.
+    with pytest.raises(me.EmulationError, match=r"reads lane (2\d|3[01]), which is inactive or has returned"):
+        prog.run(me.Dispatch("early_exit", {0: out, 1: np.array([20, 16], np.int32)}))

@@ -121,3 +121,15 @@ template <typename T>
   while (atomic_load_explicit(flag, memory_order_relaxed) == 0) {
   }
 }
+
+// Lanes from `live` on return first; the others reduce and shuffle.
+[[kernel]] void early_exit(
+    device int* out [[buffer(0)]],
+    constant int2& live_mask [[buffer(1)]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  if (lane >= live_mask.x) {
+    return;
+  }
+  out[lane] = simd_sum(int(lane));
+  out[32 + lane] = simd_shuffle_xor(int(lane), ushort(live_mask.y));
+}
