@@ -118,5 +118,6 @@ def test_lanes_that_returned_drop_out(prog):
     np.testing.assert_array_equal(out[32:52], np.arange(20) ^ 1)
     np.testing.assert_array_equal(out[20:32], -1)
     # Lanes 4 to 15 would read lanes 20 to 31, which returned.
-    with pytest.raises(me.EmulationError, match=r"reads lane (2\d|3[01]), which is inactive or has returned"):
+    with pytest.raises(me.EmulationError,
+                       match=r"reads lane (2\d|3[01]), which is inactive or has returned"):
         prog.run(me.Dispatch("early_exit", {0: out, 1: np.array([20, 16], np.int32)}))
