@@ -184,8 +184,12 @@ class Program:
             if proc.returncode != 0:
                 raise EmulationError(_error_message(proc.stderr, proc.returncode))
             for bid, arr in arrays.items():
-                arr[...] = np.frombuffer((tmp / f"out{bid}").read_bytes(),
-                                         dtype=arr.dtype).reshape(arr.shape)
+                data = (tmp / f"out{bid}").read_bytes()
+                if data == arr.tobytes():
+                    continue
+                if not arr.flags.writeable:
+                    raise EmulationError(f"a kernel wrote into buffer id {bid}, a read-only array")
+                arr[...] = np.frombuffer(data, dtype=arr.dtype).reshape(arr.shape)
 
 
 def _error_message(stderr: str, rc: int) -> str:

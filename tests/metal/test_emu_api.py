@@ -19,6 +19,7 @@ def prog():
 
 def test_threadgroup_memory_argument(prog):
     x = np.arange(96, dtype=np.float32)
+    x.setflags(write=False)  # inputs may be read-only
     y = np.zeros(96, np.float32)
     prog.run(me.Dispatch("reverse_groups", {0: x, 1: y}, threadgroups=(3, 1, 1),
                          threads=(32, 1, 1), threadgroup_memory={0: 128}))
