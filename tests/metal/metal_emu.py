@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 EMU = HERE / "emu"
 ROOT = HERE.parents[1]
 CACHE = ROOT / "build" / "metal-emu"
-MODES = ("run", "asan", "typecheck")
+MODES = ("run", "asan", "tsan", "typecheck")
 
 FLAGS = ["-std=c++17", "-fno-fast-math", "-U_FORTIFY_SOURCE", "-Wno-unknown-attributes",
          "-Wno-unknown-pragmas", "-Wno-pass-failed", "-Wno-ignored-attributes", "-Wno-unused-value"]
@@ -42,8 +42,15 @@ MODE_FLAGS = {
     "run": ["-O1"],
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
              "-fno-omit-frame-pointer"],
+    "tsan": ["-O1", "-g", "-fsanitize=thread"],
     "typecheck": ["-DEMU_TYPECHECK", "-fsyntax-only", "-ferror-limit=0"],
 }
+# The runtime itself is not instrumented under ThreadSanitizer: it only
+# annotates what orders the kernels' threads.
+RUNTIME_FLAGS = {**MODE_FLAGS, "tsan": ["-O1", "-g", "-DEMU_TSAN"]}
+LINK_FLAGS = {"run": [], "asan": ["-fsanitize=address,undefined"], "tsan": ["-fsanitize=thread"]}
+SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+                 "TSAN_OPTIONS": "halt_on_error=1:report_thread_leaks=0:report_signal_unsafe=0"}
 
 
 class EmulationError(RuntimeError):
@@ -106,7 +113,7 @@ def _runtime_object(cxx: str, mode: str) -> Path:
     if not obj.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp = obj.with_suffix(f".{os.getpid()}.tmp")
-        _run([cxx, *FLAGS, *MODE_FLAGS[mode], "-I", str(EMU / "include"), "-c",
+        _run([cxx, *FLAGS, *RUNTIME_FLAGS[mode], "-I", str(EMU / "include"), "-c",
               str(EMU / "runtime.cpp"), "-o", str(tmp)], "compiling the emulator runtime")
         tmp.rename(obj)
     return obj
@@ -174,7 +181,7 @@ class Program:
             for bid in arrays:
                 job.append(f"save {bid} {tmp / f'out{bid}'}")
             (tmp / "job").write_text("\n".join(job) + "\n")
-            env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+            env = dict(os.environ, **SANITIZER_ENV)
             try:
                 proc = subprocess.run([str(self.exe), str(tmp / "job")], capture_output=True,
                                       text=True, timeout=timeout, env=env)
@@ -197,6 +204,11 @@ def _error_message(stderr: str, rc: int) -> str:
         if line.startswith("emu error:"):
             return line
     lines = stderr.splitlines()
+    if any("ThreadSanitizer: data race" in ln for ln in lines):
+        # The two accesses: the first frame of each stack.
+        keep = [ln.strip() for ln in lines if "ThreadSanitizer: data race" in ln
+                or re.match(r"\s*(Read|Write|Atomic|Previous)", ln) or re.match(r"\s*#0 ", ln)]
+        return "ThreadSanitizer: " + " | ".join(keep[:5]) + "\n" + stderr[-3000:]
     ubsan = [ln for ln in lines if "runtime error:" in ln]
     if ubsan:
         return "UndefinedBehaviorSanitizer: " + ubsan[0] + "\n" + stderr[-3000:]
@@ -214,8 +226,11 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     mlx/include); a path source's own directory comes first. defines: -D
     macros. entries: extra template entry points to bind, as "func<args>"
     (host_name instantiations and plain kernels are bound automatically).
-    mode: "run", "asan" (AddressSanitizer, buffers allocated to their exact
-    size) or "typecheck" (address spaces as clang address spaces; compile only).
+    mode: "run", "asan" (AddressSanitizer and UndefinedBehaviorSanitizer,
+    buffers allocated to their exact size), "tsan" (ThreadSanitizer: accesses
+    that no barrier or dispatch boundary orders are races, whatever the
+    schedule) or "typecheck" (address spaces as clang address spaces; compile
+    only).
     The result is cached under build/metal-emu/ by a hash of everything that
     goes into it.
     """
@@ -281,8 +296,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
                                                                  or proc.stderr[-6000:]))
     else:
         _run([*compile_flags, "-c", "-o", str(work / "kernel.o")], "compiling the kernel")
-        san = ["-fsanitize=address,undefined"] if mode == "asan" else []
-        _run([cxx, *san, str(work / "kernel.o"), str(_runtime_object(cxx, mode)), "-o",
+        _run([cxx, *LINK_FLAGS[mode], str(work / "kernel.o"), str(_runtime_object(cxx, mode)), "-o",
               str(work / "kernel")], "linking")
     _save_kernels(work / "kernels.txt", kernels)
     (work / "done").write_text("")
