@@ -32,7 +32,8 @@ namespace emu {
 
 template <typename T>
 T slot(const unsigned char* slots, int lane) {
-  if (!lane_active(lane)) fail("SIMD operation reads lane %d, which is inactive or has returned", lane);
+  if (!lane_active(lane))
+    fail("SIMD operation reads lane %d, which is inactive or has returned", lane);
   T v;
   std::memcpy(&v, slots + lane * kSimdSlot, sizeof(T));
   return v;
