@@ -298,6 +298,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
         _run([*compile_flags, "-c", "-o", str(work / "kernel.o")], "compiling the kernel")
         _run([cxx, *LINK_FLAGS[mode], str(work / "kernel.o"), str(_runtime_object(cxx, mode)), "-o",
               str(work / "kernel")], "linking")
+        (work / "kernel.o").unlink()
     _save_kernels(work / "kernels.txt", kernels)
     (work / "done").write_text("")
     shutil.rmtree(out, ignore_errors=True)
