@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from msl_source import (
-    Binding, CompileError, Kernel, address_space_errors, entry_table, mutate, parse_kernels,
-    rewrite_threadgroup, strip_attributes, use_shadows,
+    Binding, CompileError, Kernel, address_space_errors, entry_table, kernel_argument_errors,
+    mutate, parse_kernels, rewrite_threadgroup, strip_attributes, use_shadows,
 )
 
 __all__ = ["CompileError", "Dispatch", "EmulationError", "Program", "build", "find_compiler",
@@ -290,7 +290,8 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     compile_flags = [cxx, "-x", "c++-cpp-output", *FLAGS, *mode_flags, str(work / "kernel.ii")]
     if mode == "typecheck":
         proc = subprocess.run(compile_flags, capture_output=True, text=True)
-        errors = address_space_errors(proc.stderr)
+        errors = kernel_argument_errors([*kernels.values(), *templates.values()])
+        errors += address_space_errors(proc.stderr)
         if errors or (proc.returncode != 0 and "error:" not in proc.stderr):
             raise CompileError("type-check compile failed:\n" + ("\n\n".join(errors)
                                                                  or proc.stderr[-6000:]))

@@ -35,6 +35,15 @@ class Binding:
     kind: str  # "buffer", "threadgroup" or a builtin name
     index: int  # buffer(n) / threadgroup(n); 0 for builtins
     name: str
+    space: str = ""  # address space of a buffer, as the type-check build spells it
+
+
+_SPACES = {"address_space(1)": "device", "address_space(2)": "constant",
+           "__emu_threadgroup": "threadgroup"}
+
+
+def _space(param: str) -> str:
+    return next((v for k, v in _SPACES.items() if k in param), "")
 
 
 @dataclass
@@ -90,14 +99,14 @@ def _param_binding(param: str, kernel: str) -> Binding:
     if not m:
         # MSL numbers buffer parameters without an attribute in order.
         if "*" in param or "&" in param:
-            return Binding("buffer", -1, re.findall(r"[A-Za-z_]\w*", param)[-1])
+            return Binding("buffer", -1, re.findall(r"[A-Za-z_]\w*", param)[-1], _space(param))
         raise CompileError(f"kernel {kernel}: parameter '{param}' has no [[...]] attribute")
     attr, arg = m.group(1).replace("__emu_threadgroup", "threadgroup"), m.group(2)
     name = re.findall(r"[A-Za-z_]\w*", param[: m.start()])[-1]
     if attr in ("buffer", "threadgroup"):
         if arg is None or not arg.strip().isdigit():
             raise CompileError(f"kernel {kernel}: parameter '{name}' needs a literal index")
-        return Binding(attr, int(arg), name)
+        return Binding(attr, int(arg), name, _space(param[: m.start()]))
     if attr in BUILTINS:
         return Binding(attr, 0, name)
     raise CompileError(f"kernel {kernel}: parameter '{name}' has attribute [[{attr}]], "
@@ -284,3 +293,20 @@ def mutate(source: str, old: str, new: str, occurrence: int | None = None) -> st
     for _ in range(occurrence + 1):
         start = source.index(old, start + 1)
     return source[:start] + new + source[start + len(old):]
+
+
+def kernel_argument_errors(kernels) -> list[str]:
+    """MSL's rules for kernel arguments that C++ does not check: a buffer is a
+    pointer or reference in the device or constant space, a [[threadgroup(n)]]
+    argument a pointer in the threadgroup space. Needs the type-check build's
+    preprocessed text (where the spaces are still visible)."""
+    errors = []
+    for k in kernels:
+        for b in k.bindings:
+            if b.kind == "buffer" and b.space not in ("device", "constant"):
+                errors.append(f"kernel {k.name}: buffer argument '{b.name}' must be in the "
+                              f"device or constant address space")
+            if b.kind == "threadgroup" and b.space != "threadgroup":
+                errors.append(f"kernel {k.name}: [[threadgroup({b.index})]] argument "
+                              f"'{b.name}' must be in the threadgroup address space")
+    return errors

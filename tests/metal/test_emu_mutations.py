@@ -174,6 +174,13 @@ def test_threadgroup_pointer_assigned_to_device_pointer():
         build(src, mode="typecheck")
 
 
+def test_buffer_argument_without_address_space():
+    src = me.mutate(reduce_source(), "const device T* x [[buffer(0)]]", "const T* x [[buffer(0)]]")
+    with pytest.raises(me.CompileError, match="buffer argument 'x' must be in the device or "
+                                              "constant address space"):
+        build(src, mode="typecheck")
+
+
 def test_mutate_refuses_missing_or_ambiguous_text():
     with pytest.raises(ValueError, match="does not occur"):
         me.mutate("abc", "x", "y")
