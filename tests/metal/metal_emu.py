@@ -266,6 +266,7 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     kernels_file = out / "kernels.txt"
     exe = out / "kernel" if mode != "typecheck" else None
     if (out / "done").exists():
+        (out / "done").touch()  # recently used: kept by _prune
         return Program(exe, _load_kernels(kernels_file), mode)
 
     work = CACHE / f"{key}.{os.getpid()}.tmp"
@@ -304,7 +305,16 @@ def build(source: str | Path, *, include_dirs=(), defines: dict | None = None,
     (work / "done").write_text("")
     shutil.rmtree(out, ignore_errors=True)
     work.rename(out)
+    _prune()
     return Program(exe, kernels, mode)
+
+
+def _prune(keep: int = 200) -> None:
+    """Removes all but the `keep` most recently used builds from the cache."""
+    builds = sorted(((d / "done").stat().st_mtime, d) for d in CACHE.iterdir()
+                    if (d / "done").exists())
+    for _, d in builds[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _save_kernels(path: Path, kernels: dict[str, Kernel]) -> None:
