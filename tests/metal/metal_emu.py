@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,9 @@ MODE_FLAGS = {
 # annotates what orders the kernels' threads.
 RUNTIME_FLAGS = {**MODE_FLAGS, "tsan": ["-O1", "-g", "-DEMU_TSAN"]}
 LINK_FLAGS = {"run": [], "asan": ["-fsanitize=address,undefined"], "tsan": ["-fsanitize=thread"]}
+# Threads per dispatch up to which ThreadSanitizer was seen to keep every
+# thread's accesses apart (it recycles thread slots beyond about 240).
+TSAN_THREADS = 256
 SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
                  "TSAN_OPTIONS": "halt_on_error=1:report_thread_leaks=0:report_signal_unsafe=0"}
 
@@ -138,6 +142,11 @@ class Program:
             raise ValueError(f"a {self.mode!r} build compiles only; build with mode='run' "
                              f"or 'asan' to run kernels")
         for d in dispatches:
+            total = int(np.prod(d.threadgroups)) * int(np.prod(d.threads))
+            if self.mode == "tsan" and total > TSAN_THREADS:
+                warnings.warn(f"{d.entry}: ThreadSanitizer keeps about {TSAN_THREADS} threads "
+                              f"apart; races among this dispatch's {total} threads may go "
+                              f"unreported", stacklevel=2)
             if d.entry not in self.kernels:
                 raise ValueError(f"entry {d.entry!r} is not in this build; entries: "
                                  f"{sorted(self.kernels)}")
