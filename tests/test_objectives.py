@@ -72,9 +72,33 @@ def _ref_loss(model, pairs, cfg, ref=None):
     if cfg.name == "simpo":
         return -nn.log_sigmoid(cfg.beta * (lw - ll) - cfg.gamma).mean()
     if cfg.name == "dpo":
-        margin = (s["c_sum"] - ref["c_sum"]) - (s["r_sum"] - ref["r_sum"])
-        return -nn.log_sigmoid(cfg.beta * margin).mean()
+        return _ref_dpo(s, ref, cfg).mean()
+    if cfg.name == "cpo":
+        avg = cfg.loss_type in ("ipo", "simpo")
+        x = (lw - ll) if avg else (s["c_sum"] - s["r_sum"])
+        b = cfg.beta
+        per = {"sigmoid": lambda: -nn.log_sigmoid(b * x),
+               "simpo": lambda: -nn.log_sigmoid(b * x - cfg.gamma),
+               "hinge": lambda: mx.maximum(1 - b * x, 0.0),
+               "ipo": lambda: (x - 1 / (2 * b)) ** 2}[cfg.loss_type]()
+        return per.mean() + cfg.cpo_alpha * nll
     return nll
+
+
+def _ref_dpo(s, ref, cfg):
+    """DPO's per-pair losses by loss_type, in plain MLX ops (label_smoothing 0)."""
+    b = cfg.beta
+    c, r = s["c_sum"] - ref["c_sum"], s["r_sum"] - ref["r_sum"]
+    return {
+        "sigmoid": lambda: -nn.log_sigmoid(b * (c - r)),
+        "hinge": lambda: mx.maximum(1 - b * (c - r), 0.0),
+        "ipo": lambda: (c / s["c_n"] - r / s["r_n"] - 0.5 / b) ** 2,
+        "robust": lambda: -nn.log_sigmoid(b * (c - r)),
+        "nca_pair": lambda: -nn.log_sigmoid(b * c) - 0.5 * nn.log_sigmoid(-b * c) - 0.5 * nn.log_sigmoid(-b * r),
+        "sppo_hard": lambda: (c - 0.5 / b) ** 2 + (r + 0.5 / b) ** 2,
+        "apo_zero": lambda: 1 - mx.sigmoid(b * c) + mx.sigmoid(b * r),
+        "apo_down": lambda: mx.sigmoid(b * c) + 1 - mx.sigmoid(b * (c - r)),
+    }[cfg.loss_type or "sigmoid"]()
 
 
 def _ref_value_and_grad(model, pairs, cfg, ref=None):
@@ -122,11 +146,7 @@ def test_other_objectives_match_reference(name):
     _matches_reference(model, pairs, cfg)
 
 
-def test_dpo_reference_is_the_model_without_adapters():
-    model = tiny_model("gemma3_text", lora=True)
-    pairs = _pairs(3)
-    cfg = ObjectiveConfig(name="dpo", beta=0.3)
-    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+def _adapters_off_stats(model, pairs):
     mods = lora_modules(model)
     scales = [m.scale for m in mods]
     for m in mods:
@@ -134,12 +154,39 @@ def test_dpo_reference_is_the_model_without_adapters():
     ref = {k: mx.stop_gradient(v) for k, v in _ref_stats(model, pairs).items()}
     for m, sc in zip(mods, scales):
         m.scale = sc
+    return ref, mods, scales
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "robust", "nca_pair",
+                                       "sppo_hard", "apo_zero", "apo_down"])
+def test_dpo_reference_is_the_model_without_adapters(loss_type):
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(3)
+    # beta large enough that hinge's 1 - beta * delta changes sign nowhere near 0.
+    cfg = ObjectiveConfig(name="dpo", beta=0.3, loss_type=loss_type)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    ref, mods, scales = _adapters_off_stats(model, pairs)
     want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg, ref)
     _close(loss, want_loss)
     _grads_close(grads, want_grads)
     assert [m.scale for m in mods] == scales  # adapters switched back on
     # With adapters this far from zero the policy differs from its reference.
     assert abs(metrics["rewards/margins"].item()) > 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo", "hinge", "ipo"])
+def test_cpo_matches_reference(loss_type):
+    """CPO's NLL covers the chosen response only (TRL masks the prompt's labels),
+    whatever nll_on_prompt says."""
+    model = tiny_model("llama", lora=True)
+    pairs = _pairs(9)
+    cfg = ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type, cpo_alpha=0.7)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(
+        model, pairs, ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type,
+                                      cpo_alpha=0.7, nll_on_prompt=False))
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
 
 
 def test_dpo_without_adapters_raises():
@@ -218,5 +265,7 @@ def test_malformed_batch_and_config_raise():
                        ObjectiveConfig(max_length=8))
     with pytest.raises(ValueError, match="objective name"):
         value_and_grad(model, _pairs(), ObjectiveConfig(name="ipo"))
+    with pytest.raises(ValueError, match="loss_type for dpo"):
+        value_and_grad(model, _pairs(), ObjectiveConfig(name="dpo", loss_type="ipo2"))
     with pytest.raises(ValueError, match="segment_size"):
         value_and_grad(model, _pairs(), ObjectiveConfig(segment_size=-1))

@@ -38,9 +38,14 @@ DEFAULT_SEGMENT_SIZE = 1
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "orpo"  # "orpo" | "simpo" | "orpo_margin" | "dpo" | "sft"
+    name: str = "orpo"  # a key of losses.OBJECTIVES
     beta: float = 0.1
-    gamma: float = 0.5  # SimPO / ORPO+margin target margin
+    gamma: float = 0.5  # SimPO / ORPO+margin / CPO-simpo target margin
+    loss_type: Optional[str] = None  # TRL's loss_type of dpo / cpo / kto; None: the default
+    label_smoothing: float = 0.0  # DPO robust, CPO sigmoid/simpo
+    cpo_alpha: float = 1.0  # weight of CPO's NLL term
+    desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable examples
+    undesirable_weight: float = 1.0
     nll_on_prompt: bool = True  # ORPO/SFT NLL over prompt+response (TRL) or response only
     prefix_sharing: bool = True
     # Shared-prompt layout (see `prefix`): None picks; True packed rows; False two passes
@@ -57,7 +62,7 @@ class ObjectiveConfig:
     attention_block: Optional[int] = None
 
     def validate(self):
-        losses.get(self.name)
+        losses.validate(self)
         if self.segment_size is not None and self.segment_size < 0:
             raise ValueError(f"segment_size must be None or >= 0, got {self.segment_size}")
         if self.max_length is not None and self.max_length < 2:
@@ -153,7 +158,7 @@ def hidden_stats(lm, h, rows, pair, cfg, obj):
     for b, seq in enumerate(seqs):
         for j in range(len(seq) - 1):
             resp = j + 1 >= plens[b]
-            nll = b == 0 and obj.nll and (resp or cfg.nll_on_prompt)
+            nll = b == 0 and obj.nll and (resp or _nll_on_prompt(cfg, obj))
             if resp or nll:
                 idx.append(rows[b][j])
                 tgt.append(seq[j + 1])
@@ -191,12 +196,16 @@ def _prepare(model, pairs, cfg):
     return lm, obj, ref
 
 
+def _nll_on_prompt(cfg, obj):
+    return cfg.nll_on_prompt if obj.nll_on_prompt is None else obj.nll_on_prompt
+
+
 def _batch_totals(pairs, cfg, obj):
     """Pair count and NLL token count of the batch (known from the lengths)."""
     nll_tokens = 0
     if obj.nll:
         for p in pairs:
-            skip = 1 if cfg.nll_on_prompt else max(p.chosen_prompt_len, 1)
+            skip = 1 if _nll_on_prompt(cfg, obj) else max(p.chosen_prompt_len, 1)
             nll_tokens += len(p.chosen) - skip
     return len(pairs), nll_tokens
 
