@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from flash_cce.batch import Pair
+from flash_cce.batch import Example, Pair
 from flash_cce.lm import lora_modules
 from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
@@ -187,6 +187,64 @@ def test_cpo_matches_reference(loss_type):
                                       cpo_alpha=0.7, nll_on_prompt=False))
     _close(loss, want_loss)
     _grads_close(grads, want_grads)
+
+
+def _examples(seed):
+    rng = np.random.default_rng(seed)
+    shapes = [(5, 3, True), (7, 4, False), (4, 6, True), (6, 2, False)]
+    return [Example(p.chosen, p.chosen_prompt_len, label)
+            for p, label in ((random_pair(rng, n, m, 1), lab) for n, m, lab in shapes)]
+
+
+def _completion_logps(model, seqs_and_plens):
+    return mx.stack([_logps(model, s)[n - 1:].sum() for s, n in seqs_and_plens])
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_matches_reference(loss_type):
+    """KTO's loss and gradients against mlx-lm's logits: the reference is the
+    model without adapters, the KL estimate the mean log-ratio of each prompt
+    with the previous example's completion, clamped at 0, held constant."""
+    model = tiny_model("qwen3", lora=True)
+    examples = _examples(10)
+    cfg = ObjectiveConfig(name="kto", beta=0.4, loss_type=loss_type,
+                          desirable_weight=1.3, undesirable_weight=0.8)
+    loss, grads, metrics = value_and_grad(model, examples, cfg)
+    own = [(e.tokens, e.prompt_len) for e in examples]
+    kl_seqs = [(e.tokens[:e.prompt_len] + examples[i - 1].tokens[examples[i - 1].prompt_len:],
+                e.prompt_len) for i, e in enumerate(examples)]
+    mods = lora_modules(model)
+    scales = [m.scale for m in mods]
+    for m in mods:
+        m.scale = 0.0
+    ref_own, ref_kl = _completion_logps(model, own), _completion_logps(model, kl_seqs)
+    for m, sc in zip(mods, scales):
+        m.scale = sc
+    kl = mx.maximum((_completion_logps(model, kl_seqs) - ref_kl).mean(), 0.0)
+    label = mx.array([float(e.label) for e in examples])
+
+    def ref_loss():
+        ratio = _completion_logps(model, own) - ref_own
+        if loss_type == "kto":
+            good, bad = 1 - mx.sigmoid(0.4 * (ratio - kl)), 1 - mx.sigmoid(0.4 * (kl - ratio))
+        else:
+            good, bad = 1 - mx.sigmoid(0.4 * ratio), mx.sigmoid(0.4 * ratio)
+        return mx.where(label > 0, 1.3 * good, 0.8 * bad).mean()
+
+    want_loss, want_grads = nn.value_and_grad(model, ref_loss)()
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+    _close(metrics["kl"], kl)
+    assert metrics["tokens"].item() == sum(len(e.tokens) for e in examples)
+    e_loss, e_metrics = evaluate(model, examples, cfg)
+    _close(e_loss, loss)
+
+
+def test_kto_batch_of_one_raises():
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        value_and_grad(tiny_model("llama", lora=True), _examples(1)[:1], ObjectiveConfig(name="kto"))
+    with pytest.raises(ValueError, match=r"examples\[0\] must be a flash_cce.batch.Example"):
+        value_and_grad(tiny_model("llama", lora=True), _pairs(), ObjectiveConfig(name="kto"))
 
 
 def test_dpo_without_adapters_raises():

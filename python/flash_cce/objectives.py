@@ -183,17 +183,23 @@ def _reference(lm, pairs, cfg, obj):
         for p in pairs:
             s = pair_stats(lm, p, cfg, obj, stack=_forward_stack(lm, cfg))
             mx.eval(s["c_sum"], s["r_sum"])
-            out.append((s["c_sum"], s["r_sum"]))
+            out.append({"ref_c": s["c_sum"], "ref_r": s["r_sum"]})
     return out
 
 
-def _prepare(model, pairs, cfg):
+def _prepare(model, items, cfg, group=None):
+    """(lm, objective, pairs, extras): `extras[i]` (or None) holds pair i's
+    statistics that come from outside its own forward (reference log-probs, ...)."""
     cfg.validate()
     lm = LM(model)
-    _check(pairs, cfg, model.args.vocab_size)
     obj = losses.get(cfg.name)
-    ref = _reference(lm, pairs, cfg, obj) if obj.reference else None
-    return lm, obj, ref
+    if cfg.name == "kto":
+        from .kto import prepare
+
+        pairs, extras = prepare(lm, items, cfg, group)
+        return lm, obj, pairs, extras
+    _check(items, cfg, model.args.vocab_size)
+    return lm, obj, items, _reference(lm, items, cfg, obj) if obj.reference else None
 
 
 def _nll_on_prompt(cfg, obj):
@@ -210,10 +216,8 @@ def _batch_totals(pairs, cfg, obj):
     return len(pairs), nll_tokens
 
 
-def _with_reference(stats, ref, i):
-    if ref is not None:
-        stats = dict(stats, ref_c=ref[i][0], ref_r=ref[i][1])
-    return stats
+def _with_extras(stats, extras, i):
+    return stats if extras is None else dict(stats, **extras[i])
 
 
 def _stack(all_stats):
@@ -236,7 +240,7 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
     stats = _stack(all_stats)
     counts = mx.array([
         sum(cfg.prefix_sharing and obj.rejected and not p.shares_prompt() for p in pairs),
-        sum(len(p.chosen) + len(p.rejected) for p in pairs),
+        sum(len(p.chosen) + len(p.rejected) * obj.rejected for p in pairs),
     ])
     if _distributed(group):
         stats = {k: mx.distributed.all_gather(v, group=group) for k, v in stats.items()}
@@ -256,14 +260,14 @@ def value_and_grad(model, pairs, cfg, group=None):
     gradients are this rank's share of the batch's, so that their sum over the
     ranks (an all-reduce) is the gradient of the whole batch.
     """
-    lm, obj, ref = _prepare(model, pairs, cfg)
+    lm, obj, pairs, extras = _prepare(model, pairs, cfg, group)
     totals = _global_totals(_batch_totals(pairs, cfg, obj), group)
     grads, all_stats = None, []
     for i, pair in enumerate(pairs):
         seg = _segment_size(cfg, pair)
 
         def loss_of(stats):
-            stats = _with_reference(stats, ref, i)
+            stats = _with_extras(stats, extras, i)
             one = {k: v[None] for k, v in stats.items()}
             terms, _ = obj.fn(one, cfg, *totals)
             return terms.sum(), stats
@@ -305,12 +309,12 @@ def _compiled_pair(lm, pair, cfg, obj, loss_of):
 
 def evaluate(model, pairs, cfg):
     """Loss and metrics of `cfg`'s objective without gradients."""
-    lm, obj, ref = _prepare(model, pairs, cfg)
+    lm, obj, pairs, extras = _prepare(model, pairs, cfg)
     all_stats = []
     with routed(model, _attention_block(cfg)):
         for i, pair in enumerate(pairs):
-            stats = _with_reference(
-                pair_stats(lm, pair, cfg, obj, stack=_forward_stack(lm, cfg)), ref, i)
+            stats = _with_extras(
+                pair_stats(lm, pair, cfg, obj, stack=_forward_stack(lm, cfg)), extras, i)
             mx.eval(stats)
             all_stats.append(stats)
     return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))
