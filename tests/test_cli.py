@@ -109,7 +109,45 @@ def test_bad_settings_are_named(tmp_path, capsys):
     assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--warmup", "5")) == 2
     assert "warmup must be in [0, iters=1)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train", "--objective", "kto"])
+        main(["train", "--objective", "kpo"])
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--objective", "dpo",
+                            "--loss-type", "kto")) == 2
+    assert "loss_type for dpo must be one of ['sigmoid'" in capsys.readouterr().err
+
+
+def test_objective_names_are_the_registry():
+    from flash_cce.cli import OBJECTIVE_NAMES
+    from flash_cce.losses import OBJECTIVES
+
+    assert set(OBJECTIVE_NAMES) == set(OBJECTIVES)
+
+
+def _trim(data_dir, n):
+    for path in data_dir.glob("*.jsonl"):
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:n]))
+    return data_dir
+
+
+def test_train_and_eval_kto_on_the_unpaired_demo_split(tmp_path, capsys):
+    model_dir, data_dir = tiny_setup(tmp_path)
+    unpaired = _trim(data_dir / "unpaired", 16)
+    run = tmp_path / "kto"
+    assert main(_train_argv(model_dir, unpaired, run, 2, "--objective", "kto",
+                            "--desirable-weight", "1.2")) == 0
+    records = read_metrics(run)
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in records:
+        assert {"loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                "logps/chosen", "logps/rejected"} <= set(r)
+        assert r["kl"] >= 0.0
+    assert "16 examples (8 desirable)" in capsys.readouterr().out
+    assert main(["eval", "--model", str(model_dir), "--adapter-path", str(run / "adapters"),
+                 "--data", str(unpaired), "--split", "valid", "--objective", "kto"]) == 0
+    assert "kl=" in capsys.readouterr().out
+    # Paired records are no KTO data: the file and line say so.
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "bad", 1, "--objective", "kto")) == 2
+    assert f"{data_dir / 'train.jsonl'}:1: a paired record" in capsys.readouterr().err
 
 
 class _Exec(Exception):

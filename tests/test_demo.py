@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from flash_cce.demo import DATA_DIR, MARKER, SPLITS, demo_records, demo_words, run_demo
+from flash_cce.demo import (DATA_DIR, MARKER, SPLITS, UNPAIRED_DIR, demo_records, demo_words, run_demo,
+                            unpaired_records)
 from flash_cce.tiny import build_tiny_model
 
 
@@ -13,6 +14,9 @@ def test_bundled_data_is_the_generator_output():
     for split, n in SPLITS.items():
         lines = (DATA_DIR / f"{split}.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in lines] == records[split] and len(lines) == n
+        lines = (UNPAIRED_DIR / f"{split}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == unpaired_records(records[split])
+        assert [r["label"] for r in map(json.loads, lines[:4])] == [True, False, True, False]
 
 
 def test_held_out_triples_are_unseen():

@@ -24,6 +24,11 @@ CONFIG_DEFAULTS = {
     "objective": "orpo",
     "beta": 0.1,
     "gamma": 0.5,
+    "loss_type": None,
+    "label_smoothing": 0.0,
+    "cpo_alpha": 1.0,
+    "desirable_weight": 1.0,
+    "undesirable_weight": 1.0,
     "nll_on_prompt": True,
     "prefix_sharing": True,
     "flash_head": True,
@@ -62,6 +67,10 @@ NESTED_FLAGS = {
     "quantize_bits": ("quantize", "bits"),
     "quantize_group_size": ("quantize", "group_size"),
 }
+
+
+# The objectives' names, as in flash_cce.losses (kept here so --help imports no MLX).
+OBJECTIVE_NAMES = ("orpo", "simpo", "orpo_margin", "dpo", "cpo", "kto", "sft")
 
 
 def _flag(p, name, **kw):
@@ -115,9 +124,15 @@ def _add_model_data_flags(p):
     p.add_argument("-c", "--config", default=None, help="YAML file with any of the settings below.")
     _flag(p, "model", help="Local mlx-lm model directory (or a Hugging Face id when online).")
     _flag(p, "data", help="Directory with train.jsonl, valid.jsonl (and test.jsonl) in TRL's preference format.")
-    _flag(p, "objective", choices=["orpo", "simpo", "orpo_margin", "dpo", "sft"])
-    _flag(p, "beta", type=float, help="Objective strength (ORPO's lambda, SimPO/DPO's beta).")
-    _flag(p, "gamma", type=float, help="Target margin of simpo / orpo_margin.")
+    _flag(p, "objective", choices=list(OBJECTIVE_NAMES),
+          help="kto reads unpaired data (prompt, completion, label); the others pairs.")
+    _flag(p, "beta", type=float, help="Objective strength (ORPO's lambda, SimPO/DPO/CPO/KTO's beta).")
+    _flag(p, "gamma", type=float, help="Target margin of simpo / orpo_margin / cpo's simpo loss.")
+    _flag(p, "loss_type", help="TRL's loss_type of dpo, cpo or kto (docs/objectives.md).")
+    _flag(p, "label_smoothing", type=float, help="Label noise of dpo's robust and cpo's sigmoid/simpo losses, in [0, 0.5).")
+    _flag(p, "cpo_alpha", type=float, help="Weight of cpo's chosen-response NLL.")
+    _flag(p, "desirable_weight", type=float, help="kto's weight of desirable examples.")
+    _flag(p, "undesirable_weight", type=float, help="kto's weight of undesirable examples.")
     _switch(p, "nll_on_prompt", "ORPO/SFT NLL over prompt and response (TRL's default) or the response only.")
     _switch(p, "prefix_sharing", "Encode each prompt once for both responses.")
     _switch(p, "flash_head", "Log-probs from the flash-CCE head (no [tokens, vocab] logits).")
@@ -212,6 +227,9 @@ def _objective(cfg):
     from .objectives import ObjectiveConfig
 
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"],
+                          loss_type=cfg["loss_type"], label_smoothing=cfg["label_smoothing"],
+                          cpo_alpha=cfg["cpo_alpha"], desirable_weight=cfg["desirable_weight"],
+                          undesirable_weight=cfg["undesirable_weight"],
                           nll_on_prompt=cfg["nll_on_prompt"], prefix_sharing=cfg["prefix_sharing"],
                           flash_head=cfg["flash_head"], segment_size=cfg["segment_size"],
                           compiled_layers=cfg["compiled_layers"], pad_to=_pad_to(cfg["pad_to"]),
@@ -237,7 +255,7 @@ def _load_data(cfg, tokenizer, splits, log):
         raise ValueError("data: give --data (a directory with train.jsonl and valid.jsonl)")
     data = load_splits(cfg["data"], tokenizer, splits, max_seq_length=cfg["max_seq_length"],
                        truncation=cfg["truncation"], chat_template=cfg["chat_template"],
-                       enable_thinking=cfg["enable_thinking"])
+                       enable_thinking=cfg["enable_thinking"], unpaired=cfg["objective"] == "kto")
     for name, (pairs, report) in data.items():
         log(format_summary(name, pairs, report))
     return {k: v[0] for k, v in data.items()}

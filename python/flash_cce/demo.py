@@ -20,6 +20,7 @@ OBJECTS = "ball cup hat box car kite book lamp sock bell".split()
 GLUE = "has a an . what color is the ?".split()
 SPLITS = {"train": 800, "valid": 100, "test": 100}
 DATA_DIR = Path(__file__).parent / "demo_data"
+UNPAIRED_DIR = DATA_DIR / "unpaired"  # the same pairs unpaired (TRL's format for KTO)
 MARKER = ".flash-cce-demo"
 
 # The base is random, so LoRA has no features to adapt: the demo trains the
@@ -64,13 +65,23 @@ def demo_records(seed=0):
     return out
 
 
+def unpaired_records(records):
+    """Each pair as two unpaired records: the chosen answer desirable, the
+    rejected one not (as TRL's unpair_preference_dataset)."""
+    return [dict(prompt=r["prompt"], completion=r[side], label=side == "chosen")
+            for r in records for side in ("chosen", "rejected")]
+
+
 def write_demo_data(path, seed=0):
+    """The demo's pairs in path/{split}.jsonl and unpaired in path/unpaired/."""
     import json
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    (path / "unpaired").mkdir(parents=True, exist_ok=True)
     for split, recs in demo_records(seed).items():
         (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (path / "unpaired" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in unpaired_records(recs)))
     return path
 
 

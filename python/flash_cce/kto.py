@@ -27,27 +27,29 @@ def mismatched(examples):
     return [e.as_pair(examples[i - 1].completion()) for i, e in enumerate(examples)]
 
 
-def _check(examples, vocab):
+def _check(examples, training):
     if not isinstance(examples, (list, tuple)) or not examples:
         raise ValueError("examples must be a non-empty list of flash_cce.batch.Example")
     for i, e in enumerate(examples):
         if not isinstance(e, Example):
             raise ValueError(f"examples[{i}] must be a flash_cce.batch.Example, got {type(e).__name__}")
         e.validate(f"examples[{i}]")
-    if len(examples) < 2:
+    if training and len(examples) < 2:
         raise ValueError("kto needs at least 2 examples per batch: the KL estimate pairs each "
                          "prompt with another example's completion")
 
 
-def prepare(lm, examples, cfg, group=None):
+def prepare(lm, examples, cfg, group=None, training=True):
     """(pairs, extras) for `objectives`: each example as a one-sided Pair, and
     per example its reference log-prob `ref_c`, `label` and the batch's `kl`.
 
-    With a distributed `group` the KL estimate is the mean over every rank's examples.
+    With a distributed `group` the KL estimate is the mean over every rank's
+    examples. A training batch needs two examples (a single one would be its own
+    mismatched pair); an evaluation batch, as TRL's last one, may have one.
     """
     from .objectives import _attention_block, _check as check_pairs, _forward_stack, pair_stats
 
-    _check(examples, lm.model.args.vocab_size)
+    _check(examples, training)
     pairs = [e.as_pair() for e in examples]
     kl_pairs = mismatched(examples)
     check_pairs(kl_pairs, cfg, lm.model.args.vocab_size)

@@ -187,7 +187,7 @@ def _reference(lm, pairs, cfg, obj):
     return out
 
 
-def _prepare(model, items, cfg, group=None):
+def _prepare(model, items, cfg, group=None, training=True):
     """(lm, objective, pairs, extras): `extras[i]` (or None) holds pair i's
     statistics that come from outside its own forward (reference log-probs, ...)."""
     cfg.validate()
@@ -196,7 +196,7 @@ def _prepare(model, items, cfg, group=None):
     if cfg.name == "kto":
         from .kto import prepare
 
-        pairs, extras = prepare(lm, items, cfg, group)
+        pairs, extras = prepare(lm, items, cfg, group, training)
         return lm, obj, pairs, extras
     _check(items, cfg, model.args.vocab_size)
     return lm, obj, items, _reference(lm, items, cfg, obj) if obj.reference else None
@@ -309,7 +309,7 @@ def _compiled_pair(lm, pair, cfg, obj, loss_of):
 
 def evaluate(model, pairs, cfg):
     """Loss and metrics of `cfg`'s objective without gradients."""
-    lm, obj, pairs, extras = _prepare(model, pairs, cfg)
+    lm, obj, pairs, extras = _prepare(model, pairs, cfg, training=False)
     all_stats = []
     with routed(model, _attention_block(cfg)):
         for i, pair in enumerate(pairs):
