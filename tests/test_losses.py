@@ -285,3 +285,15 @@ def test_kto_kl_carries_no_gradient():
 def test_bad_objective_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ObjectiveConfig(**kwargs).validate()
+
+
+@pytest.mark.parametrize("w", [0.0, 2.5])
+def test_pref_weight_scales_the_preference_term(w):
+    nll = FIXED["nll_sum"].sum() / FIXED["nll_n"].sum()
+    want_orpo, _ = trl_orpo(FIXED["c_sum"] / FIXED["c_n"], FIXED["r_sum"] / FIXED["r_n"], nll, 0.2)
+    got = losses.orpo(_stats(), ObjectiveConfig(name="orpo", beta=0.2, pref_weight=w))[0].sum()
+    _check(got, nll + w * (want_orpo - nll))
+    want_cpo, _ = trl_cpo("simpo", 0.4, 0.6, 0.3)
+    got = losses.cpo(_stats(), ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type="simpo",
+                                               cpo_alpha=0.6, pref_weight=w))[0].sum()
+    _check(got, 0.6 * nll + w * (want_cpo - 0.6 * nll))

@@ -29,6 +29,9 @@ CONFIG_DEFAULTS = {
     "cpo_alpha": 1.0,
     "desirable_weight": 1.0,
     "undesirable_weight": 1.0,
+    "pref_weight": 1.0,
+    "adaptive_weight": False,
+    "controller": {},
     "nll_on_prompt": True,
     "prefix_sharing": True,
     "flash_head": True,
@@ -66,6 +69,9 @@ NESTED_FLAGS = {
     "lora_dropout": ("lora_parameters", "dropout"),
     "quantize_bits": ("quantize", "bits"),
     "quantize_group_size": ("quantize", "group_size"),
+    **{f"controller_{k}": ("controller", k) for k in (
+        "law", "kp", "ki", "kd", "target", "tolerance", "target_steps", "min_weight",
+        "max_weight", "max_change")},
 }
 
 
@@ -166,6 +172,18 @@ def build_parser():
     _flag(t, "lora_dropout", type=float)
     _flag(t, "quantize_bits", type=int, help="Quantize a dense base to this many bits first (QLoRA).")
     _flag(t, "quantize_group_size", type=int)
+    _flag(t, "pref_weight", type=float, help="Weight of the preference term of orpo / orpo_margin / cpo (the controller's start).")
+    _switch(t, "adaptive_weight", "Adjust pref_weight each step to hold the chosen NLL near a target (see flash_cce.controller).")
+    _flag(t, "controller_law", choices=["p", "pd", "pid"])
+    for name, kind, text in (
+            ("kp", float, "Proportional gain (weight per nat of NLL error)."),
+            ("ki", float, "Integral gain."), ("kd", float, "Derivative gain."),
+            ("target", float, "NLL to hold (default: the initial NLL times 1 + tolerance)."),
+            ("tolerance", float, "Target above the initial NLL, as a fraction."),
+            ("target_steps", int, "Steps whose mean NLL is the initial NLL."),
+            ("min_weight", float, "Lowest preference weight."), ("max_weight", float, "Highest preference weight."),
+            ("max_change", float, "Most the weight moves in one step.")):
+        _flag(t, f"controller_{name}", type=kind, help=text)
     _flag(t, "learning_rate", type=float, help="Peak AdamW learning rate.")
     _flag(t, "min_learning_rate", type=float, help="Learning rate at the end of the cosine decay.")
     _flag(t, "lr_schedule", choices=["cosine", "constant"])
@@ -229,7 +247,7 @@ def _objective(cfg):
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"],
                           loss_type=cfg["loss_type"], label_smoothing=cfg["label_smoothing"],
                           cpo_alpha=cfg["cpo_alpha"], desirable_weight=cfg["desirable_weight"],
-                          undesirable_weight=cfg["undesirable_weight"],
+                          undesirable_weight=cfg["undesirable_weight"], pref_weight=cfg["pref_weight"],
                           nll_on_prompt=cfg["nll_on_prompt"], prefix_sharing=cfg["prefix_sharing"],
                           flash_head=cfg["flash_head"], segment_size=cfg["segment_size"],
                           compiled_layers=cfg["compiled_layers"], pad_to=_pad_to(cfg["pad_to"]),
@@ -271,6 +289,7 @@ def run_train(cfg, log=print, on_eval=None):
     import mlx.core as mx
     import mlx.optimizers as optim
 
+    from .controller import for_objective
     from .trainer import TrainingArgs, build_schedule, prepare_model, train, trainable_summary
 
     rank = mx.distributed.init().rank()
@@ -278,6 +297,7 @@ def run_train(cfg, log=print, on_eval=None):
         log = lambda *a, **k: None  # noqa: E731
     run_dir = Path(cfg["run_dir"])
     objective = _objective(cfg)
+    controller = for_objective(objective, cfg["controller"]) if cfg["adaptive_weight"] else None
     args = TrainingArgs(batch_size=cfg["batch_size"], iters=cfg["iters"],
                         grad_accumulation_steps=cfg["grad_accumulation_steps"],
                         max_grad_norm=cfg["max_grad_norm"], steps_per_eval=cfg["steps_per_eval"],
@@ -301,6 +321,7 @@ def run_train(cfg, log=print, on_eval=None):
         with open(run_dir / "config.yaml", "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=True)
     last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
+                 controller=controller,
                  run_dir=run_dir, adapter_config=cfg, resume=cfg["resume"], on_eval=on_eval, log=log)
     if cfg["test"] and splits.get("test"):
         from .trainer import evaluate_pairs

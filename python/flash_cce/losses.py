@@ -14,18 +14,21 @@ With `l_w = c_sum / c_n`, `l_l = r_sum / r_n` (length-normalised log-probs),
 `NLL = sum(nll_sum) / sum(nll_n)` (token mean over the batch, as TRL) and
 `mean` over the pairs:
 
-- orpo:        `NLL - beta * mean(logsigmoid(log_odds))`,
+- orpo:        `NLL - w * beta * mean(logsigmoid(log_odds))`,
                `log_odds = (l_w - l_l) - (log1mexp(l_w) - log1mexp(l_l))` (TRL's ORPOTrainer)
-- orpo_margin: `NLL - beta * mean(logsigmoid(log_odds - gamma))` (ORPO when gamma = 0)
+- orpo_margin: `NLL - w * beta * mean(logsigmoid(log_odds - gamma))` (ORPO when gamma = 0)
 - simpo:       `-mean(logsigmoid(beta * (l_w - l_l) - gamma))`
 - dpo:         by `loss_type` (TRL's DPOTrainer), on the log-ratios
                `c = c_sum - ref_c`, `r = r_sum - ref_r`; sigmoid:
                `-mean(logsigmoid(beta * (c - r)))` (docs/objectives.md lists the others)
-- cpo:         a reference-free `loss_type` plus `cpo_alpha * NLL` (TRL's CPOTrainer)
+- cpo:         `w` times a reference-free `loss_type` plus `cpo_alpha * NLL` (TRL's CPOTrainer)
 - kto:         unpaired examples, `1 - sigmoid(beta * (ratio - kl))` for desirable
                ones and `1 - sigmoid(beta * (kl - ratio))` for the others, weighted
                (TRL's KTOTrainer)
 - sft:         `NLL`
+
+`w` is `cfg.pref_weight` (1 in TRL), the preference weight that `controller`
+can adjust during training; `PREF_WEIGHTED` names the objectives that have one.
 
 Each returns `(terms, metrics)`: `terms[i]` is pair i's share of the loss, so the
 loss is `terms.sum()` and a batch can be differentiated one pair at a time when
@@ -71,7 +74,7 @@ def _odds_ratio(stats, cfg, n_pairs, nll_tokens, gamma):
     log_odds = (lw - ll) - (log1mexp(lw) - log1mexp(ll))
     ratio = nn.log_sigmoid(log_odds - gamma)
     nll = _nll(stats, nll_tokens)
-    terms = nll - cfg.beta * ratio / n
+    terms = nll - cfg.pref_weight * cfg.beta * ratio / n
     metrics = _reward_metrics(cfg.beta * lw, cfg.beta * ll)
     metrics.update({
         "logps/chosen": lw.mean(), "logps/rejected": ll.mean(), "nll_loss": nll.sum(),
@@ -167,7 +170,7 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     else:
         raise ValueError(f"loss_type for cpo must be one of {CPO_LOSS_TYPES}, got {kind!r}")
     nll = _nll(stats, nll_tokens)
-    terms = pref / n + cfg.cpo_alpha * nll
+    terms = cfg.pref_weight * pref / n + cfg.cpo_alpha * nll
     metrics = _reward_metrics(beta * lw, beta * ll)
     metrics.update({"logps/chosen": lw.mean(), "logps/rejected": ll.mean(), "nll_loss": nll.sum()})
     return terms, metrics
@@ -214,6 +217,7 @@ def sft(stats, cfg, n_pairs=None, nll_tokens=None):
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+PREF_WEIGHTED = ("orpo", "orpo_margin", "cpo")  # an NLL term and a weighted preference term
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,8 @@ def validate(cfg):
         raise ValueError(f"beta must be > 0 for {cfg.name}, got {cfg.beta}")
     if not 0 <= cfg.label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if not cfg.pref_weight >= 0:
+        raise ValueError(f"pref_weight must be >= 0, got {cfg.pref_weight}")
     if not cfg.cpo_alpha >= 0:
         raise ValueError(f"cpo_alpha must be >= 0, got {cfg.cpo_alpha}")
     for name in ("desirable_weight", "undesirable_weight"):

@@ -44,6 +44,7 @@ class ObjectiveConfig:
     loss_type: Optional[str] = None  # TRL's loss_type of dpo / cpo / kto; None: the default
     label_smoothing: float = 0.0  # DPO robust, CPO sigmoid/simpo
     cpo_alpha: float = 1.0  # weight of CPO's NLL term
+    pref_weight: float = 1.0  # weight of the preference term of orpo / orpo_margin / cpo
     desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable examples
     undesirable_weight: float = 1.0
     nll_on_prompt: bool = True  # ORPO/SFT NLL over prompt+response (TRL) or response only

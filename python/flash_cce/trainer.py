@@ -8,7 +8,7 @@ Shaped like mlx-lm's `tuner.trainer`: `TrainingArgs` holds the loop's settings a
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -173,13 +173,14 @@ def _progress(args, start, rank):
 
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
           adapter_config=None, resume=None, value_and_grad=objective_value_and_grad,
-          evaluate=objective_evaluate, on_eval=None, log=print):
+          evaluate=objective_evaluate, on_eval=None, log=print, controller=None):
     """Trains `model`'s trainable parameters on `train_pairs` (list of Pair).
 
     Writes run_dir/metrics.jsonl (a record per step and per evaluation) and
     checkpoints (see `checkpoint`) when `run_dir` is given. `resume` is a run or
     checkpoint directory to continue from exactly. `on_eval(record)` sees each
-    evaluation. Returns the last evaluation record (or None).
+    evaluation. `controller` (a `controller.Controller`) sets the objective's
+    preference weight each step. Returns the last evaluation record (or None).
     """
     args.validate()
     objective = objective or ObjectiveConfig()
@@ -206,6 +207,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         loaded.pop("training_args", None)
         state.update(loaded)
         checkpoint.set_rng_state(state.pop("rng"))
+        controller = _resumed_controller(state, controller)
         log(f"Resumed from {ckpt} at step {state['step']}")
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
@@ -229,6 +231,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         if not writer:
             return
         trainer_state = dict(state, rng=checkpoint.rng_state(), training_args=asdict(args))
+        if controller is not None:
+            trainer_state["controller"] = controller.state()
         checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
                                    adapter_config or {}, best=best, keep=args.keep_checkpoints)
 
@@ -250,6 +254,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             tic = time.perf_counter()
             mx.reset_peak_memory()
             grads, sums, tokens = None, {}, 0
+            if controller is not None:
+                objective = replace(objective, pref_weight=controller.weight)
             for _ in range(accum):
                 idx = batch_indices(len(train_pairs), args.batch_size, state["position"],
                                     args.seed, rank, size)
@@ -276,6 +282,9 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                           learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+            if controller is not None:
+                record["pref_weight"] = objective.pref_weight
+                controller.update(sums["nll_loss"])
             warning = canary.check(step, active)
             if warning:
                 record["memory_warning"] = warning
@@ -303,6 +312,20 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         if log_file is not None:
             log_file.close()
     return last_eval
+
+
+def _resumed_controller(state, controller):
+    """The controller as the checkpoint left it (None when it had none)."""
+    saved = state.pop("controller", None)
+    if controller is None or saved is None:
+        if (controller is None) != (saved is None):
+            raise ValueError("resume: the checkpoint was made "
+                             + ("with" if saved is not None else "without")
+                             + " an adaptive preference weight; resume it the same way")
+        return controller
+    from .controller import Controller
+
+    return Controller.from_state(saved)
 
 
 def _eval_line(r):
