@@ -129,7 +129,7 @@ def test_splits_and_summary(tok, tmp_path):
     stats = length_summary(splits["train"][0])
     assert stats["prompt"]["max"] == 7 and stats["pair"]["mean"] == 20.0  # BOS + 6 words; 2 x (7 + 3)
     assert "3 pairs" in format_summary("train", *splits["train"])
-    with pytest.raises(ValueError, match="data must be a directory"):
+    with pytest.raises(ValueError, match="data: .*missing. does not exist; give a directory"):
         load_splits(tmp_path / "missing", tok)
 
 

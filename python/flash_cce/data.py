@@ -93,20 +93,31 @@ def _common_prefix(a, b):
 
 
 def read_jsonl(path, check=check_record):
-    """The records of a JSONL file, each passed through `check(record, where)`;
-    DataError names the file and line of a bad one."""
+    """The records of a JSONL file (UTF-8, a leading BOM allowed), each passed
+    through `check(record, where)`; DataError names the file and line of a bad one."""
     path = Path(path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            records.append((check(rec, where), where))
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        where = f"{path}:{lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is 0x{line[e.start]:02x})") from None
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+        records.append((check(rec, where), where))
     return records
 
 
@@ -222,10 +233,10 @@ def _fit_example(example, max_len, mode):
     return None if fitted is None else Example(fitted.chosen, fitted.chosen_prompt_len, example.label)
 
 
-def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
-               chat_template="auto", enable_thinking=None, unpaired=False):
-    """(pairs, report) from a TRL preference JSONL file, or with `unpaired`
-    (examples, report) from a TRL unpaired one (prompt, completion, label).
+def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end",
+                   chat_template="auto", enable_thinking=None, unpaired=False):
+    """(pairs, report) from `read_jsonl`'s records, or with `unpaired`
+    (examples, report) from unpaired ones (prompt, completion, label).
 
     `report` counts the records read, truncated and dropped by `truncation`
     (one of TRUNCATION_MODES) at `max_seq_length` tokens per sequence.
@@ -236,7 +247,6 @@ def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
         raise ValueError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
     enc = Encoder(tokenizer, chat_template, enable_thinking)
     pairs, truncated, dropped = [], 0, 0
-    records = read_jsonl(path, check_unpaired_record if unpaired else check_record)
     for rec, where in records:
         pair = enc.encode_example(rec, where) if unpaired else enc.encode(rec, where)
         try:
@@ -252,17 +262,30 @@ def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
     return pairs, dict(records=len(records), truncated=truncated, dropped=dropped)
 
 
-def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), **kwargs):
-    """{split: (pairs, report)} for each `split`.jsonl present in `data_dir`
-    (`kwargs` go to `load_pairs`)."""
+def load_pairs(path, tokenizer, unpaired=False, **kwargs):
+    """(pairs, report) from a TRL preference JSONL file, or with `unpaired`
+    (examples, report) from a TRL unpaired one (see `encode_records`)."""
+    return encode_records(read_jsonl(path, _checker(unpaired)), tokenizer, unpaired=unpaired, **kwargs)
+
+
+def _checker(unpaired):
+    return check_unpaired_record if unpaired else check_record
+
+
+def read_splits(data_dir, splits=("train", "valid", "test"), unpaired=False):
+    """{split: records} for each `split`.jsonl present in `data_dir`."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise ValueError(f"data must be a directory with train.jsonl / valid.jsonl, got {str(data_dir)!r}")
-    return {
-        s: load_pairs(data_dir / f"{s}.jsonl", tokenizer, **kwargs)
-        for s in splits
-        if (data_dir / f"{s}.jsonl").exists()
-    }
+        what = "is a file" if data_dir.exists() else "does not exist"
+        raise DataError(f"data: {str(data_dir)!r} {what}; give a directory with train.jsonl and valid.jsonl")
+    return {s: read_jsonl(data_dir / f"{s}.jsonl", _checker(unpaired))
+            for s in splits if (data_dir / f"{s}.jsonl").is_file()}
+
+
+def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), unpaired=False, **kwargs):
+    """{split: (pairs, report)} for each `split`.jsonl present in `data_dir`."""
+    return {s: encode_records(recs, tokenizer, unpaired=unpaired, **kwargs)
+            for s, recs in read_splits(data_dir, splits, unpaired).items()}
 
 
 def _unpaired(items):

@@ -97,6 +97,8 @@ def _fresh_run_dir(run_dir):
 
 
 def _answers(model_dir, adapter_path, prompts):
+    """Greedy answers to plain-text prompts, as the string records were trained
+    (and as `mlx_lm.generate --ignore-chat-template` prompts)."""
     from mlx_lm import generate, load
 
     model, tok = load(str(model_dir), adapter_path=adapter_path and str(adapter_path))
@@ -106,17 +108,17 @@ def _answers(model_dir, adapter_path, prompts):
 def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     """Builds the tiny model, trains it on the bundled pairs, prints the held-out
     accuracy curve and before/after answers; returns the validation records."""
-    from .cli import resolve_config, run_train
     from .plot import plot_run
+    from .runner import resolve_config, run_train
     from .tiny import build_tiny_model
 
     tic = time.perf_counter()
     run_dir = _fresh_run_dir(run_dir)
     model_dir = build_tiny_model(run_dir / "base_model", demo_words(), seed=0)
-    cfg = resolve_config({}, base=dict(DEMO_CONFIG, model=str(model_dir), data=str(DATA_DIR),
-                                        run_dir=str(run_dir)))
+    cfg = dict(DEMO_CONFIG, model=str(model_dir), data=str(DATA_DIR), run_dir=str(run_dir))
     if iters is not None:
-        cfg["iters"] = iters
+        cfg.update(iters=iters, warmup=min(DEMO_CONFIG["warmup"], iters // 5))
+    cfg = resolve_config({}, base=cfg)
     tests = demo_records()["test"][:4]
     prompts = [r["prompt"] for r in tests]
     before = _answers(model_dir, None, prompts)
@@ -132,7 +134,8 @@ def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     for r, b, a in zip(tests, before, after):
         log(f"  {r['prompt']}\n      expected {r['chosen']!r:12} before {b!r:24} after {a!r}")
     log(f"\nRun directory {run_dir}: metrics.jsonl, {png.name}, adapters/, best/, checkpoints/")
+    # String records train as plain text, so the command skips the chat template.
     log(f"Try: mlx_lm.generate --model {model_dir} --adapter-path {run_dir / 'adapters'} "
-        f"--prompt \"{prompts[0]}\" --max-tokens 4")
+        f"--ignore-chat-template --prompt \"{prompts[0]}\" --max-tokens 4")
     log(f"Demo finished in {time.perf_counter() - tic:.1f} s")
     return evals
