@@ -16,7 +16,6 @@ import mlx.core as mx
 from . import losses
 from .attention import routed
 from .batch import Example
-from .lm import adapters_off
 
 # The objective whose statistics give a pair's two sides (c_sum, r_sum) without NLL.
 _PAIRED = losses.get("dpo")
@@ -47,27 +46,25 @@ def prepare(lm, examples, cfg, group=None, training=True):
     examples. A training batch needs two examples (a single one would be its own
     mismatched pair); an evaluation batch, as TRL's last one, may have one.
     """
-    from .objectives import _attention_block, _check as check_pairs, _forward_stack, pair_stats
+    from .objectives import _attention_block, _check as check_pairs, _forward_stack, _reference, pair_stats
 
     _check(examples, training)
     pairs = [e.as_pair() for e in examples]
     kl_pairs = mismatched(examples)
     check_pairs(kl_pairs, cfg, lm.model.args.vocab_size)
     obj = losses.get("kto")
+    ref = _reference(lm, kl_pairs, cfg, _PAIRED)
     with routed(lm.model, _attention_block(cfg)):
         stack = _forward_stack(lm, cfg)
-        with adapters_off(lm.model):
-            ref = [pair_stats(lm, p, cfg, _PAIRED, stack=stack) for p in kl_pairs]
-            mx.eval(ref)
         policy_kl = [pair_stats(lm, Example(p.rejected, p.rejected_prompt_len, True).as_pair(),
                                 cfg, obj, stack=stack)["c_sum"] for p in kl_pairs]
         mx.eval(policy_kl)
-    ratio = mx.stack([k - r["r_sum"] for k, r in zip(policy_kl, ref)])
+    ratio = mx.stack([k - r["ref_r"] for k, r in zip(policy_kl, ref)])
     total = mx.stack([ratio.sum(), mx.array(float(len(examples)))])
     if group is not None and group.size() > 1:
         total = mx.distributed.all_sum(total, group=group)
     kl = mx.maximum(total[0] / total[1], 0.0)
     mx.eval(kl)
-    extras = [{"ref_c": r["c_sum"], "label": mx.array(float(e.label)), "kl": kl}
+    extras = [{"ref_c": r["ref_c"], "label": mx.array(float(e.label)), "kl": kl}
               for r, e in zip(ref, examples)]
     return pairs, extras

@@ -61,6 +61,8 @@ class ObjectiveConfig:
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
     # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's
     attention_block: Optional[int] = None
+    # Where DPO's / KTO's reference log-probs come from (see `reference`); None: adapters off
+    reference: Optional[object] = None
 
     def validate(self):
         losses.validate(self)
@@ -178,14 +180,11 @@ def can_share(pair, cfg, obj):
 
 
 def _reference(lm, pairs, cfg, obj):
-    """DPO's reference log-probs: the same model with its adapters off, no gradient."""
-    out = []
-    with adapters_off(lm.model), routed(lm.model, _attention_block(cfg)):
-        for p in pairs:
-            s = pair_stats(lm, p, cfg, obj, stack=_forward_stack(lm, cfg))
-            mx.eval(s["c_sum"], s["r_sum"])
-            out.append({"ref_c": s["c_sum"], "ref_r": s["r_sum"]})
-    return out
+    """Reference log-probs of `pairs` from `cfg.reference` (default: the model
+    with its adapters off), without gradients."""
+    from .reference import AdaptersOff
+
+    return (cfg.reference or AdaptersOff()).stats(lm, pairs, cfg, obj)
 
 
 def _prepare(model, items, cfg, group=None, training=True):

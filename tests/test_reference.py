@@ -1,0 +1,77 @@
+"""Reference log-probs for DPO and KTO: a frozen model (full fine-tuning), a
+precomputed table, and the table's fingerprint."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from flash_cce import losses
+from flash_cce.lm import LM
+from flash_cce.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.reference import (AdaptersOff, FrozenModel, Precomputed, fingerprint, load_table,
+                                 pair_key, precompute, save_table)
+from models import tiny_model
+from test_objectives import _close, _grads_close, _pairs, _ref_stats, _ref_value_and_grad
+
+
+def _moved(model, seed=1):
+    """`model` with every weight moved a little: a policy some steps past its base."""
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: p + 0.02 * mx.random.normal(p.shape), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_frozen_model_is_the_reference_of_full_fine_tuning(loss_type):
+    policy = _moved(tiny_model("llama"))
+    base = tiny_model("llama")
+    pairs = _pairs(11)
+    cfg = ObjectiveConfig(name="dpo", beta=0.3, loss_type=loss_type, reference=FrozenModel(base))
+    loss, grads, metrics = value_and_grad(policy, pairs, cfg)
+    ref = {k: mx.stop_gradient(v) for k, v in _ref_stats(base, pairs).items()}
+    want_loss, want_grads = _ref_value_and_grad(policy, pairs, cfg, ref)
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+    assert abs(metrics["rewards/margins"].item()) > 1e-4  # the policy has moved from its reference
+    assert not tree_flatten(base.trainable_parameters())  # frozen
+
+
+def test_precomputed_table_equals_adapters_off():
+    model = tiny_model("qwen3", lora=True)
+    pairs = _pairs(12)
+    cfg = ObjectiveConfig(name="dpo", beta=0.2, loss_type="robust", label_smoothing=0.1)
+    table = precompute(AdaptersOff(), LM(model), pairs, cfg, losses.get("dpo"), log=lambda *a: None)
+    assert set(table) == {pair_key(p) for p in pairs}
+    live = value_and_grad(model, pairs, cfg)
+    stored = value_and_grad(model, pairs, ObjectiveConfig(**{**cfg.__dict__, "reference": Precomputed(table)}))
+    _close(stored[0], live[0])
+    _grads_close(stored[1], live[1])
+    other = _pairs(13)
+    with pytest.raises(ValueError, match=r"pairs\[0\] is not among the precomputed"):
+        value_and_grad(model, other, ObjectiveConfig(name="dpo", reference=Precomputed(table)))
+
+
+def test_fingerprint_follows_model_settings_and_tokens(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"\x00" * 100)
+    pairs = _pairs(14)
+    settings = {"reference": "adapters_off"}
+    base = fingerprint(model_dir, settings, pairs)
+    assert fingerprint(model_dir, settings, list(reversed(pairs))) == base  # order does not matter
+    changed = [pairs[0].__class__(pairs[0].chosen[:-1] + [1], *[getattr(pairs[0], k) for k in
+                                                                ("rejected", "chosen_prompt_len",
+                                                                 "rejected_prompt_len")])] + pairs[1:]
+    assert fingerprint(model_dir, settings, changed) != base
+    assert fingerprint(model_dir, {"reference": "model"}, pairs) != base
+    (model_dir / "model.safetensors").write_bytes(b"\x00" * 99 + b"\x01")
+    moved = fingerprint(model_dir, settings, pairs)
+    assert moved != base
+    table = {pair_key(p): (-1.5 * i, -2.25 * i) for i, p in enumerate(pairs)}
+    save_table(tmp_path / "t.npz", table, moved)
+    assert load_table(tmp_path / "t.npz", moved) == table
+    assert load_table(tmp_path / "t.npz", base) is None
+    assert load_table(tmp_path / "missing.npz", base) is None
