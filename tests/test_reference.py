@@ -75,3 +75,53 @@ def test_fingerprint_follows_model_settings_and_tokens(tmp_path):
     assert load_table(tmp_path / "t.npz", moved) == table
     assert load_table(tmp_path / "t.npz", base) is None
     assert load_table(tmp_path / "missing.npz", base) is None
+
+
+def test_full_fine_tuning_dpo_through_the_cli(tmp_path, capsys):
+    """dpo with fine_tune_type full: a frozen copy of the base is the reference;
+    with precompute_ref_log_probs a table of every pair, reused on resume."""
+    from flash_cce.cli import main
+    from flash_cce.reference import TABLE
+    from flash_cce.trainer import read_metrics
+    from test_cli import _train_argv
+    from test_trainer import tiny_setup
+
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=16, n_valid=4)
+    full = ("--objective", "dpo", "--fine-tune-type", "full", "--beta", "0.5")
+    live = tmp_path / "live"
+    assert main(_train_argv(model_dir, data_dir, live, 4, *full)) == 0
+    assert "Reference: the frozen model" in capsys.readouterr().out
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(_train_argv(model_dir, data_dir, straight, 4, *full, "--precompute-ref-log-probs")) == 0
+    assert "Reference log-probs of 20 pairs computed" in capsys.readouterr().out
+    assert main(_train_argv(model_dir, data_dir, cut, 2, *full, "--precompute-ref-log-probs")) == 0
+    table = (cut / TABLE).read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(cut), "--iters", "4"]) == 0
+    assert f"Reference log-probs of 20 pairs read from {cut / TABLE}" in capsys.readouterr().out
+    assert (cut / TABLE).read_bytes() == table
+
+    def trace(run):
+        return [(r["split"], r["step"], r["loss"], r["rewards/margins"]) for r in read_metrics(run)]
+
+    assert trace(cut) == trace(straight)
+    # The table holds what the live frozen model gives: the same run, within float32 rounding.
+    for a, b in zip(trace(live), trace(straight)):
+        assert a[:2] == b[:2] and abs(a[2] - b[2]) <= 1e-5 * max(1.0, abs(a[2]))
+    assert trace(live)[-1][3] != 0.0  # the policy left its reference
+
+
+def test_reference_settings_are_checked(tmp_path, capsys):
+    from flash_cce.cli import main
+    from test_cli import _train_argv
+    from test_trainer import tiny_setup
+
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=8, n_valid=4)
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--objective", "dpo",
+                            "--fine-tune-type", "full", "--reference", "adapters_off")) == 2
+    assert "reference: adapters_off needs fine_tune_type lora" in capsys.readouterr().err
+    assert main(_train_argv(model_dir, data_dir / "unpaired", tmp_path / "r", 1, "--objective", "kto",
+                            "--precompute-ref-log-probs")) == 2
+    assert "precompute_ref_log_probs: kto's mismatched pairs" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -61,6 +61,53 @@ def objective_config(cfg):
     return obj
 
 
+def reference_kind(cfg):
+    if cfg["reference"] != "auto":
+        return cfg["reference"]
+    return "adapters_off" if cfg["fine_tune_type"] == "lora" else "model"
+
+
+def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
+    """`objective` with the source of its reference log-probs (for dpo and kto);
+    with `pairs`, a precomputed table of theirs (kept in `run_dir`)."""
+    from dataclasses import replace
+
+    from . import reference
+    from .losses import get
+
+    if not get(objective.name).reference:
+        return objective
+    kind, ref_path = reference_kind(cfg), cfg["reference_model"] or cfg["model"]
+    if kind == "model":
+        from .trainer import quantize_model
+
+        ref_model, _ = load_model(dict(cfg, model=ref_path))
+        if cfg["reference_quantize"]:
+            quantize_model(ref_model, cfg["reference_quantize"])
+        source = reference.FrozenModel(ref_model)
+        log(f"Reference: the frozen model {ref_path}"
+            + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
+    else:
+        source = reference.AdaptersOff()
+    if pairs is None:
+        return replace(objective, reference=source)
+    import mlx.core as mx
+
+    from .lm import LM
+
+    settings_ = {"reference": kind, "quantize": cfg["reference_quantize"], "model": ref_path}
+    print_ = reference.fingerprint(ref_path, settings_, pairs)
+    path = Path(run_dir) / reference.TABLE
+    table = reference.load_table(path, print_)
+    if table is None:
+        table = reference.precompute(source, LM(model), pairs, objective, get(objective.name), log)
+        if mx.distributed.init().rank() == 0:
+            reference.save_table(path, table, print_)
+    else:
+        log(f"Reference log-probs of {len(table)} pairs read from {path}")
+    return replace(objective, reference=reference.Precomputed(table))
+
+
 def adaptive_weight(cfg, objective):
     """The controller of the preference weight, or None when adaptive_weight is off."""
     from .controller import for_objective
@@ -384,6 +431,8 @@ def run_train(cfg, log=print, on_eval=None):
             if resume is not None:
                 state = json.loads((Path(resume) / "trainer_state.json").read_text())
                 set_aside(run_dir, state["step"], state.get("best_step"), log)
+        pairs = [p for split in splits.values() for p in split] if cfg["precompute_ref_log_probs"] else None
+        objective = with_reference(cfg, objective, model, log, pairs, run_dir)
         with Stop(log) as stop:
             try:
                 last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
@@ -455,6 +504,7 @@ def run_eval(cfg, adapters, split, log=print):
             quantize_model(model, cfg["quantize"])
     except ValueError as e:
         raise RunError(str(e)) from None
+    objective = with_reference(cfg, objective, model, log)
     r = evaluate_pairs(model, pairs, objective, cfg["batch_size"])
     log(format_table(cfg, adapters, split, len(pairs), r))
     return r

@@ -159,6 +159,16 @@ SETTINGS = (
       commands=BOTH),
     S("pref_weight", "float", 1.0, "Weight of the preference term of orpo / orpo_margin / cpo "
       "(where the controller starts).", low=0, commands=BOTH),
+    S("reference", "str", "auto", "DPO/KTO's reference: the model with its LoRA adapters off, or a frozen "
+      "model (auto: adapters_off for lora, model for dora and full).",
+      choices=("auto", "adapters_off", "model"), commands=BOTH),
+    S("reference_model", "path", None, "The frozen reference model (null: the base model loaded again).",
+      optional=True, commands=BOTH),
+    S("reference_quantize", "table", None, "Quantize the frozen reference model (saves memory).",
+      fields=QUANTIZE_FIELDS, optional=True, flag=False, commands=BOTH),
+    S("precompute_ref_log_probs", "bool", False, "Compute the reference log-probs of all pairs once before "
+      "training, kept in the run directory (reference_logps.npz) and reused on resume; no reference model "
+      "in memory while training."),
     S("adaptive_weight", "bool", False, "Adjust pref_weight every step to hold the chosen NLL near a "
       "target (the controller table)."),
     S("controller", "table", {f.name: f.default for f in CONTROLLER_FIELDS},
@@ -225,6 +235,8 @@ NESTED_FLAGS = {
     "quantize_bits": ("quantize", "bits"),
     "quantize_group_size": ("quantize", "group_size"),
     **{f"controller_{f.name}": ("controller", f.name) for f in CONTROLLER_FIELDS},
+    "reference_quantize_bits": ("reference_quantize", "bits"),
+    "reference_quantize_group_size": ("reference_quantize", "group_size"),
 }
 
 
@@ -335,6 +347,12 @@ def _check_together(cfg):
         raise SettingsError(f"warmup: got {cfg['warmup']}; allowed: < iters ({cfg['iters']})")
     if cfg["quantize"] is not None and cfg["fine_tune_type"] == "full":
         raise SettingsError("quantize: a quantized base needs fine_tune_type lora or dora, not full")
+    if cfg["reference"] == "adapters_off" and cfg["fine_tune_type"] != "lora":
+        raise SettingsError(f"reference: adapters_off needs fine_tune_type lora (DoRA and full fine-tuning "
+                            f"cannot switch their changes off), got {cfg['fine_tune_type']}; use model")
+    if cfg["precompute_ref_log_probs"] and cfg["objective"] == "kto":
+        raise SettingsError("precompute_ref_log_probs: kto's mismatched pairs change with every batch; "
+                            "its reference runs live")
     if cfg["resume"] is not None and cfg["init_adapters"] is not None:
         raise SettingsError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
 
