@@ -47,12 +47,55 @@ def build_parser():
     p.add_argument("run_dir")
     p.add_argument("--output", default=None, help="PNG path (default RUN_DIR/plot.png).")
 
+    _add_spin(sub)
+
     d = sub.add_parser("demo", help="Train a tiny model offline and watch preference accuracy rise.",
                        formatter_class=fmt)
     d.add_argument("--run-dir", default="flash-cce-demo")
     d.add_argument("--iters", type=settings._flag_type(settings.BY_NAME["iters"]), default=None,
                    help="Optimizer steps (default: the demo's 150).")
     return parser
+
+
+def _add_spin(sub):
+    from .spin import SpinSettings
+
+    d = SpinSettings()
+    p = sub.add_parser("spin", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="Self-play pairs: single-answer data -> preference pairs whose rejected "
+                            "answer is the model's own generation.")
+    p.add_argument("--model", required=True, help="Local mlx-lm model directory (or a Hugging Face id when online).")
+    p.add_argument("--adapter-path", default=None, help="Adapters to generate with.")
+    p.add_argument("--data", required=True, help="JSONL with prompt and completion, or messages.")
+    p.add_argument("--out", required=True, help="Preference pairs JSONL to write (continued when interrupted).")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="Longest generation.")
+    p.add_argument("--temp", type=float, default=d.temp, help="Sampling temperature (0: greedy).")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="Nucleus sampling mass (1: off).")
+    p.add_argument("--min-p", type=float, default=d.min_p, help="Min-p sampling (0: off).")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="Top-k sampling (0: off).")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="Prompts generated together.")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--chat-template", type=settings._flag_type(settings.BY_NAME["chat_template"]),
+                   default=d.chat_template, help="As flash-cce train's chat_template.")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+
+
+def _spin(args, log=print):
+    from .runner import load_model
+    from .spin import SpinSettings, spin
+
+    s = SpinSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+                     top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
+                     chat_template=args.chat_template)
+    s.validate()
+    model, tokenizer = load_model({"model": args.model, "trust_remote_code": args.trust_remote_code})
+    if args.adapter_path:
+        from mlx_lm.tuner.utils import load_adapters
+
+        model = load_adapters(model, args.adapter_path)
+    model.eval()
+    spin(model, tokenizer, args.data, args.out, s, log=log, progress=args.progress)
 
 
 # MLX_MAX_MB_PER_BUFFER for training on NVIDIA GPUs: MLX frees a kernel's inputs
@@ -108,6 +151,8 @@ def _run(args):
         from .demo import run_demo
 
         run_demo(args.run_dir, iters=args.iters)
+    elif args.command == "spin":
+        _spin(args)
     elif args.command == "train":
         _train(args)
     else:
