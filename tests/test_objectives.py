@@ -200,26 +200,38 @@ def _completion_logps(model, seqs_and_plens):
     return mx.stack([_logps(model, s)[n - 1:].sum() for s, n in seqs_and_plens])
 
 
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_kto_matches_reference(loss_type):
+@pytest.mark.parametrize("loss_type, frozen", [("kto", False), ("apo_zero_unpaired", False),
+                                               ("kto", True)])
+def test_kto_matches_reference(loss_type, frozen):
     """KTO's loss and gradients against mlx-lm's logits: the reference is the
-    model without adapters, the KL estimate the mean log-ratio of each prompt
-    with the previous example's completion, clamped at 0, held constant."""
-    model = tiny_model("qwen3", lora=True)
+    model without adapters (or a frozen base for full fine-tuning), the KL
+    estimate the mean log-ratio of each prompt with the previous example's
+    completion, clamped at 0, held constant."""
+    from flash_cce.reference import FrozenModel
+    from mlx.utils import tree_map
+
     examples = _examples(10)
     cfg = ObjectiveConfig(name="kto", beta=0.4, loss_type=loss_type,
                           desirable_weight=1.3, undesirable_weight=0.8)
-    loss, grads, metrics = value_and_grad(model, examples, cfg)
     own = [(e.tokens, e.prompt_len) for e in examples]
     kl_seqs = [(e.tokens[:e.prompt_len] + examples[i - 1].tokens[examples[i - 1].prompt_len:],
                 e.prompt_len) for i, e in enumerate(examples)]
-    mods = lora_modules(model)
-    scales = [m.scale for m in mods]
-    for m in mods:
-        m.scale = 0.0
-    ref_own, ref_kl = _completion_logps(model, own), _completion_logps(model, kl_seqs)
-    for m, sc in zip(mods, scales):
-        m.scale = sc
+    if frozen:
+        base = tiny_model("qwen3")
+        model = tiny_model("qwen3")
+        model.update(tree_map(lambda p: p + 0.02 * mx.random.normal(p.shape), model.parameters()))
+        cfg.reference = FrozenModel(base)
+        ref_own, ref_kl = _completion_logps(base, own), _completion_logps(base, kl_seqs)
+    else:
+        model = tiny_model("qwen3", lora=True)
+        mods = lora_modules(model)
+        scales = [m.scale for m in mods]
+        for m in mods:
+            m.scale = 0.0
+        ref_own, ref_kl = _completion_logps(model, own), _completion_logps(model, kl_seqs)
+        for m, sc in zip(mods, scales):
+            m.scale = sc
+    loss, grads, metrics = value_and_grad(model, examples, cfg)
     kl = mx.maximum((_completion_logps(model, kl_seqs) - ref_kl).mean(), 0.0)
     label = mx.array([float(e.label) for e in examples])
 
