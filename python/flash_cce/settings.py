@@ -148,7 +148,7 @@ SETTINGS = (
       choices=("orpo", "simpo", "orpo_margin", "dpo", "cpo", "kto", "sft"), commands=BOTH),
     S("beta", "float", 0.1, "Objective strength (ORPO's lambda, SimPO/DPO/CPO/KTO's beta).", low=0, commands=BOTH),
     S("gamma", "float", 0.5, "Target margin of simpo / orpo_margin / cpo's simpo loss.", low=0, commands=BOTH),
-    S("loss_type", "str", None, "TRL's loss_type of dpo, cpo or kto (null: sigmoid, sigmoid, kto).",
+    S("loss_type", "str", None, "TRL's loss_type of dpo, cpo or kto (null: sigmoid for dpo and cpo, kto for kto).",
       choices=tuple(dict.fromkeys(LOSS_TYPES)), optional=True, commands=BOTH),
     S("label_smoothing", "float", 0.0, "Label noise of dpo's robust and cpo's sigmoid/simpo losses.",
       low=0, high=0.5, high_open=True, commands=BOTH),
