@@ -102,6 +102,20 @@ def _flat(cfg):
     return out
 
 
+def _fixed_changes(saved, cfg):
+    """[(key, saved value, new value)] of the settings a resumed run may not change."""
+    out = []
+    for s in settings.SETTINGS:
+        was, now = saved[s.name], cfg[s.name]
+        if s.resume != "fixed" or was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            out += [(f"{s.name}.{k}", was[k], now[k]) for k in was if was[k] != now[k]]
+        else:
+            out.append((s.name, was, now))
+    return out
+
+
 def train_settings(flags, config_path=None):
     """Checked settings of `flash-cce train`; with `resume`, the run's own
     config.yaml under `flags` and `config_path`, whose "fixed" settings must agree."""
@@ -130,14 +144,11 @@ def train_settings(flags, config_path=None):
         raise RunError(f"run_dir: a resumed run continues in its own directory {run_dir}, not {given}")
     cfg = _absolute(dict(cfg, run_dir=str(run_dir), resume=str(ckpt), init_adapters=init))
     saved = _absolute(dict(saved, init_adapters=init))
-    fixed = {s.name for s in settings.SETTINGS if s.resume == "fixed"}
-    old, new = _flat(saved), _flat(cfg)
-    for key in old:
-        if key.split(".")[0] in fixed and old[key] != new[key]:
-            raise RunError(
-                f"resume: {key} may not change when resuming (the run: {settings._show(old[key])}, now: "
-                f"{settings._show(new[key])}); it shapes the weights, the data or the optimizer. "
-                f"Start a new run from these weights with --init-adapters {ckpt}")
+    for key, was, now in _fixed_changes(saved, cfg):
+        raise RunError(
+            f"resume: {key} may not change when resuming (the run: {settings._show(was)}, now: "
+            f"{settings._show(now)}); it shapes the weights, the data or the optimizer. "
+            f"Start a new run from these weights with --init-adapters {ckpt}")
     return cfg
 
 
@@ -326,11 +337,12 @@ def run_train(cfg, log=print, on_eval=None):
     args = training_args(cfg, progress=rank == 0)
     schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
                               cfg["min_learning_rate"])
-    check_writable(run_dir)
-    if resume is None and has_checkpoints(run_dir):
-        raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
-                       f"--resume {run_dir}, or pick a new --run-dir")
-    check_lock(run_dir)
+    if rank == 0:  # the writer; other ranks would see its lock
+        check_writable(run_dir)
+        if resume is None and has_checkpoints(run_dir):
+            raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
+                           f"--resume {run_dir}, or pick a new --run-dir")
+        check_lock(run_dir)
     check_model(cfg["model"])
     records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
     check_capture(cfg["gpu_capture"])

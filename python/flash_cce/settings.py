@@ -71,6 +71,8 @@ class Setting:
 
 
 def _show(v):
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -372,15 +374,6 @@ def resolve(flags, config_path=None, base=None):
         elif k in BY_NAME:
             cfg[k] = v
     return check(cfg)
-
-
-def changed(saved, new, names=None):
-    """[(key, saved value, new value)] of the "fixed" settings that differ."""
-    out = []
-    for s in SETTINGS:
-        if s.resume == "fixed" and (names is None or s.name in names) and saved.get(s.name) != new.get(s.name):
-            out.append((s.name, saved.get(s.name), new.get(s.name)))
-    return out
 
 
 # ---- flags ----------------------------------------------------------------
