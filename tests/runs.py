@@ -35,7 +35,7 @@ def one_line_error(proc, *needles, rc=2):
     err = proc.stderr.strip()
     assert proc.returncode == rc, (proc.returncode, proc.stdout[-1000:], err[-2000:])
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith("flash-cce "), err
+    assert err.startswith("flash-cce") and ": error: " in err, err
     for n in needles:
         assert n in err, (n, err)
     return err

@@ -391,3 +391,48 @@ def test_version_and_help_with_defaults():
     text = " ".join(ok(flash_cce("train", "-h")).stdout.split())
     assert "Peak AdamW learning rate. Allowed: a number > 0. (default: 1e-05)" in text
     assert "--lora-rank RANK lora_parameters.rank: LoRA rank. Allowed: an integer >= 1. (default: 8)" in text
+
+
+# kill -9 at random points of real runs: resuming gives the uninterrupted run.
+KILL_ITERS = 12
+
+
+def _kill_argv(model_dir, data_dir, run):
+    return train_argv(model_dir, data_dir, run, KILL_ITERS, "--save-every", "1", "--steps-per-eval", "4",
+                      "--grad-accumulation-steps", "2")
+
+
+@pytest.fixture(scope="module")
+def straight(env):
+    tmp, model_dir, data_dir, _ = env
+    run = tmp / "straight"
+    ok(flash_cce(*_kill_argv(model_dir, data_dir, run)))
+    return run
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(env, straight, tmp_path, seed):
+    import random
+
+    _, model_dir, data_dir, _ = env
+    rng = random.Random(seed)
+    run = tmp_path / "killed"
+    kills = []
+    for _ in range(2):
+        argv = ["train", "--resume", run] if (run / "adapters").exists() else _kill_argv(model_dir, data_dir, run)
+        proc = subprocess.Popen([sys.executable, "-m", "flash_cce.cli", *map(str, argv)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        metrics_file = run / "metrics.jsonl"
+        while proc.poll() is None and not (metrics_file.exists() and metrics_file.stat().st_size):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.4))
+        proc.kill()
+        _, err = proc.communicate()
+        assert "Traceback" not in err, err
+        kills.append(proc.returncode)
+    argv = ["train", "--resume", run] if (run / "adapters").exists() else _kill_argv(model_dir, data_dir, run)
+    ok(flash_cce(*argv))
+    assert metrics(run) == metrics(straight)
+    assert same_weights(run / "adapters", straight / "adapters")
+    assert same_weights(run / "best", straight / "best")
+    assert kills.count(-signal.SIGKILL) >= 1  # at least one kill landed before the run's end

@@ -155,8 +155,9 @@ def train_settings(flags, config_path=None):
 # ---- checks before writing ------------------------------------------------
 
 
-def check_model(ref):
-    """RunError unless `ref` is a model directory (or looks like a hub id)."""
+def check_model(ref, num_layers=None):
+    """RunError unless `ref` is a model directory (or looks like a hub id) with
+    at least `num_layers` blocks."""
     if ref is None:
         raise RunError("model: give --model (a local mlx-lm model directory or a Hugging Face id)")
     p = Path(ref).expanduser()
@@ -167,6 +168,14 @@ def check_model(ref):
             raise RunError(f"model: {ref!r} has no config.json; it is not an mlx-lm model directory")
         if not any(p.glob("*.safetensors")):
             raise RunError(f"model: {ref!r} has no *.safetensors weights")
+        try:
+            config = json.loads((p / "config.json").read_text())
+        except (ValueError, OSError) as e:
+            raise RunError(f"model: cannot read {p / 'config.json'}: {e}") from None
+        blocks = config.get("num_hidden_layers") if isinstance(config, dict) else None
+        if isinstance(blocks, int) and num_layers is not None and num_layers > blocks:
+            raise RunError(f"num_layers: got {num_layers}; allowed: -1 or 1 to {blocks} "
+                           f"(the model has {blocks} blocks)")
         return
     if not HUB_ID.match(ref) or ref.startswith((".", "~")):
         raise RunError(f"model: no such directory {ref!r}")
@@ -324,29 +333,30 @@ def run_train(cfg, log=print, on_eval=None):
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from .checkpoint import load_adapters, read_adapters, check_adapter_shapes
+    from .checkpoint import Interrupted, check_adapter_shapes, load_adapters, read_adapters
     from .rundir import set_aside
-    from .trainer import Interrupted, build_schedule, prepare_model, train, trainable_summary
 
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731
     run_dir = Path(cfg["run_dir"])
     resume = cfg["resume"]
-    objective = objective_config(cfg)
-    args = training_args(cfg, progress=rank == 0)
-    schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
-                              cfg["min_learning_rate"])
     if rank == 0:  # the writer; other ranks would see its lock
         check_writable(run_dir)
         if resume is None and has_checkpoints(run_dir):
             raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
                            f"--resume {run_dir}, or pick a new --run-dir")
         check_lock(run_dir)
-    check_model(cfg["model"])
+    check_model(cfg["model"], cfg["num_layers"])
     records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
     check_capture(cfg["gpu_capture"])
     check_init_adapters(cfg)
+    from .trainer import build_schedule, prepare_model, train, trainable_summary
+
+    objective = objective_config(cfg)
+    args = training_args(cfg, progress=rank == 0)
+    schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
+                              cfg["min_learning_rate"])
 
     log(f"Loading model {cfg['model']}")
     model, tokenizer = load_model(cfg)

@@ -383,6 +383,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors; `-1e-3` is a value, not an option."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a misspelt flag is an error, not a prefix
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
