@@ -2,6 +2,7 @@
 repros of "a user's run is never lost, corrupted or silently wrong", item by item."""
 
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -123,8 +124,15 @@ def test_yaml_numbers_are_floats_and_partial_lora_is_completed(env, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("learning_rate: 1e-4\nmin_learning_rate: 1e-5\nlora_parameters: {rank: 4}\n")
     run = tmp_path / "r"
-    ok(flash_cce("train", "-c", cfg, "--model", model_dir, "--data", data_dir, "--run-dir", run,
-                 "--iters", "2", "--num-layers", "-1", "--no-progress"))
+    proc = ok(flash_cce("train", "-c", cfg, "--model", model_dir, "--data", data_dir, "--run-dir", run,
+                        "--iters", "2", "--num-layers", "-1", "--no-progress"))
+    # The command it prints works as printed.
+    (cmd,) = [line.split("Try: ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("Try: ")]
+    argv = shlex.split(cmd)
+    assert argv[0] == "mlx_lm.generate" and "--ignore-chat-template" in argv  # string records: plain text
+    script = shutil.which(argv[0]) or str(Path(sys.executable).parent / argv[0])
+    gen = subprocess.run([script, *argv[1:], "--max-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and "==========" in gen.stdout, gen.stderr[-2000:]
     saved = json.loads((run / "adapters" / "adapter_config.json").read_text())
     assert saved["learning_rate"] == 1e-4 and isinstance(saved["learning_rate"], float)
     assert saved["lora_parameters"] == {"rank": 4, "scale": 20.0, "dropout": 0.0, "keys": None}

@@ -327,7 +327,7 @@ def generate_hint(cfg, run_dir, records):
     return cmd
 
 
-def run_train(cfg, log=print, on_eval=None):
+def run_train(cfg, log=print, on_eval=None, hint=True):
     """Trains with checked settings `cfg` (see `train_settings`); returns (run_dir, last validation record).
     Raises RunError (and nothing is written) when the run cannot start."""
     import mlx.core as mx
@@ -412,7 +412,8 @@ def run_train(cfg, log=print, on_eval=None):
         lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
-    log(f"Try: {generate_hint(cfg, run_dir, records['train'])}")
+    if hint:
+        log(f"Try: {generate_hint(cfg, run_dir, records['train'])}")
     return run_dir, last
 
 
