@@ -1,6 +1,11 @@
 """The demo: its bundled data, its deterministic tiny model, and that it learns."""
 
 import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +58,18 @@ def test_demo_learns_the_preference(tmp_path):
                  "adapters/adapter_config.json", "best/adapters.safetensors", MARKER):
         assert (run / name).exists(), name
     text = "\n".join(lines)
-    assert "before" in text and "after" in text and "mlx_lm.generate" in text
+    assert "before" in text and "after" in text
+    # The printed command answers as the demo's own greedy answer after training:
+    # the color the prompt states.
+    (cmd,) = [line.split("Try: ", 1)[1] for line in text.splitlines() if line.startswith("Try: ")]
+    argv = shlex.split(cmd)
+    script = shutil.which(argv[0]) or str(Path(sys.executable).parent / argv[0])
+    proc = subprocess.run([script, *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = proc.stdout.split("==========")[1].strip()
+    first = demo_records()["test"][0]
+    assert f'"{first["prompt"]}"' in cmd
+    assert answer.split()[0] == first["chosen"].split()[0], (answer, first)
     # A rerun replaces its own directory but refuses anyone else's.
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("x")

@@ -27,6 +27,14 @@ OPTIMIZER = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 
 
+class Interrupted(Exception):
+    """Training stopped on request after `step`, whose checkpoint `ckpt` was written."""
+
+    def __init__(self, step, ckpt):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.ckpt = step, ckpt
+
+
 def _fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:

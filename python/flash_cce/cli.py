@@ -165,7 +165,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.command in ("train", "eval"):
         _restart_with_graph_limit(argv)
-    from .trainer import Interrupted
+    from .checkpoint import Interrupted
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,9 +48,12 @@ def check_writable(run_dir):
         probe = probe.parent
     if not probe.is_dir():
         raise RunDirError(f"run_dir: cannot create {str(run_dir)!r}: {str(probe)!r} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == run_dir else f"cannot be created ({str(probe)!r} is not writable)"
-        raise RunDirError(f"run_dir: {str(run_dir)!r} {what}")
+    try:  # a real write: permissions, read-only mounts, pseudo file systems, a full disk
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        what = "is not writable" if probe == run_dir else f"cannot be created in {str(probe)!r}"
+        raise RunDirError(f"run_dir: {str(run_dir)!r} {what} ({e.strerror})") from None
 
 
 def _pid_alive(pid):

@@ -158,6 +158,20 @@ def _flat(cfg):
     return out
 
 
+def _fixed_changes(saved, cfg):
+    """[(key, saved value, new value)] of the settings a resumed run may not change."""
+    out = []
+    for s in settings.SETTINGS:
+        was, now = saved[s.name], cfg[s.name]
+        if s.resume != "fixed" or was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            out += [(f"{s.name}.{k}", was[k], now[k]) for k in was if was[k] != now[k]]
+        else:
+            out.append((s.name, was, now))
+    return out
+
+
 def train_settings(flags, config_path=None):
     """Checked settings of `flash-cce train`; with `resume`, the run's own
     config.yaml under `flags` and `config_path`, whose "fixed" settings must agree."""
@@ -186,22 +200,20 @@ def train_settings(flags, config_path=None):
         raise RunError(f"run_dir: a resumed run continues in its own directory {run_dir}, not {given}")
     cfg = _absolute(dict(cfg, run_dir=str(run_dir), resume=str(ckpt), init_adapters=init))
     saved = _absolute(dict(saved, init_adapters=init))
-    fixed = {s.name for s in settings.SETTINGS if s.resume == "fixed"}
-    old, new = _flat(saved), _flat(cfg)
-    for key in old:
-        if key.split(".")[0] in fixed and old[key] != new[key]:
-            raise RunError(
-                f"resume: {key} may not change when resuming (the run: {settings._show(old[key])}, now: "
-                f"{settings._show(new[key])}); it shapes the weights, the data or the optimizer. "
-                f"Start a new run from these weights with --init-adapters {ckpt}")
+    for key, was, now in _fixed_changes(saved, cfg):
+        raise RunError(
+            f"resume: {key} may not change when resuming (the run: {settings._show(was)}, now: "
+            f"{settings._show(now)}); it shapes the weights, the data or the optimizer. "
+            f"Start a new run from these weights with --init-adapters {ckpt}")
     return cfg
 
 
 # ---- checks before writing ------------------------------------------------
 
 
-def check_model(ref):
-    """RunError unless `ref` is a model directory (or looks like a hub id)."""
+def check_model(ref, num_layers=None):
+    """RunError unless `ref` is a model directory (or looks like a hub id) with
+    at least `num_layers` blocks."""
     if ref is None:
         raise RunError("model: give --model (a local mlx-lm model directory or a Hugging Face id)")
     p = Path(ref).expanduser()
@@ -212,6 +224,14 @@ def check_model(ref):
             raise RunError(f"model: {ref!r} has no config.json; it is not an mlx-lm model directory")
         if not any(p.glob("*.safetensors")):
             raise RunError(f"model: {ref!r} has no *.safetensors weights")
+        try:
+            config = json.loads((p / "config.json").read_text())
+        except (ValueError, OSError) as e:
+            raise RunError(f"model: cannot read {p / 'config.json'}: {e}") from None
+        blocks = config.get("num_hidden_layers") if isinstance(config, dict) else None
+        if isinstance(blocks, int) and num_layers is not None and num_layers > blocks:
+            raise RunError(f"num_layers: got {num_layers}; allowed: -1 or 1 to {blocks} "
+                           f"(the model has {blocks} blocks)")
         return
     if not HUB_ID.match(ref) or ref.startswith((".", "~")):
         raise RunError(f"model: no such directory {ref!r}")
@@ -364,35 +384,37 @@ def generate_hint(cfg, run_dir, records):
     return cmd
 
 
-def run_train(cfg, log=print, on_eval=None):
+def run_train(cfg, log=print, on_eval=None, hint=True):
     """Trains with checked settings `cfg` (see `train_settings`); returns (run_dir, last validation record).
     Raises RunError (and nothing is written) when the run cannot start."""
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from .checkpoint import load_adapters, read_adapters, check_adapter_shapes
+    from .checkpoint import Interrupted, check_adapter_shapes, load_adapters, read_adapters
     from .rundir import set_aside
-    from .trainer import Interrupted, build_schedule, prepare_model, train, trainable_summary
 
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731
     run_dir = Path(cfg["run_dir"])
     resume = cfg["resume"]
+    if rank == 0:  # the writer; other ranks would see its lock
+        check_writable(run_dir)
+        if resume is None and has_checkpoints(run_dir):
+            raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
+                           f"--resume {run_dir}, or pick a new --run-dir")
+        check_lock(run_dir)
+    check_model(cfg["model"], cfg["num_layers"])
+    records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
+    check_capture(cfg["gpu_capture"])
+    check_init_adapters(cfg)
+    from .trainer import build_schedule, prepare_model, train, trainable_summary
+
     objective = objective_config(cfg)
     controller = adaptive_weight(cfg, objective)
     args = training_args(cfg, progress=rank == 0)
     schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
                               cfg["min_learning_rate"])
-    check_writable(run_dir)
-    if resume is None and has_checkpoints(run_dir):
-        raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
-                       f"--resume {run_dir}, or pick a new --run-dir")
-    check_lock(run_dir)
-    check_model(cfg["model"])
-    records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
-    check_capture(cfg["gpu_capture"])
-    check_init_adapters(cfg)
 
     log(f"Loading model {cfg['model']}")
     model, tokenizer = load_model(cfg)
@@ -450,7 +472,8 @@ def run_train(cfg, log=print, on_eval=None):
         lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
-    log(f"Try: {generate_hint(cfg, run_dir, records['train'])}")
+    if hint:
+        log(f"Try: {generate_hint(cfg, run_dir, records['train'])}")
     return run_dir, last
 
 

@@ -71,6 +71,8 @@ class Setting:
 
 
 def _show(v):
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -426,15 +428,6 @@ def resolve(flags, config_path=None, base=None):
     return check(cfg)
 
 
-def changed(saved, new, names=None):
-    """[(key, saved value, new value)] of the "fixed" settings that differ."""
-    out = []
-    for s in SETTINGS:
-        if s.resume == "fixed" and (names is None or s.name in names) and saved.get(s.name) != new.get(s.name):
-            out.append((s.name, saved.get(s.name), new.get(s.name)))
-    return out
-
-
 # ---- flags ----------------------------------------------------------------
 
 
@@ -442,6 +435,7 @@ class Parser(argparse.ArgumentParser):
     """argparse with one-line errors; `-1e-3` is a value, not an option."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # a misspelt flag is an error, not a prefix
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 

@@ -18,6 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint, settings
+from .checkpoint import Interrupted  # noqa: F401 (raised here, caught by the CLI)
 from .objectives import ObjectiveConfig
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
@@ -45,14 +46,6 @@ class TrainingArgs:
         for f in fields(self):
             if f.name in settings.BY_NAME:
                 settings.check_value(settings.BY_NAME[f.name], getattr(self, f.name))
-
-
-class Interrupted(Exception):
-    """Training stopped on request after `step`, whose checkpoint was written."""
-
-    def __init__(self, step, ckpt):
-        super().__init__(f"interrupted after step {step}")
-        self.step, self.ckpt = step, ckpt
 
 
 def build_schedule(learning_rate, iters, warmup=0, schedule="cosine", min_learning_rate=0.0):
