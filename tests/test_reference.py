@@ -23,10 +23,14 @@ def _moved(model, seed=1):
     return model
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_frozen_model_is_the_reference_of_full_fine_tuning(loss_type):
+@pytest.mark.parametrize("loss_type, quantized", [("sigmoid", False), ("ipo", False), ("sigmoid", True)])
+def test_frozen_model_is_the_reference_of_full_fine_tuning(loss_type, quantized):
+    from flash_cce.trainer import quantize_model
+
     policy = _moved(tiny_model("llama"))
     base = tiny_model("llama")
+    if quantized:  # a 4-bit reference: its own log-probs, whatever they lose to rounding
+        quantize_model(base, {"bits": 4, "group_size": 32})
     pairs = _pairs(11)
     cfg = ObjectiveConfig(name="dpo", beta=0.3, loss_type=loss_type, reference=FrozenModel(base))
     loss, grads, metrics = value_and_grad(policy, pairs, cfg)
@@ -110,6 +114,19 @@ def test_full_fine_tuning_dpo_through_the_cli(tmp_path, capsys):
     for a, b in zip(trace(live), trace(straight)):
         assert a[:2] == b[:2] and abs(a[2] - b[2]) <= 1e-5 * max(1.0, abs(a[2]))
     assert trace(live)[-1][3] != 0.0  # the policy left its reference
+    # eval of the full run: the trained weights against the base, as in training.
+    capsys.readouterr()
+    assert main(["eval", "--adapter-path", str(straight / "adapters"), "--split", "valid"]) == 0
+    out = capsys.readouterr().out
+    assert "Reference: the frozen model" in out
+    last_valid = [r for r in read_metrics(straight) if r["split"] == "valid"][-1]
+    shown = dict(line.split()[:2] for line in out.splitlines() if line.startswith(("loss ", "rewards/margins ")))
+    assert float(shown["loss"]) == pytest.approx(last_valid["loss"], abs=1e-4)  # 4 decimals shown
+    assert float(shown["rewards/margins"]) == pytest.approx(last_valid["rewards/margins"], abs=1e-4)
+    # A 4-bit reference.
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "q", 1, *full,
+                            "--reference-quantize-bits", "4", "--reference-quantize-group-size", "32")) == 0
+    assert "(4-bit)" in capsys.readouterr().out
 
 
 def test_reference_settings_are_checked(tmp_path, capsys):
