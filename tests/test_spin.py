@@ -48,8 +48,17 @@ def test_greedy_pairs_hold_the_models_own_answers(tiny, tmp_path):
     shutil.copy(out, out.parent / "valid.jsonl")
     run = tmp_path / "run"
     assert main(["train", "--model", str(tiny), "--data", str(out.parent), "--run-dir", str(run),
-                 "--iters", "1", "--batch-size", "2", "--num-layers", "-1", "--no-progress"]) == 0
-    assert [r["step"] for r in read_metrics(run) if r["split"] == "train"] == [1]
+                 "--iters", "3", "--batch-size", "2", "--num-layers", "-1", "--no-progress",
+                 "--learning-rate", "0.05", "--lr-schedule", "constant"]) == 0
+    assert [r["step"] for r in read_metrics(run) if r["split"] == "train"] == [1, 2, 3]
+    # Generating with the run's adapters: mlx-lm's answers with the same adapters.
+    again = tmp_path / "again.jsonl"
+    assert _spin(tiny, tmp_path / "sft.jsonl", again, "--temp", "0", "--adapter-path",
+                 str(run / "adapters")) == 0
+    tuned, _ = load(str(tiny), adapter_path=str(run / "adapters"))
+    tuned_answers = [json.loads(line)["rejected"] for line in again.read_text().splitlines()]
+    assert tuned_answers == [generate(tuned, tok, r["prompt"], max_tokens=5, verbose=False) for r in recs]
+    assert tuned_answers != [p["rejected"] for p in pairs]  # the adapters changed the answers
 
 
 def test_interrupted_run_continues_to_the_same_file(tiny, tmp_path):
