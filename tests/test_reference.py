@@ -2,7 +2,6 @@
 precomputed table, and the table's fingerprint."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 

@@ -26,7 +26,7 @@ from .attention import DEFAULT_BLOCK, routed
 from .batch import Pair
 from .head import linear_logprobs
 from .layers import training_layers
-from .lm import LM, adapters_off
+from .lm import LM
 from .prefix import sequence_hidden
 
 # Tokens per pair (chosen + rejected) from which the default checkpoints the
