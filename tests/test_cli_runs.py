@@ -255,7 +255,8 @@ def test_utf8_bom_is_accepted(env, tmp_path):
 
 
 # 7. Interrupts and environment errors.
-def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path, signum):
     _, model_dir, data_dir, ref = env
     run = tmp_path / "r"
     argv = train_argv(model_dir, data_dir, run, 6, "--keep-checkpoints", "5", "--save-every", "100")
@@ -265,12 +266,12 @@ def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path
         if (run / "metrics.jsonl").exists() and '"split": "train"' in (run / "metrics.jsonl").read_text():
             break
         time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.fail("the run finished before the signal; it must take longer than this wait")
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "SIGINT: stopping after this step" in out
+    assert f"{signal.Signals(signum).name}: stopping after this step" in out
     line = err.strip().splitlines()[-1]
     assert line.startswith("flash-cce train: interrupted after step ") and f"--resume {run}" in line
     step = int(line.split("after step ")[1].split(";")[0])
