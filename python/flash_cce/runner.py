@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import settings
 from .checkpoint import ADAPTER_CONFIG, find_checkpoint, run_dir_of
-from .rundir import CONFIG, Lock, RunDirError, check_lock, check_writable, has_checkpoints
+from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time.
@@ -346,6 +346,10 @@ def run_train(cfg, log=print, on_eval=None, hint=True):
         if resume is None and has_checkpoints(run_dir):
             raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
                            f"--resume {run_dir}, or pick a new --run-dir")
+        foreign = foreign_files(run_dir) if resume is None else []
+        if foreign:
+            raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
+                           f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
         check_lock(run_dir)
     check_model(cfg["model"], cfg["num_layers"])
     records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
