@@ -50,7 +50,7 @@ def build_parser():
     d = sub.add_parser("demo", help="Train a tiny model offline and watch preference accuracy rise.",
                        formatter_class=fmt)
     d.add_argument("--run-dir", default="flash-cce-demo")
-    d.add_argument("--iters", type=settings._flag_type(settings.BY_NAME["iters"]), default=None,
+    d.add_argument("--iters", type=settings.flag_type(settings.BY_NAME["iters"]), default=None,
                    help="Optimizer steps (default: the demo's 150).")
     return parser
 

@@ -146,8 +146,8 @@ def train_settings(flags, config_path=None):
     saved = _absolute(dict(saved, init_adapters=init))
     for key, was, now in _fixed_changes(saved, cfg):
         raise RunError(
-            f"resume: {key} may not change when resuming (the run: {settings._show(was)}, now: "
-            f"{settings._show(now)}); it shapes the weights, the data or the optimizer. "
+            f"resume: {key} may not change when resuming (the run: {settings.show(was)}, now: "
+            f"{settings.show(now)}); it shapes the weights, the data or the optimizer. "
             f"Start a new run from these weights with --init-adapters {ckpt}")
     return cfg
 
@@ -277,8 +277,8 @@ def check_init_adapters(cfg):
     mine, theirs = _flat(cfg), _flat(theirs)
     for k in keys:
         if k in theirs and mine[k] != theirs[k]:
-            raise RunError(f"init_adapters: the adapters have {k} {settings._show(theirs[k])}, this run "
-                           f"{settings._show(mine[k])}; set {k} to match them")
+            raise RunError(f"init_adapters: the adapters have {k} {settings.show(theirs[k])}, this run "
+                           f"{settings.show(mine[k])}; set {k} to match them")
 
 
 class Stop:
