@@ -255,7 +255,8 @@ def test_utf8_bom_is_accepted(env, tmp_path):
 
 
 # 7. Interrupts and environment errors.
-def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path, signum):
     _, model_dir, data_dir, ref = env
     run = tmp_path / "r"
     argv = train_argv(model_dir, data_dir, run, 6, "--keep-checkpoints", "5", "--save-every", "100")
@@ -265,12 +266,12 @@ def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path
         if (run / "metrics.jsonl").exists() and '"split": "train"' in (run / "metrics.jsonl").read_text():
             break
         time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
         pytest.fail("the run finished before the signal; it must take longer than this wait")
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "SIGINT: stopping after this step" in out
+    assert f"{signal.Signals(signum).name}: stopping after this step" in out
     line = err.strip().splitlines()[-1]
     assert line.startswith("flash-cce train: interrupted after step ") and f"--resume {run}" in line
     step = int(line.split("after step ")[1].split(";")[0])
@@ -301,6 +302,10 @@ def test_environment_errors_are_one_line(env, tmp_path):
     base = ["train", "--model", model_dir, "--data", data_dir, "--run-dir", tmp_path / "r", "--no-progress"]
     for flags, message in cases:
         one_line_error(flash_cce(*base, *flags, env={"HF_HUB_OFFLINE": "1"}), message)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    one_line_error(flash_cce(*base, "--run-dir", tmp_path / "mine"), "holds files a run does not write (notes.txt)")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
     if Path("/proc/self").exists():  # writes fail there even for root
         one_line_error(flash_cce(*base, "--run-dir", "/proc/flash-cce-run"), "cannot be created in '/proc'")
     assert not (tmp_path / "r").exists()
@@ -444,3 +449,42 @@ def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(env, st
     assert same_weights(run / "adapters", straight / "adapters")
     assert same_weights(run / "best", straight / "best")
     assert kills.count(-signal.SIGKILL) >= 1  # at least one kill landed before the run's end
+
+
+def test_unwritable_run_dir_and_full_disk_are_one_line(env, tmp_path, monkeypatch, capsys):
+    """In this process (the same `main`): a run directory where writes fail (a
+    read-only one; as root only a stand-in shows it) and a disk that fills up
+    while a checkpoint is written."""
+    import errno
+    import tempfile
+
+    from flash_cce import checkpoint
+    from flash_cce.cli import main
+
+    _, model_dir, data_dir, _ = env
+    argv = [str(a) for a in train_argv(model_dir, data_dir, tmp_path / "r", 4)]
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "TemporaryFile", refuse)
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("cannot be created in " + repr(str(tmp_path)) + " (Permission denied)") and "\n" not in err
+    assert not (tmp_path / "r").exists()
+
+    real = checkpoint.write_adapters
+
+    def fill_up(path, *a):
+        if "step-0000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "write_adapters", fill_up)
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flash-cce train: error: file: ") and err.endswith(": no space left on the device")
+    assert (tmp_path / "r" / "adapters").resolve().name == "step-0000002"  # the last whole checkpoint
+    assert not (tmp_path / "r" / "run.lock").exists()

@@ -48,7 +48,7 @@ def test_every_setting_has_a_flag_or_a_nested_flag_and_help_shows_its_default():
     for s in settings.SETTINGS:
         if s.flag:
             assert s.name in dests, s.name
-            assert f"(default: {settings._show(s.default)})" in dests[s.name].help
+            assert f"(default: {settings.show(s.default)})" in dests[s.name].help
     for flag, (table, _) in settings.NESTED_FLAGS.items():
         assert flag in dests and table in settings.BY_NAME
 

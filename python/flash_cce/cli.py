@@ -52,7 +52,7 @@ def build_parser():
     d = sub.add_parser("demo", help="Train a tiny model offline and watch preference accuracy rise.",
                        formatter_class=fmt)
     d.add_argument("--run-dir", default="flash-cce-demo")
-    d.add_argument("--iters", type=settings._flag_type(settings.BY_NAME["iters"]), default=None,
+    d.add_argument("--iters", type=settings.flag_type(settings.BY_NAME["iters"]), default=None,
                    help="Optimizer steps (default: the demo's 150).")
     return parser
 
@@ -117,6 +117,17 @@ def _restart_with_graph_limit(argv):
     os.execv(sys.executable, [sys.executable, "-m", "flash_cce.cli", *argv])
 
 
+def _restart_with_capture_enabled(argv):
+    """Runs this command again with MTL_CAPTURE_ENABLED=1 (Metal reads it when MLX
+    opens the device, at import) on a Metal device; elsewhere validation says why not."""
+    import mlx.core as mx
+
+    if os.environ.get("MTL_CAPTURE_ENABLED") == "1" or not mx.metal.is_available():
+        return
+    os.environ["MTL_CAPTURE_ENABLED"] = "1"
+    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.cli", *argv])
+
+
 def _settings_flags(args):
     return {k: v for k, v in vars(args).items()
             if k not in ("command", "config", "run", "adapter_path", "split")}
@@ -125,8 +136,6 @@ def _settings_flags(args):
 def _train(args, log=print):
     from .runner import run_train, train_settings
 
-    if args.gpu_capture:
-        os.environ.setdefault("MTL_CAPTURE_ENABLED", "1")  # Metal reads it when MLX opens the device
     cfg = train_settings(_settings_flags(args), args.config)
     tic = time.perf_counter()
     run_train(cfg, log=log)
@@ -165,6 +174,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.command in ("train", "eval"):
         _restart_with_graph_limit(argv)
+    if args.command == "train" and args.gpu_capture:
+        _restart_with_capture_enabled(argv)
     from .checkpoint import Interrupted
 
     previous = signal.signal(signal.SIGTERM, _terminate)

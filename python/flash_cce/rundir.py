@@ -32,6 +32,18 @@ def checkpoints(run_dir):
     return out
 
 
+RUN_FILES = {CONFIG, METRICS, LOCK, SUPERSEDED, "checkpoints", "adapters", "best", "plot.png",
+             CONFIG + ".tmp", METRICS + ".tmp"}
+
+
+def foreign_files(run_dir):
+    """Names in `run_dir` that a run does not write (a fresh run will not mix with them)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES and not p.name.startswith("."))
+
+
 def has_checkpoints(run_dir):
     return any((Path(run_dir) / "checkpoints").glob("step-*"))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import settings
 from .checkpoint import ADAPTER_CONFIG, find_checkpoint, run_dir_of
-from .rundir import CONFIG, Lock, RunDirError, check_lock, check_writable, has_checkpoints
+from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time.
@@ -202,8 +202,8 @@ def train_settings(flags, config_path=None):
     saved = _absolute(dict(saved, init_adapters=init))
     for key, was, now in _fixed_changes(saved, cfg):
         raise RunError(
-            f"resume: {key} may not change when resuming (the run: {settings._show(was)}, now: "
-            f"{settings._show(now)}); it shapes the weights, the data or the optimizer. "
+            f"resume: {key} may not change when resuming (the run: {settings.show(was)}, now: "
+            f"{settings.show(now)}); it shapes the weights, the data or the optimizer. "
             f"Start a new run from these weights with --init-adapters {ckpt}")
     return cfg
 
@@ -334,8 +334,8 @@ def check_init_adapters(cfg):
     mine, theirs = _flat(cfg), _flat(theirs)
     for k in keys:
         if k in theirs and mine[k] != theirs[k]:
-            raise RunError(f"init_adapters: the adapters have {k} {settings._show(theirs[k])}, this run "
-                           f"{settings._show(mine[k])}; set {k} to match them")
+            raise RunError(f"init_adapters: the adapters have {k} {settings.show(theirs[k])}, this run "
+                           f"{settings.show(mine[k])}; set {k} to match them")
 
 
 class Stop:
@@ -403,6 +403,10 @@ def run_train(cfg, log=print, on_eval=None, hint=True):
         if resume is None and has_checkpoints(run_dir):
             raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
                            f"--resume {run_dir}, or pick a new --run-dir")
+        foreign = foreign_files(run_dir) if resume is None else []
+        if foreign:
+            raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
+                           f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
         check_lock(run_dir)
     check_model(cfg["model"], cfg["num_layers"])
     records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))

@@ -49,20 +49,20 @@ class Setting:
             return "a mapping with keys " + ", ".join(f.name for f in self.fields) + (
                 " (or null)" if self.optional else "")
         if self.choices is not None:
-            text = "one of " + ", ".join(_show(c) for c in self.choices)
+            text = "one of " + ", ".join(show(c) for c in self.choices)
         else:
             text = {"int": "an integer", "float": "a number", "bool": "true or false",
                     "str": "a string", "path": "a path", "str_list": "a list of strings",
                     "auto_int": "auto or an integer", "auto_bool": "auto, true or false"}[self.kind]
             bounds = []
             if self.low is not None:
-                bounds.append(("> " if self.low_open else ">= ") + _show(self.low))
+                bounds.append(("> " if self.low_open else ">= ") + show(self.low))
             if self.high is not None:
-                bounds.append(("< " if self.high_open else "<= ") + _show(self.high))
+                bounds.append(("< " if self.high_open else "<= ") + show(self.high))
             if bounds:
                 text += " " + " and ".join(bounds)
             if self.special:
-                text += " or " + ", ".join(_show(s) for s in self.special)
+                text += " or " + ", ".join(show(s) for s in self.special)
         return text + (" or null" if self.optional and self.kind != "table" else "")
 
     @property
@@ -70,9 +70,9 @@ class Setting:
         return "--" + self.name.replace("_", "-")
 
 
-def _show(v):
+def show(v):
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k}: {show(x)}" for k, x in v.items()) + "}"
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -264,7 +264,7 @@ def _describe(value):
     if isinstance(value, (dict, list)):
         text = repr(value)
         return (text if len(text) <= 60 else text[:57] + "...") + f" (a {'mapping' if isinstance(value, dict) else 'list'})"
-    return _show(value)
+    return show(value)
 
 
 def check_value(setting, value, key=None):
@@ -443,7 +443,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
-def _flag_type(setting):
+def flag_type(setting):
     kind = setting.kind
 
     def parse(text):
@@ -477,7 +477,7 @@ def _help(setting, default=None):
     text = setting.help
     if setting.kind not in ("bool", "path"):
         text += f" Allowed: {setting.allowed()}."
-    return text + f" (default: {_show(default)})"
+    return text + f" (default: {show(default)})"
 
 
 def add_flags(parser, command):
@@ -485,20 +485,17 @@ def add_flags(parser, command):
     for s in SETTINGS:
         if command not in s.commands or not s.flag:
             continue
-        if s.kind == "bool" and not s.optional:
-            parser.add_argument(s.flag_name, dest=s.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=_help(s))
-        elif s.kind == "bool":
+        if s.kind == "bool":
             parser.add_argument(s.flag_name, dest=s.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=_help(s))
         else:
-            parser.add_argument(s.flag_name, dest=s.name, default=None, type=_flag_type(s),
+            parser.add_argument(s.flag_name, dest=s.name, default=None, type=flag_type(s),
                                 metavar=s.name.upper(), help=_help(s))
     if command == "train":
         for flag, (table, name) in NESTED_FLAGS.items():
             field = next(f for f in BY_NAME[table].fields if f.name == name)
             parser.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
-                                type=_flag_type(field), metavar=name.upper(),
+                                type=flag_type(field), metavar=name.upper(),
                                 help=f"{table}.{name}: {_help(field)}")
 
 
@@ -516,10 +513,10 @@ def reference_markdown():
     rows = ["| setting | default | allowed | on resume | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
         default = s.default if not isinstance(s.default, dict) else ", ".join(
-            f"{k}: {_show(v)}" for k, v in s.default.items())
-        rows.append(f"| `{s.name}` | {_show(default)} | {s.allowed()} | "
+            f"{k}: {show(v)}" for k, v in s.default.items())
+        rows.append(f"| `{s.name}` | {show(default)} | {s.allowed()} | "
                     f"{'may change' if s.resume == 'free' else 'fixed'} | {s.help} |")
         for f in s.fields:
-            rows.append(f"| `{s.name}.{f.name}` | {_show(f.default)} | {f.allowed()} | "
+            rows.append(f"| `{s.name}.{f.name}` | {show(f.default)} | {f.allowed()} | "
                         f"{'may change' if s.resume == 'free' else 'fixed'} | {f.help} |")
     return "\n".join(rows)

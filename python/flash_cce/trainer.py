@@ -311,6 +311,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                     elif rank == 0:
                         log(_eval_line(last_eval))
             stop = should_stop is not None and should_stop()
+            if should_stop is not None and size > 1:  # every rank stops after the same step
+                stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
             if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
                 ckpt = save(step, best=is_best)
             if stop and step < args.iters:
