@@ -75,7 +75,7 @@ def _add_spin(sub):
     p.add_argument("--top-k", type=int, default=d.top_k, help="Top-k sampling (0: off).")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="Prompts generated together.")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--chat-template", type=settings._flag_type(settings.BY_NAME["chat_template"]),
+    p.add_argument("--chat-template", type=settings.flag_type(settings.BY_NAME["chat_template"]),
                    default=d.chat_template, help="As flash-cce train's chat_template.")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
