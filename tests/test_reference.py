@@ -1,6 +1,8 @@
 """Reference log-probs for DPO and KTO: a frozen model (full fine-tuning), a
 precomputed table, and the table's fingerprint."""
 
+import shutil
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_map
@@ -141,3 +143,20 @@ def test_reference_settings_are_checked(tmp_path, capsys):
                             "--precompute-ref-log-probs")) == 2
     assert "precompute_ref_log_probs: kto's mismatched pairs" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_fresh_run_accepts_a_directory_holding_only_its_reference_table(tmp_path):
+    """A run stopped after the precompute, before its first checkpoint, starts again."""
+    from flash_cce.cli import main
+    from flash_cce.reference import TABLE
+    from test_cli import _train_argv
+    from test_trainer import tiny_setup
+
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=8, n_valid=4)
+    run = tmp_path / "run"
+    argv = _train_argv(model_dir, data_dir, run, 1, "--objective", "dpo", "--precompute-ref-log-probs")
+    assert main(argv) == 0
+    for p in run.iterdir():
+        if p.name != TABLE:
+            p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)
+    assert main(argv) == 0

@@ -33,7 +33,8 @@ def checkpoints(run_dir):
 
 
 RUN_FILES = {CONFIG, METRICS, LOCK, SUPERSEDED, "checkpoints", "adapters", "best", "plot.png",
-             CONFIG + ".tmp", METRICS + ".tmp"}
+             CONFIG + ".tmp", METRICS + ".tmp",
+             "reference_logps.npz", "reference_logps.npz.tmp.npz"}  # reference.TABLE
 
 
 def foreign_files(run_dir):
