@@ -100,7 +100,8 @@ def _train(args, log=print):
 
 
 def _eval(args, log=print):
-    from .runner import RunError, eval_settings, run_eval
+    from .evaluation import eval_settings, run_eval
+    from .preflight import RunError
 
     if args.run and args.adapter_path and args.run != args.adapter_path:
         raise RunError("adapter_path: give the run either as RUN or as --adapter-path, not both")
