@@ -82,7 +82,7 @@ def _add_spin(sub):
 
 
 def _spin(args, log=print):
-    from .runner import load_model
+    from .preflight import load_model
     from .spin import SpinSettings, spin
 
     s = SpinSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
@@ -133,17 +133,20 @@ def _settings_flags(args):
             if k not in ("command", "config", "run", "adapter_path", "split")}
 
 
-def _train(args, log=print):
+def _train(args, argv, log=print):
     from .runner import run_train, train_settings
 
     cfg = train_settings(_settings_flags(args), args.config)
+    if cfg["gpu_capture"]:  # from a flag or the YAML file
+        _restart_with_capture_enabled(argv)
     tic = time.perf_counter()
     run_train(cfg, log=log)
     log(f"Done in {time.perf_counter() - tic:.1f} s")
 
 
 def _eval(args, log=print):
-    from .runner import RunError, eval_settings, run_eval
+    from .evaluation import eval_settings, run_eval
+    from .preflight import RunError
 
     if args.run and args.adapter_path and args.run != args.adapter_path:
         raise RunError("adapter_path: give the run either as RUN or as --adapter-path, not both")
@@ -151,7 +154,7 @@ def _eval(args, log=print):
     run_eval(cfg, adapters, args.split, log=log)
 
 
-def _run(args):
+def _run(args, argv):
     if args.command == "plot":
         from .plot import plot_run
 
@@ -163,7 +166,7 @@ def _run(args):
     elif args.command == "spin":
         _spin(args)
     elif args.command == "train":
-        _train(args)
+        _train(args, argv)
     else:
         _eval(args)
 
@@ -174,13 +177,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.command in ("train", "eval"):
         _restart_with_graph_limit(argv)
-    if args.command == "train" and args.gpu_capture:
-        _restart_with_capture_enabled(argv)
     from .checkpoint import Interrupted
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        _run(args)
+        _run(args, argv)
         return 0
     except Interrupted as e:
         print(f"flash-cce {args.command}: interrupted after step {e.step}; checkpoint {e.ckpt}. "

@@ -123,3 +123,8 @@ def for_objective(objective, settings=None):
     if unknown:
         raise ValueError(f"controller: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     return Controller(ControllerConfig(**settings), objective.pref_weight)
+
+
+def for_settings(cfg, objective):
+    """The controller that the settings `cfg` ask for (adaptive_weight), or None."""
+    return for_objective(objective, cfg["controller"]) if cfg["adaptive_weight"] else None

@@ -124,7 +124,7 @@ def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     before = _answers(model_dir, None, prompts)
 
     evals = []
-    run_train(cfg, log=log, on_eval=evals.append, hint=False)
+    run_train(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,))
     after = _answers(model_dir, run_dir / "adapters", prompts)
     png = plot_run(run_dir)
 

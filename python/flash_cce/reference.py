@@ -130,3 +130,47 @@ def load_table(path, print_):
         if str(f["fingerprint"]) != print_:
             return None
         return {str(k): (float(v[0]), float(v[1])) for k, v in zip(f["keys"], f["values"])}
+
+
+def _kind(cfg):
+    if cfg["reference"] != "auto":
+        return cfg["reference"]
+    return "adapters_off" if cfg["fine_tune_type"] == "lora" else "model"
+
+
+def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
+    """`objective` with the source of its reference log-probs as the settings
+    `cfg` ask (for dpo and kto); with `pairs`, a precomputed table of theirs,
+    kept in `run_dir`."""
+    from dataclasses import replace
+
+    from .losses import get
+
+    if not get(objective.name).reference:
+        return objective
+    kind, ref_path = _kind(cfg), cfg["reference_model"] or cfg["model"]
+    if kind == "model":
+        from .preflight import load_model
+        from .trainer import quantize_model
+
+        ref_model, _ = load_model(dict(cfg, model=ref_path))
+        if cfg["reference_quantize"]:
+            quantize_model(ref_model, cfg["reference_quantize"])
+        source = FrozenModel(ref_model)
+        log(f"Reference: the frozen model {ref_path}"
+            + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
+    else:
+        source = AdaptersOff()
+    if pairs is None:
+        return replace(objective, reference=source)
+    print_ = fingerprint(ref_path, {"reference": kind, "quantize": cfg["reference_quantize"],
+                                    "model": ref_path}, pairs)
+    path = Path(run_dir) / TABLE
+    table = load_table(path, print_)
+    if table is None:
+        table = precompute(source, LM(model), pairs, objective, get(objective.name), log)
+        if mx.distributed.init().rank() == 0:
+            save_table(path, table, print_)
+    else:
+        log(f"Reference log-probs of {len(table)} pairs read from {path}")
+    return replace(objective, reference=Precomputed(table))
