@@ -3,7 +3,10 @@
 # PYTHONPATH, then runs the requested stages on the GPU:
 #   test      GPU-vs-CPU parity tests (tests/test_gpu_*.py)
 #   select K  the parity tests whose names match pytest's -k expression K
-#   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu
+#   ptx F     the parity tests with the kernels of fatbin F (e.g. one holding
+#             only PTX), the loaded image and its kernels in the log
+#   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu, in
+#             FLASH_CCE_SUITE_WORKERS parallel processes (pytest-xdist; default 12)
 #   sanitize  compute-sanitizer memcheck and racecheck on a small shape
 #   bench ARGS...  bench/bench_head.py ARGS (must come last)
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
@@ -22,12 +25,14 @@ extra=()
 if [ -n "${FLASH_CCE_PREBUILT_FATBIN:-}" ]; then
   extra+=("-DFLASH_CCE_PREBUILT_FATBIN=$FLASH_CCE_PREBUILT_FATBIN")
 fi
+build_start=$SECONDS
 if ! { cmake -S . -B build/gpu -G Ninja -DFLASH_CCE_CUDA=ON \
         -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=${FLASH_CCE_BUILD_TYPE:-Release} "${extra[@]}" &&
       cmake --build build/gpu -j; } >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   exit 1
 fi
+echo "build: $((SECONDS - build_start)) s"
 cp build/gpu/_ext*.so build/gpu/csrc/cuda/flash_cce_kernels.fatbin python/flash_cce/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >"$out/gpu.txt" 2>&1
@@ -43,8 +48,15 @@ while [ $# -gt 0 ]; do
       timeout ${FLASH_CCE_TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/test_gpu_head.py -k "$1" 2>&1 |
         tee "$out/select_gpu.log" | tail -15 || status=1
       shift ;;
+    ptx)
+      FLASH_CCE_FATBIN="$(realpath "$1")" timeout 150 python3 -m pytest -q -rA tests/test_gpu_head.py 2>&1 |
+        tee "$out/ptx_gpu.log" | grep -E "flash_cce CUDA kernels|passed|failed|error" | tail -5 || status=1
+      shift ;;
     suite)
-      FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q -rfE tests 2>&1 | tee "$out/suite_gpu.log" | tail -40 || status=1 ;;
+      start=$SECONDS
+      FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q -rfE \
+        -n "${FLASH_CCE_SUITE_WORKERS:-12}" --durations=25 tests 2>&1 | tee "$out/suite_gpu.log" | tail -45 || status=1
+      echo "suite: $((SECONDS - start)) s" ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/sanitize_head.py \

@@ -22,6 +22,16 @@ if DEVICE == "gpu":
     # 1000 MB of arrays by default: the memory tests would measure that batching, not the
     # algorithms. 1 MB closes graphs about as often as the CPU backend frees.
     os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1")
+    # MLX caches the kernels it JIT-compiles on disk and writes an entry in
+    # place: parallel workers (pytest-xdist, `-n N`) keep a cache each, so
+    # that none reads another's half-written entry.
+    _worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if _worker:
+        import tempfile
+
+        os.environ.setdefault(
+            "MLX_PTX_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"mlx-ptx-{_worker}")
+        )
 
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
