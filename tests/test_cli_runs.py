@@ -488,3 +488,15 @@ def test_unwritable_run_dir_and_full_disk_are_one_line(env, tmp_path, monkeypatc
     assert err.startswith("flash-cce train: error: file: ") and err.endswith(": no space left on the device")
     assert (tmp_path / "r" / "adapters").resolve().name == "step-0000002"  # the last whole checkpoint
     assert not (tmp_path / "r" / "run.lock").exists()
+
+
+def test_without_the_train_extra_the_cli_says_what_to_install():
+    script = (
+        "import importlib.util, sys\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n in ('mlx_lm', 'yaml') else real(n, *a)\n"
+        "from flash_cce.cli import main\n"
+        "sys.exit(main(['train', '--model', 'm']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    one_line_error(proc, "needs the train extra (mlx_lm, yaml missing): pip install 'mlx-flash-cce[train]'")

@@ -6,6 +6,7 @@ are one line on stderr with exit status 2; an interrupted run exits with 130.
 """
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -171,10 +172,17 @@ def _run(args, argv):
         _eval(args)
 
 
+TRAIN_EXTRA = ("mlx_lm", "yaml", "tqdm", "tokenizers")
+
+
 def main(argv=None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    missing = [m for m in TRAIN_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        return _error(args.command, f"needs the train extra ({', '.join(missing)} missing): "
+                                    "pip install 'mlx-flash-cce[train]'")
     if args.command in ("train", "eval"):
         _restart_with_graph_limit(argv)
     from .checkpoint import Interrupted

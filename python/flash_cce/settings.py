@@ -10,12 +10,11 @@ the weights, the data or the optimizer's state).
 
 import argparse
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
 from typing import Optional
-
-import yaml
 
 
 class SettingsError(ValueError):
@@ -362,26 +361,33 @@ def _check_together(cfg):
 # ---- YAML -----------------------------------------------------------------
 
 
-class _Loader(yaml.SafeLoader):
+@functools.lru_cache(maxsize=None)
+def _loader():
     """YAML 1.1's SafeLoader, reading `1e-4` (no dot) as a float as YAML 1.2 and mlx_lm do."""
+    import yaml
 
+    class Loader(yaml.SafeLoader):
+        pass
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+        list("-+0123456789."),
+    )
+    return Loader
 
 
 def load_yaml(path):
     """The mapping in the YAML file `path`, or SettingsError (missing file, bad YAML)."""
+    import yaml
+
     try:
         with open(path, encoding="utf-8") as f:
-            loaded = yaml.load(f, Loader=_Loader)
+            loaded = yaml.load(f, Loader=_loader())
     except FileNotFoundError:
         raise SettingsError(f"config: no such file {str(path)!r}") from None
     except IsADirectoryError:
@@ -406,6 +412,8 @@ def load_yaml(path):
 
 
 def dump_yaml(cfg, path):
+    import yaml
+
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg, f, sort_keys=True)
 
