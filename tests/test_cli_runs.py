@@ -383,6 +383,9 @@ def test_init_adapters_from_an_mlx_lm_adapter_dir(env, tmp_path):
     fresh = tmp_path / "fresh"
     ok(flash_cce(*train_argv(model_dir, data_dir, fresh, 2, "--num-layers", "2")))
     assert metrics(run)[0] != metrics(fresh)[0]  # step 0 saw the given adapters
+    # eval takes the mlx_lm directory too: its step-0 score is the run's step 0.
+    out = ok(flash_cce("eval", adapters, "--model", model_dir, "--data", data_dir, "--split", "valid")).stdout
+    assert float(dict(x.split(None, 1) for x in out.splitlines())["loss"]) == pytest.approx(metrics(run)[0][2], abs=1e-4)
 
 
 def test_gpu_capture_needs_metal(env, tmp_path):
