@@ -13,7 +13,6 @@ everything to --json.
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -90,20 +89,21 @@ def mlx_inputs(m, h, v, dtype, bits):
     return hid, w, y, q
 
 
-def ours_loss(cap, q, fused):
+def ours_loss(cap, q, fused, tuning=None):
     """fused: the forward also emits the gradient state for h (two GEMMs for
     forward + backward where the GPU supports it); off for forward-only and
-    for dW, where that state would go unused."""
+    for dW, where that state would go unused. tuning: the ops' kernel choices."""
     from flash_cce import flash_cce_forward
 
     def loss(hid, w, y):
         if q is None:
             logp, _ = flash_cce_forward(hid, w, y, softcap=cap, validate_targets=False,
-                                        fused_backward=fused)
+                                        fused_backward=fused, tuning=tuning)
         else:
             wq, s, b = q
             logp, _ = flash_cce_forward(hid, wq, y, s, b, group_size=64, softcap=cap,
-                                        validate_targets=False, fused_backward=fused)
+                                        validate_targets=False, fused_backward=fused,
+                                        tuning=tuning)
         return -logp.mean()
 
     return loss
@@ -243,7 +243,9 @@ def run(args):
                     fused = mode == "fwd_bwd"
                     providers = [("flash_cce", ours_loss(cap, q, fused))]
                     if name == "bf16" and "mma" in args.providers:
-                        providers.append(("flash_cce_mma", ours_loss(cap, q, fused)))
+                        # the portable mma.sync kernels instead of wgmma
+                        providers.append(("flash_cce_mma",
+                                          ours_loss(cap, q, fused, {"wgmma": False})))
                     if name == "bf16" and fused and cap and "3gemm" in args.providers:
                         # the same step with the logits recomputed in the backward
                         providers.append(("flash_cce_3gemm", ours_loss(cap, q, False)))
@@ -251,8 +253,6 @@ def run(args):
                         providers.append(("mlx", mlx_loss(cap, q, False)))
                         providers.append(("mlx_fast_ce", mlx_loss(cap, q, True)))
                     for prov, loss in providers:
-                        # flash_cce_mma: the portable mma.sync kernels instead of wgmma.
-                        os.environ["FLASH_CCE_NO_WGMMA"] = "1" if prov == "flash_cce_mma" else "0"
                         try:
                             ms, extra = time_mlx(mlx_case(loss, mode, hid, w, y),
                                                  args.warmup, args.reps)

@@ -7,8 +7,6 @@ chunks, and a late logit that sends it through its exact second pass). The
 small shapes leave the dh kernels few tiles, so they split them along the
 chunk (one wide chunk of 33 k-steps below takes four pieces a tile)."""
 
-import os
-
 import mlx.core as mx
 
 from flash_cce import flash_cce_backward, flash_cce_forward
@@ -28,7 +26,7 @@ def run(m, h, v, dtype, bits=None, softcap=30.0, group_size=64):
     print(m, h, v, dtype, bits, float(logp.sum()))
 
 
-def run_fused(m, h, v, softcap, late=0.0, bits=None):
+def run_fused(m, h, v, softcap, late=0.0, bits=None, tuning=None):
     k1, k2, k3 = mx.random.split(mx.random.key(m + v), 3)
     hid = mx.random.normal((m, h), key=k1).astype(mx.bfloat16)
     w = 0.2 * mx.random.normal((v, h), key=k2)
@@ -40,7 +38,8 @@ def run_fused(m, h, v, softcap, late=0.0, bits=None):
     q = mx.quantize(w, group_size=64, bits=bits) if bits else (w, None, None)
 
     def loss(hid):
-        logp, lse = flash_cce_forward(hid, q[0], y, q[1], q[2], softcap=softcap, stream=mx.gpu)
+        logp, lse = flash_cce_forward(hid, q[0], y, q[1], q[2], softcap=softcap, stream=mx.gpu,
+                                      tuning=tuning)
         return logp.sum() + 0.1 * lse.sum()
 
     val, dh = mx.value_and_grad(loss)(hid)
@@ -58,9 +57,9 @@ if __name__ == "__main__":
     run(300, 512, 700, mx.bfloat16, bits=4)
     run(150, 256, 300, mx.float16, bits=8, group_size=32)
     run_fused(150, 136, 2100, None)
-    os.environ["FLASH_CCE_VOCAB_CHUNK"] = "256"
-    run_fused(150, 136, 700, 30.0)
-    run_fused(150, 136, 700, None)
-    run_fused(70, 128, 600, None, late=300.0)
-    run_fused(70, 128, 600, 30.0, bits=4)
-    run_fused(71, 128, 600, None, bits=4)
+    narrow = {"vocab_chunk": 256}
+    run_fused(150, 136, 700, 30.0, tuning=narrow)
+    run_fused(150, 136, 700, None, tuning=narrow)
+    run_fused(70, 128, 600, None, late=300.0, tuning=narrow)
+    run_fused(70, 128, 600, 30.0, bits=4, tuning=narrow)
+    run_fused(71, 128, 600, None, bits=4, tuning=narrow)

@@ -2,6 +2,7 @@
 // array, Stream and Device types are shared with this module.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -11,23 +12,111 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+using flash_cce::HeadTuning;
 using flash_cce::mx::array;
+
+namespace {
+
+// A `tuning` argument: None or a dict of HeadTuning keys; a None value keeps
+// the default. Raises ValueError naming a bad key or value.
+HeadTuning tuning_from(const nb::handle& obj) {
+  HeadTuning t;
+  if (obj.is_none()) {
+    return t;
+  }
+  if (!nb::isinstance<nb::dict>(obj)) {
+    throw std::invalid_argument("[flash_cce] tuning must be a dict or None, got " +
+                                std::string(nb::str(nb::type_name(obj.type())).c_str()));
+  }
+  for (auto [k, v] : nb::borrow<nb::dict>(obj)) {
+    if (!nb::isinstance<nb::str>(k)) {
+      throw std::invalid_argument("[flash_cce] tuning keys must be strings");
+    }
+    const std::string key = nb::cast<std::string>(k);
+    if (v.is_none()) {
+      flash_cce::set_tuning(t, key, 0, false);
+      continue;
+    }
+    const bool is_bool = nb::isinstance<nb::bool_>(v);
+    if (!is_bool && !nb::isinstance<nb::int_>(v)) {
+      throw std::invalid_argument("[flash_cce] tuning['" + key + "'] must be a bool or an int, got " +
+                                  std::string(nb::str(nb::type_name(v.type())).c_str()));
+    }
+    flash_cce::set_tuning(t, key, is_bool ? int64_t(nb::cast<bool>(v)) : nb::cast<int64_t>(v),
+                          is_bool);
+  }
+  return t;
+}
+
+nb::dict tuning_dict(const HeadTuning& t) {
+  nb::dict d;
+  for (const auto& item : flash_cce::tuning_items(t)) {
+    if (item.flag) {
+      d[item.key.c_str()] = item.value != 0;
+    } else {
+      d[item.key.c_str()] = item.value;
+    }
+  }
+  return d;
+}
+
+nb::dict plan_dict(const std::vector<std::pair<std::string, int64_t>>& items) {
+  nb::dict d;
+  for (const auto& [k, v] : items) {
+    d[k.c_str()] = v;
+  }
+  return d;
+}
+
+} // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() = "flash-CCE head primitives for MLX";
 
-  m.def("forward", &flash_cce::flash_cce_forward, "h"_a, "w"_a, "targets"_a,
-        "scales"_a = nb::none(), "biases"_a = nb::none(), nb::kw_only(),
-        "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
-        "ignore_index"_a = -100, "fused_backward"_a = true, "stream"_a = nb::none(),
-        "Returns [logp, lse] (float32, shape h.shape[:-1]).");
+  m.def(
+      "forward",
+      [](const array& h, const array& w, const array& targets,
+         const std::optional<array>& scales, const std::optional<array>& biases,
+         int group_size, std::optional<int> bits, std::optional<float> softcap,
+         int ignore_index, bool fused_backward, nb::handle tuning,
+         flash_cce::mx::StreamOrDevice s) {
+        return flash_cce::flash_cce_forward(h, w, targets, scales, biases, group_size, bits,
+                                            softcap, ignore_index, fused_backward,
+                                            tuning_from(tuning), s);
+      },
+      "h"_a, "w"_a, "targets"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
+      nb::kw_only(), "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
+      "ignore_index"_a = -100, "fused_backward"_a = true, "tuning"_a = nb::none(),
+      "stream"_a = nb::none(), "Returns [logp, lse] (float32, shape h.shape[:-1]).");
 
-  m.def("backward", &flash_cce::flash_cce_backward, "h"_a, "w"_a, "targets"_a,
-        "lse"_a, "g"_a, "g_lse"_a = nb::none(), "scales"_a = nb::none(),
-        "biases"_a = nb::none(), nb::kw_only(), "group_size"_a = 64,
-        "bits"_a = nb::none(), "softcap"_a = nb::none(), "ignore_index"_a = -100,
-        "compute_dw"_a = false, "stream"_a = nb::none(),
-        "Returns [dh] or [dh, dw].");
+  m.def(
+      "backward",
+      [](const array& h, const array& w, const array& targets, const array& lse,
+         const array& g, const std::optional<array>& g_lse,
+         const std::optional<array>& scales, const std::optional<array>& biases,
+         int group_size, std::optional<int> bits, std::optional<float> softcap,
+         int ignore_index, bool compute_dw, nb::handle tuning,
+         flash_cce::mx::StreamOrDevice s) {
+        return flash_cce::flash_cce_backward(h, w, targets, lse, g, g_lse, scales, biases,
+                                             group_size, bits, softcap, ignore_index,
+                                             compute_dw, tuning_from(tuning), s);
+      },
+      "h"_a, "w"_a, "targets"_a, "lse"_a, "g"_a, "g_lse"_a = nb::none(),
+      "scales"_a = nb::none(), "biases"_a = nb::none(), nb::kw_only(), "group_size"_a = 64,
+      "bits"_a = nb::none(), "softcap"_a = nb::none(), "ignore_index"_a = -100,
+      "compute_dw"_a = false, "tuning"_a = nb::none(), "stream"_a = nb::none(),
+      "Returns [dh] or [dh, dw].");
+
+  m.def(
+      "check_tuning",
+      [](nb::handle tuning) { return tuning_dict(tuning_from(tuning)); },
+      "tuning"_a = nb::none(),
+      "Validates a tuning dict; returns every key with its value (0: chosen from the device).");
+  m.def(
+      "gpu_launch_plan",
+      [](nb::handle tuning) { return plan_dict(flash_cce::gpu_launch_plan(tuning_from(tuning))); },
+      "tuning"_a = nb::none(),
+      "The launch sizes a tuning resolves to on the default GPU, with its SM count and L2 size.");
 
   m.def(
       "check_args",

@@ -263,9 +263,12 @@ std::vector<mx::array> flash_cce_forward(
     std::optional<float> softcap,
     int ignore_index,
     bool fused_backward,
+    const HeadTuning& tuning,
     mx::StreamOrDevice s) {
   auto cfg = check_head_args(
       h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
+  check_tuning(tuning);
+  cfg.tuning = tuning;
   const auto lead = lead_shape(h);
   if (rows(h) == 0) {
     return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
@@ -290,9 +293,12 @@ std::vector<mx::array> flash_cce_backward(
     std::optional<float> softcap,
     int ignore_index,
     bool compute_dw,
+    const HeadTuning& tuning,
     mx::StreamOrDevice s) {
   auto cfg = check_head_args(
       h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
+  check_tuning(tuning);
+  cfg.tuning = tuning;
   if (compute_dw && cfg.quantized) {
     fail("compute_dw needs a dense w: a quantized head is frozen");
   }
@@ -427,7 +433,7 @@ std::vector<mx::array> FlashCCEForward::vjp(
     grads = flash_cce_backward(
       h, w, targets, outputs[1], g, g_lse, opt_input(primals, 3),
       opt_input(primals, 4), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
-      cfg_.ignore_index, want_dw, s);
+      cfg_.ignore_index, want_dw, cfg_.tuning, s);
   }
 
   // Integer targets and a frozen quantized head get zero cotangents.
@@ -481,7 +487,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEBackward::vmap(
   auto out = flash_cce_backward(
       in[0], in[1], in[2], in[3], in[4], in[5], opt_input(in, 6),
       opt_input(in, 7), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
-      cfg_.ignore_index, false, stream());
+      cfg_.ignore_index, false, cfg_.tuning, stream());
   return {out, {0}};
 }
 
@@ -621,6 +627,11 @@ std::string gpu_kernel_image() {
   mx::Device d = mx::default_device();
   return cuda::kernel_image(d == mx::Device::gpu ? d.index : 0);
 }
+std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning& tuning) {
+  check_tuning(tuning);
+  mx::Device d = mx::default_device();
+  return cuda::launch_plan_items(d == mx::Device::gpu ? d.index : 0, tuning);
+}
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   cuda::forward(stream(), make_problem(inputs, cfg_), inputs, outputs);
@@ -640,6 +651,9 @@ bool has_gpu_kernels() {
   return false;
 }
 std::string gpu_kernel_image() {
+  throw std::runtime_error("[flash_cce] this build has no GPU kernel");
+}
+std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning&) {
   throw std::runtime_error("[flash_cce] this build has no GPU kernel");
 }
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>&,

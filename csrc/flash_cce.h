@@ -12,6 +12,7 @@
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "tuning.h"
 
 namespace flash_cce {
 
@@ -27,12 +28,10 @@ struct HeadConfig {
   // The forward also emits sum_v softmax_v * dcap_v * W_v per row, so that the
   // gradient for h needs no second pass over the vocabulary (2 GEMMs, not 3).
   bool fused = false;
+  // Kernel choices and launch sizes (tuning.h).
+  HeadTuning tuning;
 
-  bool operator==(const HeadConfig& o) const {
-    return quantized == o.quantized && group_size == o.group_size &&
-        bits == o.bits && softcap == o.softcap &&
-        ignore_index == o.ignore_index && fused == o.fused;
-  }
+  bool operator==(const HeadConfig&) const = default;
 };
 
 // Operations ------------------------------------------------------------------
@@ -53,6 +52,8 @@ HeadConfig check_head_args(
 // h[..., H], targets[...] -> (logp[...], lse[...]), both float32.
 // fused_backward: where the backend supports it, the forward also keeps one
 // [M, H] float32 array from which the VJP forms dh without revisiting W.
+// tuning: kernel choices and launch sizes (tuning.h), kept by the primitives
+// and passed on to the backward.
 std::vector<mx::array> flash_cce_forward(
     const mx::array& h,
     const mx::array& w,
@@ -64,6 +65,7 @@ std::vector<mx::array> flash_cce_forward(
     std::optional<float> softcap,
     int ignore_index,
     bool fused_backward = true,
+    const HeadTuning& tuning = {},
     mx::StreamOrDevice s = {});
 
 // Gradient of sum(g * logp + g_lse * lse) -> {dh} or {dh, dw}.
@@ -81,6 +83,7 @@ std::vector<mx::array> flash_cce_backward(
     std::optional<float> softcap,
     int ignore_index,
     bool compute_dw,
+    const HeadTuning& tuning = {},
     mx::StreamOrDevice s = {});
 
 // True when eval_gpu has a native kernel in this build (CUDA today).
@@ -88,6 +91,10 @@ bool has_gpu_kernels();
 // The CUDA kernels' image on the default GPU and the kernels it routes to
 // (loads them); an error in a build without GPU kernels.
 std::string gpu_kernel_image();
+// The launch sizes `tuning` resolves to on the default GPU, with the device
+// attributes they come from, as (name, value) pairs; an error in a build
+// without GPU kernels.
+std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning& tuning);
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);
@@ -120,9 +127,6 @@ class FlashCCEForward : public mx::Primitive {
     return "FlashCCEForward";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
-  const HeadConfig& config() const {
-    return cfg_;
-  }
 
  private:
   HeadConfig cfg_;

@@ -172,21 +172,21 @@ def test_window_with_other_masks(additive):
             assert _rel_err(g, x) <= 2e-5, (name, m is None, _rel_err(g, x))
 
 
-def test_window_mask_only_where_it_fits(monkeypatch):
-    """A WindowMask for another shape or offset is used as a plain array (all keys)."""
-    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
-    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)  # the block loop's `_scores`
+def test_window_mask_only_where_it_fits():
+    """A WindowMask for another shape or offset is used as a plain array (all keys).
+    MLX's ops and the block loop: keys counted in `_scores`."""
     q, k, v, c, lq, lk, w, block = _window_inputs("window_continuation")
+    loop = dict(kernels=False, batch_windows=False)
     seen = []
     real = attn._scores
     try:
         attn._scores = lambda qb, kb, m: seen.append(kb.shape[-2]) or real(qb, kb, m)
         wrong = window_mask(lq, lk - lq, w)
         wrong.offset = lk - lq - 1  # says another offset than the call's
-        attention(q, k, v, scale=0.3, mask=wrong, block=block)
+        attention(q, k, v, scale=0.3, mask=wrong, block=block, **loop)
         assert set(seen) == {lk}
         seen.clear()
-        attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block)
+        attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block, **loop)
         assert max(seen) <= w + block - 1 + KEY_ALIGN - 1 < lk
     finally:
         attn._scores = real
@@ -194,14 +194,12 @@ def test_window_mask_only_where_it_fits(monkeypatch):
         attention(q, k, v, scale=0.3, window=0)
 
 
-def test_window_key_columns(monkeypatch):
+def test_window_key_columns():
     """The work saved, counted: the key columns of the scores the blocks compute
     (forward and backward) at model A/B's window 512 and block 512 on 8192 tokens.
     Each block sees at most window + block - 1 keys rounded up to a multiple of
     KEY_ALIGN (aligned rows for cuBLAS), whatever the length (the block loop; the
     batched windows: `test_batched_windows_key_columns`)."""
-    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")  # keys counted in `_scores`
-    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
     n, w, block = 8192, 512, 512
     windowed = spans(n, n, block, "causal", w)
     causal = spans(n, n, block, "causal")
@@ -221,7 +219,9 @@ def test_window_key_columns(monkeypatch):
     real = attn._scores
     try:
         attn._scores = lambda qb, kb, m: seen.append(kb.shape[-2]) or real(qb, kb, m)
-        mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8) * c).sum())(q))
+        # MLX's ops and the block loop: keys counted in `_scores`
+        mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8,
+                                             kernels=False, batch_windows=False) * c).sum())(q))
     finally:
         attn._scores = real
     expect = [k1 - k0 for *_, k0, k1 in spans(40, 40, 8, "causal", 5)]
@@ -259,16 +259,16 @@ def test_batched_windows_equal_block_loop(case, chunked, monkeypatch):
     calls = []
     real = attn._window_forward
     monkeypatch.setattr(attn, "_window_forward", lambda *a: calls.append(a[0].shape[2]) or real(*a))
-    run = lambda: _value_and_grads(
-        lambda q, k, v: attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block), q, k, v, c)
+    run = lambda batch=True: _value_and_grads(
+        lambda q, k, v: attention(q, k, v, scale=0.3, mask=window_mask(lq, lk - lq, w), block=block,
+                                  batch_windows=batch), q, k, v, c)
     got = run()
     batched = attn._batched_windows(lq, lk, block, "causal", w)
     assert bool(calls) == batched, (calls, batched)
     if batched:
         per_run = -(-lq // (2 * block)) if chunked else 1
         assert sum(calls) == 2 * lq and len(calls) == 2 * per_run  # output, then gradients
-    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
-    loop = run()
+    loop = run(batch=False)
     want = _value_and_grads(
         lambda q, k, v: composed(q, k, v, 0.3, create_causal_mask(lq, lk - lq, window_size=w)), q, k, v, c)
     # The same nonzero terms as the block loop (masked scores' exp is exactly 0),
@@ -293,12 +293,12 @@ def test_batched_windows_key_columns(monkeypatch):
     assert not attn._batched_windows(1024, 1024, 512, "causal", 600)  # 512 + 1024 keys >= all
     assert not attn._batched_windows(8192, 8192, 512, "causal", None)
     assert not attn._batched_windows(8192, 8192, 512, None, 512)  # not causal
-    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")
     shapes = []
     real = attn._masked6
     monkeypatch.setattr(attn, "_masked6", lambda s, g: shapes.append(s.shape) or real(s, g))
     q, k, v, c, *_ = _window_inputs("window_lt_block")  # 40 queries, window 5, block 8
-    mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8) * c).sum())(q))
+    mx.eval(mx.grad(lambda q: (attention(q, k, v, scale=0.3, mask=window_mask(40, 0, 5), block=8,
+                                         kernels=False) * c).sum())(q))  # MLX's ops: `_masked6`
     # forward and backward: [B, Hkv, 5 blocks, 2 heads x 8 queries, 8 + 8 keys]
     assert shapes == [(1, 1, 5, 16, 16)] * 2
 
@@ -314,16 +314,20 @@ def test_packed_windows_equal_split_rows(prompt_len, monkeypatch):
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))
     n, w, block = 24, 7, 8
     q, k, v, c = normal(3, 4, n, 16), normal(3, 1, n, 16), normal(3, 1, n, 16), normal(3, 4, n, 16)
-    sdpa = lambda q, k, v, cache, scale, mask: attention(q, k, v, scale=scale, mask=mask, block=block)
     calls = []
     real = attn.PackedMask._packed_windows
     monkeypatch.setattr(attn.PackedMask, "_packed_windows", lambda *a: calls.append(1) or real(*a))
-    run = lambda: _value_and_grads(
-        lambda q, k, v: PackedMask(prompt_len, w).attend(q, k, v, 0.3, sdpa, block), q, k, v, c)
-    got = run()
+
+    def run(batch):
+        def sdpa(q, k, v, cache, scale, mask):
+            return attention(q, k, v, scale=scale, mask=mask, block=block, batch_windows=batch)
+        return _value_and_grads(
+            lambda q, k, v: PackedMask(prompt_len, w).attend(q, k, v, 0.3, sdpa, block,
+                                                             batch_windows=batch), q, k, v, c)
+
+    got = run(True)
     assert len(calls) == 2  # output, gradients
-    monkeypatch.setattr(attn, "BATCH_WINDOWS", False)
-    split = run()
+    split = run(False)
     assert len(calls) == 2
 
     def textbook(q, k, v):
@@ -387,9 +391,9 @@ def test_window_gradient_memory_independent_of_keys(batched, monkeypatch):
         # repeats (bound 4.2 MB, 2.6 on the CPU) and the peak at 4096 up to 26.6 MB.
         pytest.skip("peak memory counts MLX's pending frees on this device")
     w, block = 64, 128
-    monkeypatch.setattr(attn, "BATCH_WINDOWS", batched)
     monkeypatch.setattr(attn, "MAX_WINDOW_SCORES", 2 * 4 * block * 2 * block)
-    windowed = lambda q, k, v: attention(q, k, v, scale=0.25, mask=window_mask(q.shape[2], 0, w), block=block)
+    windowed = lambda q, k, v: attention(q, k, v, scale=0.25, mask=window_mask(q.shape[2], 0, w), block=block,
+                                         batch_windows=batched)
     causal = lambda q, k, v: attention(q, k, v, scale=0.25, mask="causal", block=block)
     w2, w4 = _grad_peak(windowed, 2048), _grad_peak(windowed, 4096)
     q_bytes = lambda n: 4 * n * 16 * 4
@@ -448,3 +452,16 @@ def test_routing_is_undone():
         with routed(model, 4):
             raise RuntimeError("inside")
     assert gemma3_text.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_kernels_argument():
+    """`kernels` is None, True or False; True where the fused kernels do not run
+    is an error, not a silent fallback to MLX's ops."""
+    q = k = v = mx.zeros((1, 1, 8, 16))
+    with pytest.raises(ValueError, match="kernels must be None, True or False"):
+        attention(q, k, v, scale=1.0, mask="causal", block=4, kernels="yes")
+    if not attn.fused.available():
+        with pytest.raises(ValueError, match="kernels=True but the fused kernels need"):
+            attention(q, k, v, scale=1.0, mask="causal", block=4, kernels=True)
+    out = attention(q, k, v, scale=1.0, mask="causal", block=4, kernels=False)
+    assert out.shape == q.shape

@@ -107,7 +107,7 @@ def test_batched_blocks(dtype, key_start):
 @pytest.mark.parametrize("mask", ["causal", "window", None])
 def test_attention_with_and_without_kernels(mask, monkeypatch):
     """The whole blocked attention, forward and gradients, with the kernels and
-    with MLX's ops (FLASH_CCE_FUSED_KERNELS=0), over several blocks."""
+    with MLX's ops (kernels=False), over several blocks."""
     rng = np.random.default_rng(1)
     b, hq, hkv, lq, lk, d = 1, 4, 1, 96, 160, 32
     q = mx.array(rng.standard_normal((b, hq, lq, d)).astype(np.float32))
@@ -115,18 +115,17 @@ def test_attention_with_and_without_kernels(mask, monkeypatch):
     c = mx.array(rng.standard_normal((b, hq, lq, d)).astype(np.float32))
     m = window_mask(lq, lk - lq, 48) if mask == "window" else mask
 
-    def run():
-        f = lambda q, k, v: (attention(q, k, v, scale=0.2, mask=m, block=32) * c).sum()
+    def run(kernels):
+        f = lambda q, k, v: (attention(q, k, v, scale=0.2, mask=m, block=32, kernels=kernels) * c).sum()
         return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
 
     calls = []
     real = ak.softmax
     monkeypatch.setattr(ak, "softmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    v1, g1 = run()
+    v1, g1 = run(None)
     assert calls  # the kernels ran
-    monkeypatch.setenv("FLASH_CCE_FUSED_KERNELS", "0")
     calls.clear()
-    v0, g0 = run()
+    v0, g0 = run(False)
     assert not calls
     assert abs(v1 - v0).item() <= TOL * max(1.0, abs(v0).item())
     for a, b_ in zip(g1, g0):

@@ -66,35 +66,47 @@ SHAPES = [(37, 64, 300), (130, 96, 1000), (257, 40, 515), (300, 256, 2100)]
 
 
 @pytest.fixture(params=["default", "mma"])
-def kernels(request, monkeypatch):
-    """Run a test on the default kernels (wgmma on Hopper) and on the portable
-    mma.sync kernels (FLASH_CCE_NO_WGMMA=1, read at each evaluation)."""
-    monkeypatch.setenv("FLASH_CCE_NO_WGMMA", "1" if request.param == "mma" else "0")
-    return request.param
+def kernels(request):
+    """The tuning that runs a test on the default kernels (wgmma on Hopper) or
+    on the portable mma.sync kernels."""
+    return {"wgmma": request.param != "mma"}
 
 
 @pytest.fixture(params=["one", "many"])
-def chunks(request, monkeypatch):
-    """The vocabulary in one chunk and the rows in one block, or chunks of 256
-    columns over blocks of 100 rows (the loops of the backward and of the
-    fused forward)."""
+def chunks(request, kernels):
+    """`kernels`' tuning with the vocabulary in one chunk and the rows in one
+    block, or with chunks of 256 columns over blocks of 100 rows (the loops of
+    the backward and of the fused forward)."""
     many = request.param == "many"
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "256" if many else "1000000")
-    monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "100" if many else "1000000")
-    return request.param
+    return {**kernels, "vocab_chunk": 256 if many else 1000000,
+            "row_block": 100 if many else 1000000}
+
+
+def test_launch_plan_follows_tuning():
+    """The launch sizes come from the device's attributes unless the tuning
+    sets them (plan.h; its arithmetic is tested in tests/cpp/test_plan.cpp)."""
+    auto = _ext.gpu_launch_plan()
+    assert auto["sms"] > 0 and auto["l2_bytes"] > 0
+    assert auto["fwd_l2_bytes"] == max(auto["l2_bytes"] * 16 // 50, 1 << 20)
+    assert (auto["row_block"], auto["dh_splits"], auto["vocab_chunk"]) == (4096, 4, 0)
+    set_ = _ext.gpu_launch_plan({"row_block": 100, "fwd_l2_mb": 3, "dh_splits": 1,
+                                 "vocab_chunk": 256})
+    assert (set_["row_block"], set_["fwd_l2_bytes"], set_["dh_splits"], set_["vocab_chunk"]) == (
+        100, 3 << 20, 1, 256)
+    assert set_["sms"] == auto["sms"]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_dense_matches_cpu(shape, dtype, softcap, kernels, chunks):
+def test_dense_matches_cpu(shape, dtype, softcap, chunks):
     m, h, v = shape
     hid, w, y = make(m, h, v, dtype, seed=m + h + v, ignore=3)
     g = mx.random.normal((m,))
     g_lse = mx.random.normal((m,))
-    logp, lse = flash_cce_forward(hid, w, y, softcap=softcap, stream=mx.gpu)
+    logp, lse = flash_cce_forward(hid, w, y, softcap=softcap, stream=mx.gpu, tuning=chunks)
     dh, dw = flash_cce_backward(hid, w, y, lse, g, g_lse=g_lse, softcap=softcap,
-                                compute_dw=True, stream=mx.gpu)
+                                compute_dw=True, stream=mx.gpu, tuning=chunks)
     r_logp, r_lse, (r_dh, r_dw) = cpu_ref(hid, w, y, dtype, g, g_lse, softcap, True)
     assert dh.dtype == hid.dtype and dw.dtype == w.dtype
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
@@ -118,9 +130,9 @@ def test_quantized_matches_cpu(bits, group_size, h, softcap, dtype, kernels):
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
     g = mx.random.normal((m,))
     logp, lse = flash_cce_forward(hid, wq, y, scales, biases, group_size=group_size,
-                                  softcap=softcap, stream=mx.gpu)
+                                  softcap=softcap, stream=mx.gpu, tuning=kernels)
     dh = flash_cce_backward(hid, wq, y, lse, g, scales, biases, group_size=group_size,
-                            softcap=softcap, stream=mx.gpu)
+                            softcap=softcap, stream=mx.gpu, tuning=kernels)
     # The GPU rounds each dequantized weight to the compute type; so does the reference.
     w_dense = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
     r_logp, r_lse, r_dh = cpu_ref(hid, w_dense, y, dtype, g, None, softcap, False)
@@ -197,13 +209,15 @@ def test_mixed_dtypes(h_dtype, w_dtype):
 
 
 def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None,
-           group_size=64):
+           group_size=64, tuning=None):
     """d/dh of sum(g logp + g_lse lse) through mx.grad: with a softcap and
-    fused=True the GPU forward also emits the gradient state (two GEMMs)."""
+    fused=True the GPU forward also emits the gradient state (two GEMMs). The
+    backward runs with the forward's tuning."""
 
     def loss(hid):
         logp, lse = flash_cce_forward(hid, w, y, scales, biases, group_size=group_size,
-                                      softcap=softcap, stream=stream, fused_backward=fused)
+                                      softcap=softcap, stream=stream, fused_backward=fused,
+                                      tuning=tuning)
         return (logp * g).sum() + (lse * g_lse).sum(), (logp, lse)
 
     (_, (logp, lse)), dh = mx.value_and_grad(loss)(hid)
@@ -213,7 +227,7 @@ def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("shape", [(130, 96, 1000), (300, 256, 2100)])
 @pytest.mark.parametrize("softcap", [None, 30.0, 50.0])
-def test_fused_forward_gradient(shape, dtype, softcap, kernels, chunks):
+def test_fused_forward_gradient(shape, dtype, softcap, chunks):
     """The fused GPU forward (P = exp(s - r) dcap accumulated against W chunk
     by chunk; r = the cap for caps <= 40, else a running row maximum) against
     the CPU kernels and against the GPU's three-GEMM path
@@ -222,8 +236,8 @@ def test_fused_forward_gradient(shape, dtype, softcap, kernels, chunks):
     hid, w, y = make(m, h, v, dtype, seed=m + v, ignore=3)
     g = mx.random.normal((m,), key=mx.random.key(1))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(2))
-    logp, lse, dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, True)
-    p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, False)
+    logp, lse, dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, True, tuning=chunks)
+    p_logp, p_lse, p_dh = h_grad(hid, w, y, g, g_lse, softcap, mx.gpu, False, tuning=chunks)
     ct = operand_type(dtype)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, ct), rounded(w, ct), y, g, g_lse, softcap,
                                  mx.cpu, True)
@@ -238,13 +252,14 @@ def test_fused_forward_gradient(shape, dtype, softcap, kernels, chunks):
 @pytest.mark.parametrize("bits", [4, 8, 3])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("m", [90, 91])  # odd: the last row's reference loads alone
-def test_fused_forward_gradient_quantized(bits, softcap, m, kernels, chunks):
+def test_fused_forward_gradient_quantized(bits, softcap, m, chunks):
     h, v, gs = 256, 1100, 64
     hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(4))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(5))
-    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, softcap, mx.gpu, True, scales, biases, gs)
+    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, softcap, mx.gpu, True, scales, biases, gs,
+                           tuning=chunks)
     w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
                                  y, g, g_lse, softcap, mx.cpu, True)
@@ -255,20 +270,20 @@ def test_fused_forward_gradient_quantized(bits, softcap, m, kernels, chunks):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("fused", [True, False])
-def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
+def test_quantized_blocks_take_many_tiles(bits, fused):
     """The Hopper GEMM kernels walk tiles: with more tiles than an H100/H200 has
     multiprocessors (132), a block computes several, and the dequantization of a
     quantized W runs on across the tiles' boundaries. P / dS: 67 row tiles (one
     row block) x 11 vocabulary tiles per chunk; dh: 67 x 2 column tiles. The
     forward (W as the register operand): 34 row tiles of 256 x 47 vocabulary
     tiles of 128 over 24 splits, two tiles a block."""
-    monkeypatch.setenv("FLASH_CCE_ROW_BLOCK", "1000000")
     m, h, v, gs = 128 * 67, 512, 6000, 32
     hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(6))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(7))
-    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, 30.0, mx.gpu, fused, scales, biases, gs)
+    logp, lse, dh = h_grad(hid, wq, y, g, g_lse, 30.0, mx.gpu, fused, scales, biases, gs,
+                           tuning={"row_block": 1000000})
     w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
                                  y, g, g_lse, 30.0, mx.cpu, True)
@@ -277,7 +292,7 @@ def test_quantized_blocks_take_many_tiles(bits, fused, monkeypatch):
     assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
 
 
-def check_split_tiles(hid, w, y, bits, fused, softcap, monkeypatch):
+def check_split_tiles(hid, w, y, bits, fused, softcap, vocab_chunk):
     """dh with its short last round split in 4 pieces (twice) and unsplit:
     both match the CPU, and the split result is the same bit for bit."""
     gs = 64
@@ -287,9 +302,10 @@ def check_split_tiles(hid, w, y, bits, fused, softcap, monkeypatch):
     g = mx.random.normal((m,), key=mx.random.key(8))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(9))
     grads = []
-    for splits in ("4", "4", "1"):
-        monkeypatch.setenv("FLASH_CCE_DH_SPLITS", splits)
-        grads.append(h_grad(hid, q[0], y, g, g_lse, softcap, mx.gpu, fused, q[1], q[2], gs)[2])
+    for splits in (4, 4, 1):
+        tuning = {"dh_splits": splits, "vocab_chunk": vocab_chunk}
+        grads.append(h_grad(hid, q[0], y, g, g_lse, softcap, mx.gpu, fused, q[1], q[2], gs,
+                            tuning=tuning)[2])
     r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16), y, g, g_lse,
                   softcap, mx.cpu, True)[2]
     assert mx.array_equal(grads[0], grads[1])
@@ -305,27 +321,25 @@ SPLIT_SHAPE = (1280, 512, 4000)
 @pytest.mark.parametrize("bits", [0, 4])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("chunk", ["1000000", "1024"])
-def test_split_tiles(bits, fused, softcap, chunk, monkeypatch):
+@pytest.mark.parametrize("chunk", [1000000, 1024])
+def test_split_tiles(bits, fused, softcap, chunk):
     """A dh launch whose last round would leave most multiprocessors idle
     splits those tiles along the chunk, and the pieces add into the
     accumulator in a fixed order: 16 k-steps a piece with one vocabulary
     chunk, 4 with four chunks, whose first, middle and last updates all meet
     pieces. Without a softcap the running reference stays within 16 of these
     logits' chunk maxima, so no row rescales (the next test has them)."""
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", chunk)
     hid, w, y = make(*SPLIT_SHAPE, mx.bfloat16, seed=11, ignore=2)
-    check_split_tiles(hid, w, y, bits, fused, softcap, monkeypatch)
+    check_split_tiles(hid, w, y, bits, fused, softcap, chunk)
 
 
 @pytest.mark.parametrize("bits", [0, 4])
 @pytest.mark.parametrize("softcap", [None, 50.0])
-def test_split_tiles_rescale(bits, softcap, monkeypatch):
+def test_split_tiles_rescale(bits, softcap):
     """Split tiles where the fused forward's running reference moves: half
     the rows have a logit in the second vocabulary chunk 25-48 above the first
     chunk's maximum, so the third chunk's update rescales their old values
     (piece 0 reads, scales and writes; the later pieces add)."""
-    monkeypatch.setenv("FLASH_CCE_VOCAB_CHUNK", "1024")
     m, h, v = SPLIT_SHAPE
     hid, w, y = make(m, h, v, mx.bfloat16, seed=12, ignore=2)
     w = w / 3  # logits ~ N(0, 2.3^2): chunk maxima near 8
@@ -337,7 +351,7 @@ def test_split_tiles_rescale(bits, softcap, monkeypatch):
         s = softcap * np.tanh(s / softcap)
     jump = s[: m // 2, 1024:2048].max(axis=1) - s[: m // 2, :1024].max(axis=1)
     assert 16 < jump.min() and jump.max() < 64  # moves the reference, no second pass
-    check_split_tiles(hid, w, y, bits, True, softcap, monkeypatch)
+    check_split_tiles(hid, w, y, bits, True, softcap, 1024)
 
 
 def test_fused_forward_extreme_logits():
@@ -364,7 +378,7 @@ def test_fused_forward_extreme_logits():
 
 
 @pytest.mark.parametrize("late", [40.0, 200.0])
-def test_fused_forward_running_reference(late, kernels, chunks):
+def test_fused_forward_running_reference(late, chunks):
     """No softcap: the first chunk's logits are small and a later column's are
     `late` larger. 40 stays within the running reference's headroom; 200
     outruns it, which must send the forward through its exact second pass.
@@ -377,7 +391,7 @@ def test_fused_forward_running_reference(late, kernels, chunks):
     w = w.astype(mx.bfloat16)
     g = mx.random.normal((m,), key=mx.random.key(7))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(8))
-    logp, lse, dh = h_grad(hid, w, y, g, g_lse, None, mx.gpu, True)
+    logp, lse, dh = h_grad(hid, w, y, g, g_lse, None, mx.gpu, True, tuning=chunks)
     r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y, g,
                                  g_lse, None, mx.cpu, True)
     assert float(r_lse.max()) > late / 2  # the regime under test

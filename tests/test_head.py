@@ -587,3 +587,36 @@ def test_explicit_cpu_stream():
     a = fc.flash_cce_forward(h, w, y, stream=mx.cpu)[0]
     b = fc.flash_cce_forward(h, w, y, stream=mx.cpu, backend="fallback")[0]
     np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+
+
+def test_tuning_keys_and_defaults():
+    """Every tuning key with its default; None keeps a default, and a set key
+    comes back as given."""
+    defaults = fc._ext.check_tuning()
+    assert defaults == {"wgmma": True, "quant_rs": True, "gather_targets": True, "row_block": 0,
+                        "vocab_chunk": 0, "fwd_l2_mb": 0, "dh_splits": 0, "num_threads": 0}
+    assert fc._ext.check_tuning({"row_block": None}) == defaults
+    assert fc._ext.check_tuning({"wgmma": False, "num_threads": 3}) == {
+        **defaults, "wgmma": False, "num_threads": 3}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_thread_count_from_tuning(threads):
+    """tuning={"num_threads": n} reaches the forward and, through the VJP that
+    keeps the forward's tuning, the backward. More or fewer threads only
+    reorder fp32 sums over V = 700 terms: results agree with the default to a
+    few fp32 roundings."""
+    h, w, y = make_inputs(6, 24, 700)
+
+    def run(tuning):
+        def loss(h, w):
+            logp, lse = fc.flash_cce_forward(h, w, y, stream=mx.cpu, backend="native",
+                                             tuning=tuning)
+            return (logp * mx.arange(6)).sum() + lse.sum()
+
+        return mx.value_and_grad(loss, argnums=(0, 1))(h, w)
+
+    a_val, (a_dh, a_dw) = run(None)
+    b_val, (b_dh, b_dw) = run({"num_threads": threads})
+    for a, b in ((a_val, b_val), (a_dh, b_dh), (a_dw, b_dw)):
+        np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-5, atol=1e-6)

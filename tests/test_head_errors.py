@@ -112,3 +112,27 @@ def test_bad_backend_and_reduction():
         fc.linear_cross_entropy(h, w, y, reduction="avg")
     with pytest.raises(ValueError, match="head must be an mx.array"):
         fc.linear_logprobs(h, "lm_head", y)
+
+
+TUNING_CASES = {
+    "unknown key": ({"row_blocks": 4}, r"unknown tuning key 'row_blocks'; allowed: wgmma, .*num_threads"),
+    "flag as int": ({"wgmma": 0}, r"tuning\['wgmma'\] must be True or False"),
+    "size as bool": ({"row_block": True}, r"tuning\['row_block'\] must be an integer >= 1"),
+    "negative size": ({"vocab_chunk": -256}, r"tuning\['vocab_chunk'\] must be an integer >= 1"),
+    "size as float": ({"num_threads": 2.0}, r"tuning\['num_threads'\] must be a bool or an int"),
+    "not a dict": ([("row_block", 4)], "tuning must be a dict or None"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(TUNING_CASES))
+def test_bad_tuning(case, backend):
+    """A bad `tuning` is rejected by both ops on either backend (the fallback
+    has no kernels to tune, but a typo must not pass silently)."""
+    tuning, msg = TUNING_CASES[case]
+    h, w, y = dense()
+    with pytest.raises(ValueError, match=msg):
+        fc.flash_cce_forward(h, w, y, backend=backend, tuning=tuning)
+    lse = mx.zeros(y.shape)
+    with pytest.raises(ValueError, match=msg):
+        fc.flash_cce_backward(h, w, y, lse, mx.ones(y.shape), backend=backend, tuning=tuning)

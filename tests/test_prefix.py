@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flash_cce import prefix
+from flash_cce import caches, prefix
 from flash_cce.attention import routed
 from flash_cce.batch import Pair
 from flash_cce.lm import LM
@@ -79,7 +79,7 @@ def test_packed_loss_and_grads_equal_two_forwards(arch, monkeypatch):
     rng = np.random.default_rng(4)
     pairs = [random_pair(rng, 7, 8, 6), random_pair(rng, 5, 5, 5)]
     packed = []
-    monkeypatch.setattr(prefix.PackedCache, "__init__",
+    monkeypatch.setattr(caches.PackedCache, "__init__",
                         lambda self, offsets: packed.append(1) or setattr(self, "offset", offsets))
     two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
     assert not packed

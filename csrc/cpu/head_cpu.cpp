@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -22,12 +21,11 @@ namespace {
 
 constexpr int64_t VB = 128; // vocabulary rows per block
 
-int thread_count(int64_t blocks) {
-  int n = static_cast<int>(std::thread::hardware_concurrency());
-  if (const char* env = std::getenv("FLASH_CCE_NUM_THREADS")) {
-    n = std::atoi(env);
-  }
-  return static_cast<int>(std::clamp<int64_t>(blocks, 1, std::max(n, 1)));
+// tuning.num_threads, or one thread per hardware thread.
+int thread_count(const HeadTuning& t, int64_t blocks) {
+  const int64_t n = t.num_threads > 0 ? t.num_threads
+                                      : static_cast<int64_t>(std::thread::hardware_concurrency());
+  return static_cast<int>(std::clamp<int64_t>(blocks, 1, std::max<int64_t>(n, 1)));
 }
 
 template <class F>
@@ -208,7 +206,7 @@ void over_blocks(const HeadProblem& p, Workspace& ws, int threads, F&& fn) {
 }
 
 int threads_for(const HeadProblem& p) {
-  return thread_count((p.V + VB - 1) / VB);
+  return thread_count(p.cfg.tuning, (p.V + VB - 1) / VB);
 }
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

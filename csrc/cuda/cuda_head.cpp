@@ -1,168 +1,27 @@
-// Host side of the CUDA flash-CCE head: loads the kernels' fatbin once per
-// process with the driver API (libmlx links the CUDA runtime statically, so
-// kernels registered with our own runtime would be invisible to MLX's graphs),
-// plans the launches and records them on MLX's command encoder.
+// Host side of the CUDA flash-CCE head: the passes of the forward, the
+// backward and the fused dh, recorded as launches on MLX's command encoder
+// (kernels from loader.h, chosen in dispatch.h, sized by plan.h).
 #include "cuda_head.h"
 
 #include <cuda.h>
-#include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <mutex>
-#include <stdexcept>
 #include <string>
-#include <unordered_map>
 
+#include "dispatch.h"
+#include "loader.h"
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 #include "params.h"
+#include "plan.h"
+#include "tma.h"
 
 namespace flash_cce::cuda {
 
 namespace {
 
-void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) {
-    const char* msg = nullptr;
-    cuGetErrorString(r, &msg);
-    throw std::runtime_error(std::string("[flash_cce] ") + what + ": " +
-                             (msg ? msg : "unknown CUDA error"));
-  }
-}
-
-// The fatbin installed beside the extension module (FLASH_CCE_FATBIN overrides).
-std::string fatbin_path() {
-  if (const char* env = std::getenv("FLASH_CCE_FATBIN")) {
-    return env;
-  }
-  Dl_info info{};
-  if (!dladdr(reinterpret_cast<void*>(&fatbin_path), &info) || !info.dli_fname) {
-    throw std::runtime_error("[flash_cce] cannot locate the extension module");
-  }
-  std::string so = info.dli_fname;
-  return so.substr(0, so.find_last_of('/') + 1) + "flash_cce_kernels.fatbin";
-}
-
-// The image of the fatbin that the driver picked for this GPU.
-struct Image {
-  int arch = 0;           // __CUDA_ARCH__ it was compiled for (e.g. 900, 800)
-  int binary = 0;         // compute capability of the loaded machine code (e.g. 90)
-  int device = 0;         // the GPU's compute capability
-  bool jit = false;       // PTX compiled by the driver at load time
-  bool wgmma = false;     // holds the Hopper kernels
-};
-
-class Kernels {
- public:
-  CUfunction get(const std::string& name, int ordinal, int smem) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ensure_loaded(ordinal);
-    auto it = fns_.find(name);
-    if (it != fns_.end()) {
-      return it->second;
-    }
-    CUfunction fn;
-    check(cuModuleGetFunction(&fn, module_, name.c_str()), ("kernel " + name).c_str());
-    check(cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-          "shared memory size");
-    fns_.emplace(name, fn);
-    return fn;
-  }
-
-  const Image& image(int ordinal) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ensure_loaded(ordinal);
-    return image_info_;
-  }
-
- private:
-  void ensure_loaded(int ordinal) {
-    if (!module_) {
-      ordinal_ = ordinal;
-      load();
-      describe();
-    }
-  }
-
-  int read_global(const char* name) {
-    CUdeviceptr ptr;
-    size_t bytes = 0;
-    check(cuModuleGetGlobal(&ptr, &bytes, module_, name), name);
-    int v = 0;
-    check(cuMemcpyDtoH(&v, ptr, sizeof(v)), name);
-    return v;
-  }
-
-  // A SASS image runs as compiled (binary == arch / 10); PTX is compiled by
-  // the driver for the GPU at hand, so its binary version is the GPU's.
-  void describe() {
-    Image& im = image_info_;
-    im.arch = read_global("fcce_image_arch");
-    im.wgmma = read_global("fcce_image_wgmma") != 0;
-    CUfunction fn;
-    check(cuModuleGetFunction(&fn, module_, "fcce_zero"), "kernel fcce_zero");
-    check(cuFuncGetAttribute(&im.binary, CU_FUNC_ATTRIBUTE_BINARY_VERSION, fn),
-          "binary version");
-    CUdevice dev;
-    int major = 0, minor = 0;
-    check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
-    check(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-          "compute capability");
-    check(cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-          "compute capability");
-    im.device = major * 10 + minor;
-    im.jit = im.binary * 10 != im.arch;
-  }
-
-  void load() {
-    const std::string path = fatbin_path();
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-      throw std::runtime_error("[flash_cce] missing CUDA kernels: " + path);
-    }
-    image_.assign(std::istreambuf_iterator<char>(in), {});
-    // MLX has made its device current through the runtime; make sure the
-    // driver sees that primary context on this thread too.
-    CUcontext ctx = nullptr;
-    check(cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
-    if (!ctx) {
-      CUdevice dev;
-      check(cuInit(0), "cuInit");
-      check(cuDeviceGet(&dev, ordinal_), "cuDeviceGet");
-      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
-    }
-    check(cuModuleLoadData(&module_, image_.data()), ("loading " + path).c_str());
-  }
-
-  std::mutex mutex_;
-  std::string image_;
-  CUmodule module_ = nullptr;
-  Image image_info_;
-  int ordinal_ = 0;
-  std::unordered_map<std::string, CUfunction> fns_;
-};
-
-Kernels& kernels() {
-  static Kernels k;
-  return k;
-}
-
 int32_t src_kind(mx::Dtype t) {
   return t == mx::bfloat16 ? kBF16 : t == mx::float16 ? kF16 : kF32;
-}
-
-// Tensor-core operand type: fp16 when h is fp16, else bf16 (fp32 operands are
-// rounded to bf16 in the loaders; accumulation is always fp32).
-bool use_f16(const HeadProblem& p) {
-  return p.h_dtype == mx::float16;
-}
-
-mx::Dtype compute_dtype(const HeadProblem& p) {
-  return use_f16(p) ? mx::float16 : mx::bfloat16;
 }
 
 // A row-major [rows, cols] operand of dtype t, read natively when it already
@@ -199,22 +58,6 @@ Operand weight(const HeadProblem& p, mx::Dtype compute) {
   return o;
 }
 
-// Kernel name suffix: compute type and weight loader.
-std::string variant(const HeadProblem& p) {
-  std::string t = use_f16(p) ? "f16" : "bf16";
-  if (!p.cfg.quantized) {
-    return t + "_dense";
-  }
-  if (p.cfg.bits == 4 || p.cfg.bits == 8) {
-    return t + "_q" + std::to_string(p.cfg.bits);
-  }
-  return t + "_qany";
-}
-
-int64_t cdiv(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 mx::array scratch(mx::cu::CommandEncoder& enc, mx::Shape shape, mx::Dtype t) {
   mx::array a(std::move(shape), t, nullptr, {});
   a.set_data(mx::allocator::malloc(a.nbytes()));
@@ -235,98 +78,11 @@ struct Launch {
   template <class P>
   void operator()(const std::string& name, int64_t blocks, uint32_t smem, P& params,
                   int threads = kThreads) {
-    CUfunction fn = kernels().get(name, ordinal, std::max<int>(smem, 1));
+    CUfunction fn = kernel_function(name, ordinal, std::max<int>(smem, 1));
     enc.add_kernel_node_ex(fn, dim3(static_cast<unsigned>(blocks)), dim3(threads), dim3(1),
                            smem, params);
   }
 };
-
-// Whether environment switch `name` (benchmarks) is set and starts with `c`.
-bool env_is(const char* name, char c) {
-  const char* env = std::getenv(name);
-  return env && env[0] == c;
-}
-
-// The Hopper path takes a 16-bit h with 16-byte rows and either a dense W of
-// the same type or a 4- or 8-bit one (dequantized by the producer warpgroup).
-// Other heads use the mma.sync kernels.
-bool use_wgmma(const mx::Stream& s, const HeadProblem& p) {
-  // FLASH_CCE_NO_WGMMA=1 selects the portable mma.sync kernels (benchmarks).
-  const bool off = env_is("FLASH_CCE_NO_WGMMA", '1');
-  const auto& dev = mx::cu::device(s.device);
-  // The Hopper kernels read packed rows as 16-byte vectors and find a column's
-  // group with a shift. They dequantize 4-bit codes two at a time with one fma
-  // in the operand type, exact only for scales and biases of that type; others
-  // (fp16 ones with bf16 h, fp32 ones) take the portable kernels' fp32 fma.
-  const int gs = p.cfg.group_size;
-  const bool q4_exact = p.cfg.bits != 4 || p.sb_dtype == compute_dtype(p);
-  const bool weight_ok = reinterpret_cast<uintptr_t>(p.w) % 16 == 0 &&
-      (p.cfg.quantized ? (p.cfg.bits == 4 || p.cfg.bits == 8) && gs >= 32 &&
-                             (gs & (gs - 1)) == 0 && q4_exact
-                       : p.w_dtype == p.h_dtype);
-  return !off && dev.compute_capability_major() == 9 &&
-      kernels().image(s.device.index).wgmma && weight_ok &&
-      (p.h_dtype == mx::bfloat16 || p.h_dtype == mx::float16) && p.H % 8 == 0 &&
-      reinterpret_cast<uintptr_t>(p.h) % 16 == 0;
-}
-
-// Suffix of a Hopper GEMM kernel: compute type and how B reaches shared memory.
-std::string wg_variant(const HeadProblem& p) {
-  std::string t = use_f16(p) ? "f16" : "bf16";
-  return t + (p.cfg.quantized ? "_q" + std::to_string(p.cfg.bits) : "_dense");
-}
-
-// A 2-D TMA descriptor over a row-major [rows, cols] matrix of `type` with
-// row stride `pitch` bytes, read in boxes of box_rows x box_cols elements.
-// Reads past rows or cols give zeros.
-CUtensorMap encode_2d(const void* ptr, CUtensorMapDataType type, int64_t rows, int64_t cols,
-                      int64_t pitch, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
-  CUtensorMap m;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t elem[2] = {1, 1};
-  check(cuTensorMapEncodeTiled(&m, type, 2, const_cast<void*>(ptr), dims, strides, box, elem,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-        "cuTensorMapEncodeTiled");
-  return m;
-}
-
-// TMA descriptor of a row-major [rows, cols] 16-bit matrix (row stride ld),
-// read in boxes of box_rows x 64 with the 128-byte swizzle the wgmma
-// descriptors expect.
-CUtensorMap tensor_map(const void* ptr, mx::Dtype t, int64_t rows, int64_t cols, int box_rows,
-                       int64_t ld = 0) {
-  return encode_2d(ptr,
-                   t == mx::float16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                   rows, cols, (ld ? ld : cols) * 2, box_rows, kWgTileK,
-                   CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
-// TMA descriptor of a quantized W's packed words, [V, H * bits / 32] uint32,
-// read in boxes of box_rows rows x box_cols columns of W, swizzled with the
-// span of a box row (32, 64 or 128 bytes; tile_load in the kernels).
-CUtensorMap packed_map(const HeadProblem& p, int box_rows, int box_cols) {
-  const int64_t words = p.H * p.cfg.bits / 32;
-  const int row_bytes = box_cols * p.cfg.bits / 8;
-  const CUtensorMapSwizzle swizzle = row_bytes == 32   ? CU_TENSOR_MAP_SWIZZLE_32B
-                                     : row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                                       : CU_TENSOR_MAP_SWIZZLE_128B;
-  return encode_2d(p.w, CU_TENSOR_MAP_DATA_TYPE_UINT32, p.V, words, words * 4, box_rows,
-                   box_cols * p.cfg.bits / 32, swizzle);
-}
-
-// On Hopper a quantized head's forward, fused P pass and dh take W as the
-// register operand (head_wgmma_rs.cuh) unless FLASH_CCE_QUANT_RS=0 asks for
-// the dequantizing producer (benchmarks). TMA needs 16-byte rows of packed
-// words; the scales and biases are 16-bit (fp32 ones take the producer).
-bool use_rs(const HeadProblem& p) {
-  return p.cfg.quantized && !env_is("FLASH_CCE_QUANT_RS", '0') &&
-      (p.H * p.cfg.bits / 8) % 16 == 0 && (p.sb_dtype == mx::bfloat16 || p.sb_dtype == mx::float16);
-}
 
 void set_pointers(HeadProblem& p, const std::vector<mx::array>& in, size_t scales_at) {
   p.h = mx::gpu_ptr<void>(in[0]);
@@ -350,61 +106,10 @@ mx::cu::CommandEncoder& begin(mx::Stream s, HeadProblem& p, const std::vector<mx
   return enc;
 }
 
-// Multiprocessors of the device: the grid of the persistent kernels.
-int sm_count(int ordinal) {
-  static std::mutex mutex;
-  static std::unordered_map<int, int> counts;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = counts.find(ordinal);
-  if (it == counts.end()) {
-    CUdevice dev;
-    int n = 0;
-    check(cuDeviceGet(&dev, ordinal), "cuDeviceGet");
-    check(cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-          "multiprocessor count");
-    it = counts.emplace(ordinal, n).first;
-  }
-  return it->second;
-}
-
-// Vocabulary splits of the forward: enough blocks for ~8 waves of one block
-// per multiprocessor, while the [splits, M] partials stay under 32 MB.
-int forward_splits(int64_t M, int64_t v_tiles, int64_t m_tiles) {
-  const int64_t want = cdiv(132 * 8, m_tiles);
-  const int64_t cap = std::max<int64_t>(1, (int64_t(4) << 20) / M);
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, v_tiles));
-}
-
-// m tiles a forward group keeps in flight: their rows of h, re-read for every
-// vocabulary tile, must stay in L2 (16 MB of the card's 50, the rest for the
-// W tiles the splits stream); each group reads all of W once.
-// FLASH_CCE_FWD_L2_MB sets another budget (benchmarks).
-int forward_group(int64_t m_tiles, int64_t tile_rows, int64_t H, int64_t elt) {
-  int64_t budget = 16;
-  if (const char* env = std::getenv("FLASH_CCE_FWD_L2_MB")) {
-    budget = std::max<int64_t>(1, std::atoll(env));
-  }
-  const int64_t fit = (budget << 20) / (tile_rows * H * elt);
-  return static_cast<int>(std::clamp<int64_t>(fit, 1, m_tiles));
-}
-
-// Width of the vocabulary chunk of the backward and the fused forward, a
-// multiple of both tile widths: the [M, width] dS buffer stays under 48 MB.
-// FLASH_CCE_VOCAB_CHUNK asks for narrower chunks (tests of the chunk loop).
-int64_t backward_chunk(int64_t M, int64_t V) {
-  int64_t cols = (int64_t(48) << 20) / (2 * M);
-  if (const char* env = std::getenv("FLASH_CCE_VOCAB_CHUNK")) {
-    cols = std::min<int64_t>(cols, std::atoll(env));
-  }
-  return std::clamp<int64_t>(cols / kWgTileN * kWgTileN, kWgTileN, cdiv(V, kWgTileN) * kWgTileN);
-}
-
-// Whether the Hopper kernels leave the target logits to gather_targets: the
-// register-operand (4/8-bit) ones always, the dense ones unless
-// FLASH_CCE_GATHER_TARGETS=0 (benchmarks).
-bool gathers_targets(const mx::Stream& s, const HeadProblem& p) {
-  return use_wgmma(s, p) &&
-      (use_rs(p) || (!p.cfg.quantized && !env_is("FLASH_CCE_GATHER_TARGETS", '0')));
+// Width of the vocabulary chunk of the backward and the fused forward for
+// blocks of M rows, a multiple of every tile width.
+int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V) {
+  return vocab_chunk(plan, M, V, kWgTileN);
 }
 
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
@@ -425,7 +130,7 @@ void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProbl
     enc.set_input_array(a);
   }
   enc.set_output_array(out);
-  launch("fcce_target_" + wg_variant(p), cdiv(p.M, kThreads / 32), 0, tp);
+  launch(kernel_name("target", wg_variant(p)), cdiv(p.M, kThreads / 32), 0, tp);
 }
 
 // The forward GEMM over the vocabulary [0, V_used): per-split row partials
@@ -449,10 +154,11 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   const int tile_rows = rs ? kRsTileM : kTileM;
   fp.m_tiles = static_cast<int>(cdiv(p.M, tile_rows));
   fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
-  fp.splits = forward_splits(p.M, fp.v_tiles, fp.m_tiles);
+  const LaunchPlan plan = launch_plan(s, p);
+  fp.splits = forward_splits(plan, p.M, fp.v_tiles, fp.m_tiles);
   fp.tiles_per_split = static_cast<int>(cdiv(fp.v_tiles, fp.splits));
   fp.splits = static_cast<int>(cdiv(fp.v_tiles, fp.tiles_per_split));
-  fp.m_group = forward_group(fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
+  fp.m_group = forward_group(plan, fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
   fp.cap = p.cfg.softcap;
 
   auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
@@ -475,7 +181,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
     wp.h_map = tensor_map(p.h, p.h_dtype, p.M, p.H, kRsTileM);
     wp.w_map = packed_map(p, kRsTileV, kWgTileK);
     wp.p = kp;
-    launch("fcce_fwd_rs_" + wg_variant(p), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
+    launch(kernel_name("fwd_rs", wg_variant(p)), int64_t(fp.m_tiles) * fp.splits, kRsSmemBytes, wp,
            kWgThreads);
   } else if (wg) {
     WgFwdParams wp{};
@@ -484,24 +190,12 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
       wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     }
     wp.p = kp;
-    launch("fcce_fwd_wg_" + wg_variant(p),
+    launch(kernel_name("fwd_wg", wg_variant(p)),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
-    launch("fcce_fwd_" + variant(p), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+    launch(kernel_name("fwd", variant(p)), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
   }
   return {parts, fp};
-}
-
-// Rows per block of the chunked passes. The fp32 [rows, H] accumulator is read
-// and written once per vocabulary chunk, and a chunk holds 48 MB / (2 rows)
-// columns, so that traffic grows with rows^2: blocks of at most 4096 rows keep
-// it linear in M. FLASH_CCE_ROW_BLOCK sets another size (tests of the loop).
-int64_t row_block(int64_t M) {
-  int64_t rows = 4096;
-  if (const char* env = std::getenv("FLASH_CCE_ROW_BLOCK")) {
-    rows = std::max<int64_t>(1, std::atoll(env));
-  }
-  return std::min(M, rows);
 }
 
 // Rows [r0, r0 + rows) of p as a problem of their own.
@@ -513,18 +207,13 @@ HeadProblem row_slice(const HeadProblem& p, int64_t r0, int64_t rows) {
   return q;
 }
 
-// Width of the fused forward's row-sum tiles: the P kernel's vocabulary tile.
-int64_t stats_tile_width(bool wgmma, bool rs) {
-  return !wgmma ? kTileN : rs ? kRsTileV : kWgTileN;
-}
-
 // The dh kernels' DhSplit flags (at most one per multiprocessor), zeroed once
 // per call: each split tile's last piece sets its flag back to 0.
 mx::array split_flags(mx::Stream s, mx::cu::CommandEncoder& enc, const HeadProblem& p) {
   if (!use_wgmma(s, p)) {
     return mx::array(0);
   }
-  const int n = sm_count(s.device.index);
+  const int n = device_info(s.device.index).sms;
   auto flags = scratch(enc, {n}, mx::int32);
   ZeroParams z{mx::gpu_ptr<int32_t>(flags), n};
   enc.set_output_array(flags);
@@ -549,7 +238,8 @@ class ChunkPasses {
     M_ = p.M;
     chunk_ = chunk;
     wg_ = use_wgmma(s, p);
-    sms_ = sm_count(s.device.index);
+    plan_ = launch_plan(s, p);
+    sms_ = plan_.sms;
     m_tiles_ = static_cast<int>(cdiv(M_, kTileM));
 
     ds_.h = dense(p.h, p.h_dtype, M_, p.H, p.H, ct);
@@ -585,8 +275,6 @@ class ChunkPasses {
     }
   }
 
-  int64_t chunk() const { return chunk_; }
-  const mx::array& buffer() const { return buf_; }
   DsParams& ds() { return ds_; }
   DhParams& dh() { return dh_; }
   Launch& launch() { return launch_; }
@@ -607,15 +295,15 @@ class ChunkPasses {
     }
     if (rs_ && ds_.part_sum) {
       rs_p_.p = ds_;
-      launch_("fcce_p_rs_" + wg_variant(p_),
+      launch_(kernel_name("p_rs", wg_variant(p_)),
               std::min<int64_t>(cdiv(M_, kRsTileM) * cdiv(width, kRsTileV), sms_), kRsPSmemBytes,
               rs_p_, kWgThreads);
     } else if (wg_) {
       wg_ds_.p = ds_;
-      launch_((ds_.part_sum ? "fcce_p_wg_" : "fcce_ds_wg_") + wg_variant(p_), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
+      launch_(kernel_name(ds_.part_sum ? "p_wg" : "ds_wg", wg_variant(p_)), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
               kWgSmemBytes, wg_ds_, kWgThreads);
     } else {
-      launch_("fcce_ds_" + variant(p_), m_tiles_ * tiles(width), kSmemBytes, ds_);
+      launch_(kernel_name("ds", variant(p_)), m_tiles_ * tiles(width), kSmemBytes, ds_);
     }
   }
 
@@ -645,33 +333,30 @@ class ChunkPasses {
       wg_dh_.v0 = v0;
       wg_dh_.width = width;
       wg_dh_.split = dh_split(tiles, width);
-      launch_((rs_ ? "fcce_dh_rs_" : "fcce_dh_wg_") + wg_variant(p_),
+      launch_(kernel_name(rs_ ? "dh_rs" : "dh_wg", wg_variant(p_)),
               std::min<int64_t>(dh_units(wg_dh_.split), sms_),
               rs_ ? kRsDhSmemBytes : kWgSmemBytes, wg_dh_, kWgThreads);
     } else {
-      launch_("fcce_dh_" + variant(p_), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
+      launch_(kernel_name("dh", variant(p_)), int64_t(m_tiles_) * cdiv(p_.H, kTileN), kSmemBytes,
               dh_);
     }
   }
 
  private:
   // The split of the last round of a dh launch over `tiles` output tiles.
-  // FLASH_CCE_DH_SPLITS caps the pieces a tile (1: none; benchmarks).
+  // plan_.dh_splits caps the pieces a tile (1: none).
   DhSplit dh_split(int64_t tiles, int64_t width) {
-    int max_splits = 4;
-    if (const char* env = std::getenv("FLASH_CCE_DH_SPLITS")) {
-      max_splits = std::max(1, std::atoi(env));
-    }
     DhSplit sp{};
     sp.flags = mx::gpu_ptr<int32_t>(flags_);
     plan_dh_split(sp, static_cast<int>(tiles), sms_, static_cast<int>(cdiv(width, kWgTileK)),
-                  max_splits, 4);
+                  plan_.dh_splits, 4);
     return sp;
   }
 
   mx::cu::CommandEncoder& enc_;
   Launch launch_;
   HeadProblem p_;
+  LaunchPlan plan_;
   const std::vector<mx::array>& inputs_;
   mx::array acc_;
   mx::array buf_;
@@ -700,7 +385,8 @@ class ChunkPasses {
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
-  const int64_t H = p.H, block = row_block(p.M), chunk = backward_chunk(block, p.V);
+  const LaunchPlan plan = launch_plan(s, p);
+  const int64_t H = p.H, block = row_block(plan, p.M), chunk = backward_chunk(plan, block, p.V);
   const bool wg = use_wgmma(s, p);
   const int64_t tiles = cdiv(chunk, stats_tile_width(wg, wg && use_rs(p)));
   const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
@@ -850,7 +536,9 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   const auto ct = compute_dtype(p);
   const int64_t H = p.H, V = p.V;
   // dW sums over every row per chunk: one block of all rows then.
-  const int64_t block = want_dw ? p.M : row_block(p.M), chunk = backward_chunk(block, V);
+  const LaunchPlan plan = launch_plan(s, p);
+  const int64_t block = want_dw ? p.M : row_block(plan, p.M);
+  const int64_t chunk = backward_chunk(plan, block, V);
   auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, ct);
   // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer
   // (one row block's, reused).
@@ -904,10 +592,10 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
       if (passes.wgmma()) {
         wwp.a_map = tensor_map(wp.ds.ptr, ct, M, width, 64, chunk);
         wwp.p = wp;
-        passes.launch()("fcce_dw_wg_" + t, v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
+        passes.launch()(kernel_name("dw_wg", t), v_tiles * cdiv(H, kWgTileN), kWgSmemBytes, wwp,
                         kWgThreads);
       } else {
-        passes.launch()("fcce_dw_" + t, v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
+        passes.launch()(kernel_name("dw", t), v_tiles * cdiv(H, kTileN), kSmemBytes, wp);
       }
     }
   }
@@ -937,16 +625,6 @@ void fused_dh(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   }
   enc.set_output_array(outputs[0]);
   Launch{enc, s.device.index}("fcce_fused_dh", p.M, 0, fp);
-}
-
-std::string kernel_image(int ordinal) {
-  const Image& im = kernels().image(ordinal);
-  auto sm = [](int v) { return std::to_string(v); };
-  std::string out = "device sm_" + sm(im.device) + ", image ";
-  out += im.jit ? "compute_" + sm(im.arch / 10) + " PTX, JIT-compiled to sm_" + sm(im.binary)
-                : "sm_" + sm(im.binary) + (im.wgmma ? "a" : "") + " SASS";
-  out += im.wgmma ? ", Hopper kernels" : ", portable kernels";
-  return out;
 }
 
 } // namespace flash_cce::cuda

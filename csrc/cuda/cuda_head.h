@@ -1,4 +1,4 @@
-// CUDA evaluation of the flash-CCE primitives (kernels in head_kernels.cu).
+// CUDA evaluation of the flash-CCE primitives (kernels in kernels.cu and its headers).
 #pragma once
 
 #include <string>
@@ -25,5 +25,10 @@ void fused_dh(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& 
 // Which fatbin image the driver loaded for GPU `ordinal` and which kernels it
 // routes to, e.g. "device sm_90, image sm_90a SASS, Hopper kernels".
 std::string kernel_image(int ordinal);
+
+// The device attributes of GPU `ordinal` and the launch sizes `tuning`
+// resolves to there (plan.h), as (name, value) pairs.
+std::vector<std::pair<std::string, int64_t>> launch_plan_items(int ordinal,
+                                                               const HeadTuning& tuning);
 
 } // namespace flash_cce::cuda

@@ -3,8 +3,14 @@
 // h and 256 x 64 tiles of W with the tensor copy engine into a 4-stage ring of
 // 128-byte-swizzled shared memory; two consumer warpgroups each run wgmma
 // m64n256k16 on 64 rows and then apply the fused epilogue to their
-// accumulators. Included by head_kernels.cu (inside its anonymous namespace).
+// accumulators.
 #pragma once
+
+#include "device.cuh"
+
+namespace flash_cce::cuda {
+
+namespace {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASH_CCE_WGMMA 1
@@ -293,8 +299,8 @@ struct QTile {
   uint4 v[kSegs][kVecs];
   // Two sets of the scales' and biases' bits, by k-step parity: each k-step
   // loads the next tile's into one and converts the other's, loaded a k-step
-  // before. Converting them as they were loaded made the producer wait for
-  // the loads: its most-sampled stall (Nsight Compute).
+  // before. Converting them as they were loaded would make the producer wait
+  // for the loads.
   uint32_t scale[2][kSegs][kGroups], bias[2][kSegs][kGroups];
   // 4-bit tiles take them as a pair of T, 8-bit ones as a float.
   using Scale = std::conditional_t<QB == 4, uint32_t, float>;
@@ -1090,3 +1096,7 @@ __device__ __forceinline__ void dw_wg_body(const WgDwParams& P) {
   }
 #endif
 }
+
+} // namespace
+
+} // namespace flash_cce::cuda

@@ -13,8 +13,13 @@
 // that share a column leaves each lane 8 columns, whose running (max, sum)
 // live in shared memory per warp.
 // dh computes dh^T = W^T dS^T with fragments from ldmatrix.trans (dh_rs_body).
-// Included by head_kernels.cu after head_wgmma.cuh.
 #pragma once
+
+#include "head_wgmma.cuh"
+
+namespace flash_cce::cuda {
+
+namespace {
 
 #ifdef FLASH_CCE_WGMMA
 
@@ -34,8 +39,7 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
 // pairs of T for 4-bit codes, floats for 8-bit ones. They come from the stage,
 // where the producer put the k-step's first two groups of 16-bit values for
 // each of the tile's rows (16 bytes a row): global loads in the consumers' k
-// loop would hold up the next wgmma.fence, which waits for them (4-bit forward
-// at 8192 x 2560 x 262144 on an H200: 28.9 ms with them, 22.8 with the copies).
+// loop would hold up the next wgmma.fence, which waits for them.
 template <int QB>
 struct RsScales {
   using S = std::conditional_t<QB == 4, uint32_t, float>;
@@ -836,9 +840,9 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
 // The Hopper forward and P kernels' target logits (gather_targets), one warp a
 // row: s[m, y_m] from the values the MMA multiplies (h and a dense W in T, a
 // quantized W dequantized as the fragments are), summed in fp32 in another
-// order (differences ~1e-6 relative), softcapped the same way. A separate pass costs M x H reads;
-// looking for the targets in the 4-bit P epilogue, 64 rows a thread, cost 5.4
-// of its 26.6 ms at (8192, 2560, 262144) with softcap 30.
+// order (differences ~1e-6 relative), softcapped the same way. A separate pass costs M x H reads,
+// far less than looking for the targets in the 4-bit P epilogue (64 rows a thread), where every
+// logit would be compared with its row's target.
 template <class T, int QB>
 __device__ __forceinline__ void target_body(const TargetParams& p) {
   const int lane = threadIdx.x & 31;
@@ -930,3 +934,7 @@ __device__ __forceinline__ void fwd_rs_entry(const WgFwdParams& P) {
   fwd_rs_body<T, QB>(P);
 #endif
 }
+
+} // namespace
+
+} // namespace flash_cce::cuda

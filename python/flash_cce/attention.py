@@ -31,7 +31,7 @@ from . import fused
 
 # Queries per block. Larger blocks mean fewer, larger matmuls; the gradient's
 # extra memory is that of about 8 float32 block-score arrays [B, heads, block, Lk]
-# (measured on the CPU with q/k/v-sized arrays included, tests/test_attention.py).
+# (q/k/v-sized arrays included; tests/test_attention.py bounds it).
 DEFAULT_BLOCK = 512
 
 _NEG = -3.0e38  # masked score: finite, so a fully masked row stays a number
@@ -90,15 +90,27 @@ def _scores(qb, k, m):
     return s + m.astype(mx.float32)
 
 
-def _fused(mask):
+def _kernels(kernels):
+    """The `kernels` argument as a bool: None means where they run."""
+    if kernels is None:
+        return fused.available()
+    if kernels not in (True, False):
+        raise ValueError(f"kernels must be None, True or False, got {kernels!r}")
+    if kernels and not fused.available():
+        raise ValueError("kernels=True but the fused kernels need MLX's CUDA backend "
+                         "as the default device")
+    return kernels
+
+
+def _fused(mask, kernels):
     # Masks made from positions only; an explicit mask array takes the MLX ops.
-    return (mask is None or isinstance(mask, str)) and fused.available()
+    return (mask is None or isinstance(mask, str)) and kernels
 
 
-def _probs(qb, kb, mask, window, lq, lk, span, dtype):
+def _probs(qb, kb, mask, window, lq, lk, span, dtype, kernels):
     """`(p, lse)` of a block: probabilities in `dtype`, float32 row logsumexp."""
     b0, b1, k0, k1 = span
-    if _fused(mask):
+    if _fused(mask, kernels):
         return fused.softmax(
             qb @ kb.swapaxes(-1, -2), b0 + lk - lq, k0, isinstance(mask, str), window, dtype
         )
@@ -107,11 +119,11 @@ def _probs(qb, kb, mask, window, lq, lk, span, dtype):
     return mx.exp(s - lse).astype(dtype), lse
 
 
-def _score_grads(qb, kb, dob, vb, lse, delta, mask, window, lq, lk, span):
+def _score_grads(qb, kb, dob, vb, lse, delta, mask, window, lq, lk, span, kernels):
     """`(p, ds)` of a block in the queries' dtype: its probabilities and the
     gradient of its scores, `p * (dO V^T - delta)`."""
     b0, b1, k0, k1 = span
-    if _fused(mask):
+    if _fused(mask, kernels):
         return fused.score_grads(
             qb @ kb.swapaxes(-1, -2), dob @ vb.swapaxes(-1, -2), lse, delta,
             b0 + lk - lq, k0, isinstance(mask, str), window,
@@ -145,7 +157,7 @@ def spans(lq, lk, block, mask=None, window=None):
     return out
 
 
-def _forward(q, k, v, mask, window, scale, block):
+def _forward(q, k, v, mask, window, scale, block, kernels):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
     qs = _grouped(q * scale, groups)
@@ -155,7 +167,8 @@ def _forward(q, k, v, mask, window, scale, block):
         qb = qs[:, :, :, b0:b1]
         if outs:  # one block at a time: the next starts after the last is done
             qb = mx.depends(qb, outs[-1])
-        p, lse = _probs(qb, k5[:, :, :, k0:k1], mask, window, lq, lk, (b0, b1, k0, k1), v.dtype)
+        p, lse = _probs(qb, k5[:, :, :, k0:k1], mask, window, lq, lk, (b0, b1, k0, k1), v.dtype,
+                        kernels)
         outs.append(p @ v5[:, :, :, k0:k1])
         lses.append(lse)
     o = mx.concatenate(outs, axis=3).reshape(b, heads, lq, v.shape[-1])
@@ -171,7 +184,7 @@ def _add_keys(acc, x, k0):
     return mx.slice_update(acc, part, mx.array([k0]), (2,))
 
 
-def _backward(q, k, v, mask, window, scale, block, o, lse, do):
+def _backward(q, k, v, mask, window, scale, block, o, lse, do, kernels):
     b, heads, lq, d = q.shape
     groups, lk = k.shape[1], k.shape[2]
     g = heads // groups
@@ -189,7 +202,7 @@ def _backward(q, k, v, mask, window, scale, block, o, lse, do):
             qb = mx.depends(qb, [dqs[-1], dk, dv])
         kb, vb = k5[:, :, :, k0:k1], v5[:, :, :, k0:k1]
         p, ds = _score_grads(qb, kb, dob, vb, lse[:, :, :, b0:b1], delta[:, :, :, b0:b1],
-                             mask, window, lq, lk, (b0, b1, k0, k1))
+                             mask, window, lq, lk, (b0, b1, k0, k1), kernels)
         dqs.append(ds @ kb)
         # The query heads of one KV head share its keys: sum over them in the matmul.
         p2 = p.reshape(b, groups, g * n, kn).swapaxes(-1, -2)
@@ -210,7 +223,6 @@ def _backward(q, k, v, mask, window, scale, block, o, lse, do):
 # Blocks whose scores one batched call computes at most (elements of the
 # `[B, Hq, blocks x block, keys]` scores): bounds the extra memory at long lengths.
 MAX_WINDOW_SCORES = 1 << 26
-BATCH_WINDOWS = True  # False: windowed calls take the block loop (tests)
 PACKED_WINDOWS = True  # False: packed sliding-window rows take two calls (benchmarks)
 
 
@@ -312,13 +324,13 @@ def _kernel_args(g, rows):
                 blocks=(g.n, rows, g.nb, g.n), key_start=g.key_start)
 
 
-def _window_forward(q, k, v, scale, block, window, key_start=None):
+def _window_forward(q, k, v, scale, block, window, kernels, key_start=None):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
     g = _Windows(lq, lk, block, window, key_start)
     qb = _blocked(q * scale, g, groups)
     kw, vw = _gathered(k, g), _gathered(v, g)
-    if fused.available():
+    if kernels:
         p, lse = fused.softmax(qb @ kw.swapaxes(-1, -2), dtype=v.dtype, **_kernel_args(g, qb.shape[3]))
     else:
         s = _masked6(qb @ kw.swapaxes(-1, -2), g)
@@ -327,7 +339,7 @@ def _window_forward(q, k, v, scale, block, window, key_start=None):
     return _unblocked(p @ vw, g, heads, lq), lse
 
 
-def _window_backward(q, k, v, o, lse, do, scale, block, window, key_start=None):
+def _window_backward(q, k, v, o, lse, do, scale, block, window, kernels, key_start=None):
     b, heads, lq, _ = q.shape
     groups, lk = k.shape[1], k.shape[2]
     g = _Windows(lq, lk, block, window, key_start)
@@ -336,7 +348,7 @@ def _window_backward(q, k, v, o, lse, do, scale, block, window, key_start=None):
     delta = _blocked((do.astype(mx.float32) * o.astype(mx.float32)).sum(-1, keepdims=True), g, groups)
     kw, vw = _gathered(k, g), _gathered(v, g)
     s, dp = qb @ kw.swapaxes(-1, -2), dob @ vw.swapaxes(-1, -2)
-    if fused.available():
+    if kernels:
         p, ds = fused.score_grads(s, dp, lse, delta, **_kernel_args(g, qb.shape[3]))
     else:
         p = mx.exp(_masked6(s, g) - lse)
@@ -363,7 +375,7 @@ def _window_chunks(q, k, block, window):
     return out
 
 
-def _windowed(q, k, v, window, scale, block, key_start=None):
+def _windowed(q, k, v, window, scale, block, kernels, key_start=None):
     """`attention` of a causal window, its blocks batched (see `_Windows`)."""
     chunks = _window_chunks(q, k, block, window)
     lk = k.shape[2]
@@ -378,7 +390,8 @@ def _windowed(q, k, v, window, scale, block, key_start=None):
             qc = q[:, :, q0:q1]
             if outs:  # one call at a time, as the blocks of `_forward`
                 qc = mx.depends(qc, outs[-1])
-            o, lse = _window_forward(qc, keys(k, k1), keys(v, k1), scale, block, window, key_start)
+            o, lse = _window_forward(qc, keys(k, k1), keys(v, k1), scale, block, window, kernels,
+                                     key_start)
             outs.append(o)
             lses.append(lse)
         if len(outs) == 1:
@@ -398,7 +411,7 @@ def _windowed(q, k, v, window, scale, block, key_start=None):
                 qc = mx.depends(qc, [dqs[-1], dk, dv])
             dq, dkc, dvc = _window_backward(
                 qc, keys(k, k1), keys(v, k1), o[:, :, q0:q1], lse[:, :, j:j + nb],
-                do[:, :, q0:q1], scale, block, window, key_start,
+                do[:, :, q0:q1], scale, block, window, kernels, key_start,
             )
             j += nb
             dqs.append(dq)
@@ -411,7 +424,8 @@ def _windowed(q, k, v, window, scale, block, key_start=None):
     return fn(q, k, v)[0]
 
 
-def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
+def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None, kernels=None,
+              batch_windows=True):
     """`mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)` in
     blocks of `block` queries, with a gradient that recomputes the scores.
 
@@ -425,6 +439,9 @@ def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
     (rounded up to a multiple of `KEY_ALIGN`). A `WindowMask` mask
     (`window_mask`) is taken that way.
     Scores and softmax are float32 whatever the input dtype; the matmuls run in it.
+    `kernels`: None uses the softmax kernels of `fused` where they run (MLX's
+    CUDA backend), False MLX's ops, True the kernels (an error where they do
+    not run). `batch_windows=False` takes the block loop for sliding windows too.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k.shape[1]}")
@@ -434,22 +451,23 @@ def attention(q, k, v, *, scale, mask=None, block=DEFAULT_BLOCK, window=None):
         raise ValueError(f"window must be None or >= 1, got {window}")
     if isinstance(mask, str) and mask != "causal":
         raise ValueError(f"mask: unknown {mask!r}")
+    kernels = _kernels(kernels)
     if window is None:
         mask, window = _as_window(mask, q.shape[2], k.shape[2])
-    if BATCH_WINDOWS and _batched_windows(q.shape[2], k.shape[2], block, mask, window):
-        return _windowed(q, k, v, window, scale, block)
+    if batch_windows and _batched_windows(q.shape[2], k.shape[2], block, mask, window):
+        return _windowed(q, k, v, window, scale, block, kernels)
     if isinstance(mask, mx.array):
         mask = _mask5(mask, q.shape[1], k.shape[1])
 
     @mx.custom_function
     def fn(q, k, v):
-        return _forward(q, k, v, mask, window, scale, block)
+        return _forward(q, k, v, mask, window, scale, block, kernels)
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         q, k, v = primals
         o, lse = outputs
-        return _backward(q, k, v, mask, window, scale, block, o, lse, cotangents[0])
+        return _backward(q, k, v, mask, window, scale, block, o, lse, cotangents[0], kernels)
 
     return fn(q, k, v)[0]
 
@@ -521,11 +539,12 @@ class PackedMask:
                              causal_mask(n, self.prompt_len, self.window))
         return self.masks[n]
 
-    def attend(self, q, k, v, scale, sdpa, block=None):
+    def attend(self, q, k, v, scale, sdpa, block=None, batch_windows=True):
         """Attention of the packed rows through `sdpa(q, k, v, cache, scale, mask)`
-        (or the batched windows, with `block` queries a block)."""
+        (or, unless `batch_windows` is False, the batched windows, with `block`
+        queries a block)."""
         p, n = self.prompt_len, q.shape[2]
-        if PACKED_WINDOWS and BATCH_WINDOWS and block and self.window and n > block:
+        if PACKED_WINDOWS and batch_windows and block and self.window and n > block:
             return self._packed_windows(q, k, v, scale, block)
         head_mask, rest_mask = self._masks(n)
         head = sdpa(q[:1], k[:1], v[:1], None, scale, head_mask)
@@ -554,7 +573,8 @@ class PackedMask:
             return mx.concatenate([mx.broadcast_to(tail, (rows,) + tail.shape[1:]), x], axis=2)
 
         starts = [back] + [max(0, back - p)] * (rows - 1)
-        return _windowed(q, extended(k), extended(v), window, scale, block, starts)
+        return _windowed(q, extended(k), extended(v), window, scale, block, fused.available(),
+                         starts)
 
 
 def _module_of(model):

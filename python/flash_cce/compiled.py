@@ -12,8 +12,8 @@ layer: it recomputes the layer from its input and returns the cotangent of the
 input and the gradients of the layer's trainable parameters. Layers alike
 (same class, window, parameters, trainable ones and Python settings) share one
 compiled function, traced once per shape: every array they use, frozen weights
-included, is an input (environment switches of `attention` and `layers` are
-read at that trace).
+included, is an input (whether `fused`'s kernels run is decided at that
+trace).
 
 Covers every architecture of `lm` and every layout of `prefix`: Gemma 4's
 per-layer inputs are inputs of its layers, and the cotangents of the

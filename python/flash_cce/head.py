@@ -39,19 +39,20 @@ def unpack_head(head, scales=None, biases=None, group_size=64, bits=None):
 
 def linear_logprobs(h, head, targets, *, softcap=None, ignore_index=-100, scales=None,
                     biases=None, group_size=64, bits=None, backend=None, stream=None,
-                    validate_targets=True):
+                    validate_targets=True, tuning=None):
     """`log softmax(softcap(h @ W^T))[targets]` per token, shape `targets.shape`, float32.
 
     Rows whose target is `ignore_index` give 0. The `[tokens, V]` logits are
     never built. `validate_targets=False` skips the range check, which reads the
     targets' values (an evaluation), for callers that checked them already.
+    `tuning` overrides the native kernels' choices (see `flash_cce_forward`).
     """
     parts = unpack_head(head, scales, biases, group_size, bits)
     logp, _ = flash_cce_forward(
         h, parts["w"], targets, parts["scales"], parts["biases"],
         group_size=parts["group_size"], bits=parts["bits"], softcap=softcap,
         ignore_index=ignore_index, backend=backend, stream=stream,
-        validate_targets=validate_targets,
+        validate_targets=validate_targets, tuning=tuning,
     )
     return logp
 

@@ -5,10 +5,8 @@ While `training_layers()` is active (see `objectives.value_and_grad`):
 - A quantized layer (`nn.QuantizedLinear`) given at least `DENSE_FROM_ROWS` rows
   dequantizes its weight to the activation dtype and runs a dense matmul. Over
   thousands of rows the dequantization is a small fraction of the matmul, and
-  the dense GEMM is the faster one: in an ORPO step of bench model A (4-bit, 4k
-  tokens, no segments) on an H200, MLX's quantized matmuls took 130 ms of
-  kernel time forward and 153 ms for the input gradient, about 100 TFLOP/s.
-  The gradient dequantizes again instead of keeping the dense weight, so the
+  the dense GEMM runs far closer to the device's peak than MLX's quantized
+  matmul (`bench/bench_layers.py`, docs/stack.md). The gradient dequantizes again instead of keeping the dense weight, so the
   step keeps only the packed weights, as before.
 - LoRA adapters (`LoRALinear`) multiply in the activation dtype, as mixed
   precision training does: the adapter weights and their gradients stay in
@@ -29,9 +27,8 @@ from . import fused
 _mlx_gelu_approx = nn.gelu_approx
 
 # Rows (tokens) from which a quantized layer dequantizes; fewer go to MLX's
-# quantized matmul. bench/bench_layers.py on one H200 (4-bit, 1536 x 6144 and
-# 6144 x 1536, forward + backward, two runs): dense 1.8-2.3x faster at 4096
-# rows, 0.95-1.5x at 1024, and at 256 (launch-bound) faster or slower by run.
+# quantized matmul: below it the dense path stops paying for its dequantization
+# (`bench/bench_layers.py`).
 DENSE_FROM_ROWS = 1024
 
 

@@ -71,7 +71,8 @@ def check_targets(targets, vocab_size, ignore_index=-100):
 
 def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
                       bits=None, softcap=None, ignore_index=-100, stream=None,
-                      backend=None, validate_targets=True, fused_backward=True):
+                      backend=None, validate_targets=True, fused_backward=True,
+                      tuning=None):
     """Per-token log-probabilities of a linear head without materialising logits.
 
     Args:
@@ -87,6 +88,11 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
             the backward), so that the gradient for `h` costs no second pass over
             the vocabulary: 2 GEMMs for forward + backward instead of 3. Turn it
             off for forward-only use, where it would be wasted work.
+        tuning: None, or a dict overriding the native kernels' choices and launch
+            sizes, e.g. `{"wgmma": False}` for the portable CUDA kernels or
+            `{"row_block": 100, "vocab_chunk": 256}`; keys in docs/cuda.md
+            (`_ext.check_tuning()` lists them with their defaults). It is kept
+            for the backward; the fallback ignores it.
 
     Returns:
         `(logp, lse)`, float32 arrays of shape `targets.shape`:
@@ -94,13 +100,14 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
         in `h` and in a dense `w` (`mx.grad`, `mx.compile`, `mx.vmap`).
     """
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
+    _ext.check_tuning(tuning)
     if validate_targets:
         check_targets(targets, w.shape[0], ignore_index)
     if _use_native(backend, stream):
         logp, lse = _ext.forward(
             h, w, targets, scales, biases, group_size=group_size, bits=bits,
             softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
-            stream=stream,
+            tuning=tuning, stream=stream,
         )
         return logp, lse
     lead = targets.shape
@@ -118,21 +125,23 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
 def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
                        g_lse=None, group_size=64, bits=None, softcap=None,
                        ignore_index=-100, compute_dw=False, stream=None,
-                       backend=None):
+                       backend=None, tuning=None):
     """Gradient of `sum(g * logp + g_lse * lse)` from `flash_cce_forward`.
 
     `lse` is the forward's second output; `g` (and optional `g_lse`) have the
     shape of `targets`. Returns `dh` (shape and dtype of `h`), or `(dh, dw)` when
-    `compute_dw` is set for a dense `w` (dtype of `w`).
+    `compute_dw` is set for a dense `w` (dtype of `w`). `tuning`: as for
+    `flash_cce_forward`.
     """
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
+    _ext.check_tuning(tuning)
     if compute_dw and scales is not None:
         raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
     if _use_native(backend, stream):
         out = _ext.backward(
             h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
             bits=bits, softcap=softcap, ignore_index=ignore_index,
-            compute_dw=compute_dw, stream=stream,
+            compute_dw=compute_dw, tuning=tuning, stream=stream,
         )
         return tuple(out) if compute_dw else out[0]
     for name, a in (("lse", lse), ("g", g), ("g_lse", g_lse)):

@@ -12,9 +12,9 @@ Two layouts, both exact (the same function as two separate forwards):
 - Two passes: a forward over the prompt alone (batch 1) records every layer's
   keys and values; the chosen and rejected responses then run as one batch of
   two padded rows at positions P.., attending to the recorded prompt keys/values
-  plus their own (the mlx-lm KV-cache protocol: `offset` and `update_and_fetch`,
-  so stock mlx-lm attention layers, sliding windows and Gemma 4's shared KV
-  layers work unchanged). Its caches are functional: they concatenate instead of
+  plus their own (the mlx-lm KV-cache protocol, `caches.PrefixCache`, so stock
+  mlx-lm attention layers, sliding windows and Gemma 4's shared KV layers work
+  unchanged). Its caches are functional: they concatenate instead of
   writing into a buffer, so the gradient of the responses' loss flows back into
   the prompt's keys and values, and from there into the prompt forward.
 
@@ -27,44 +27,7 @@ from functools import partial
 import mlx.core as mx
 
 from .attention import packs
-
-
-class RecordCache:
-    """Cache for a forward from position 0 that keeps the keys/values it sees."""
-
-    offset = 0
-
-    def __init__(self):
-        self.kv = None
-
-    def update_and_fetch(self, keys, values):
-        self.kv = (keys, values)
-        return keys, values
-
-
-class PrefixCache:
-    """Cache holding a prompt's keys/values `[1, heads, P, d]` for a continuation."""
-
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
-        self.offset = keys.shape[2]
-
-    def update_and_fetch(self, keys, values):
-        def join(prompt, new):
-            prompt = mx.broadcast_to(prompt, (new.shape[0],) + prompt.shape[1:])
-            return mx.concatenate([prompt, new], axis=2)
-
-        return join(self.keys, keys), join(self.values, values)
-
-
-class PackedCache:
-    """Cache of a packed prefix batch: per-row positions, keys/values as they are."""
-
-    def __init__(self, offsets):
-        self.offset = offsets
-
-    def update_and_fetch(self, keys, values):
-        return keys, values
+from .segmented import run_stack
 
 
 def packing_pays(prompt_len, widths):
@@ -120,8 +83,6 @@ def sequence_hidden(lm, seqs, prompt_len=None, *, segment_size=0, pack=None, sta
     sequence; none shared below one multiple), so that pairs of nearby lengths
     share every shape, the prompt's keys included.
     """
-    from .segmented import run_stack  # segmented uses this module's caches
-
     if prompt_len and pad_to:
         prompt_len -= prompt_len % pad_to
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from .attention import PackedMask, causal_mask
-from .prefix import PackedCache, PrefixCache, RecordCache
+from .caches import PackedCache, PrefixCache, RecordCache
 
 
 def positions(h, offset, packed):

@@ -79,7 +79,3 @@ def build_tiny_model(path, words, seed=0, **overrides):
     save_config(config, path / "config.json")
     return path
 
-
-def is_model_dir(path):
-    path = Path(path)
-    return all((path / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json"))

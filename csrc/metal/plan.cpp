@@ -1,0 +1,366 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace flash_cce::metal {
+
+namespace {
+
+// Kernel names, indexed by dtype (f32, f16, bf16) and bit width. Written out
+// so that a search for a name finds the table (and metal/*.metal its entry).
+// [mode: fwd, fwd_fused, dh][h][w]
+const char* const kHeadDense[3][3][3] = {
+    {{"fcce_fwd_hf32_wf32", "fcce_fwd_hf32_wf16", "fcce_fwd_hf32_wbf16"},
+     {"fcce_fwd_hf16_wf32", "fcce_fwd_hf16_wf16", "fcce_fwd_hf16_wbf16"},
+     {"fcce_fwd_hbf16_wf32", "fcce_fwd_hbf16_wf16", "fcce_fwd_hbf16_wbf16"}},
+    {{"fcce_fwd_fused_hf32_wf32", "fcce_fwd_fused_hf32_wf16", "fcce_fwd_fused_hf32_wbf16"},
+     {"fcce_fwd_fused_hf16_wf32", "fcce_fwd_fused_hf16_wf16", "fcce_fwd_fused_hf16_wbf16"},
+     {"fcce_fwd_fused_hbf16_wf32", "fcce_fwd_fused_hbf16_wf16", "fcce_fwd_fused_hbf16_wbf16"}},
+    {{"fcce_dh_hf32_wf32", "fcce_dh_hf32_wf16", "fcce_dh_hf32_wbf16"},
+     {"fcce_dh_hf16_wf32", "fcce_dh_hf16_wf16", "fcce_dh_hf16_wbf16"},
+     {"fcce_dh_hbf16_wf32", "fcce_dh_hbf16_wf16", "fcce_dh_hbf16_wbf16"}},
+};
+
+constexpr int kBits[6] = {2, 3, 4, 5, 6, 8};
+
+// [mode][h][bits]
+const char* const kHeadQuant[3][3][6] = {
+    {{"fcce_fwd_hf32_q2", "fcce_fwd_hf32_q3", "fcce_fwd_hf32_q4", "fcce_fwd_hf32_q5", "fcce_fwd_hf32_q6", "fcce_fwd_hf32_q8"},
+     {"fcce_fwd_hf16_q2", "fcce_fwd_hf16_q3", "fcce_fwd_hf16_q4", "fcce_fwd_hf16_q5", "fcce_fwd_hf16_q6", "fcce_fwd_hf16_q8"},
+     {"fcce_fwd_hbf16_q2", "fcce_fwd_hbf16_q3", "fcce_fwd_hbf16_q4", "fcce_fwd_hbf16_q5", "fcce_fwd_hbf16_q6", "fcce_fwd_hbf16_q8"}},
+    {{"fcce_fwd_fused_hf32_q2", "fcce_fwd_fused_hf32_q3", "fcce_fwd_fused_hf32_q4", "fcce_fwd_fused_hf32_q5", "fcce_fwd_fused_hf32_q6", "fcce_fwd_fused_hf32_q8"},
+     {"fcce_fwd_fused_hf16_q2", "fcce_fwd_fused_hf16_q3", "fcce_fwd_fused_hf16_q4", "fcce_fwd_fused_hf16_q5", "fcce_fwd_fused_hf16_q6", "fcce_fwd_fused_hf16_q8"},
+     {"fcce_fwd_fused_hbf16_q2", "fcce_fwd_fused_hbf16_q3", "fcce_fwd_fused_hbf16_q4", "fcce_fwd_fused_hbf16_q5", "fcce_fwd_fused_hbf16_q6", "fcce_fwd_fused_hbf16_q8"}},
+    {{"fcce_dh_hf32_q2", "fcce_dh_hf32_q3", "fcce_dh_hf32_q4", "fcce_dh_hf32_q5", "fcce_dh_hf32_q6", "fcce_dh_hf32_q8"},
+     {"fcce_dh_hf16_q2", "fcce_dh_hf16_q3", "fcce_dh_hf16_q4", "fcce_dh_hf16_q5", "fcce_dh_hf16_q6", "fcce_dh_hf16_q8"},
+     {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
+};
+
+const char* const kDw[3][3] = {
+    {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
+    {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
+    {"fcce_dw_hbf16_wf32", "fcce_dw_hbf16_wf16", "fcce_dw_hbf16_wbf16"}};
+
+const char* const kCombine = "fcce_combine";
+const char* const kReduceDh[3] = {"fcce_reduce_dh_f32", "fcce_reduce_dh_f16", "fcce_reduce_dh_bf16"};
+const char* const kReduceGsum = "fcce_reduce_gsum";
+// fp32 dW rows to the weight's half type (index 0 unused: fp32 dW needs no cast).
+const char* const kCast[3] = {nullptr, "fcce_cast_f16", "fcce_cast_bf16"};
+
+// [out][w]
+const char* const kFusedDhDense[3][3] = {
+    {"fcce_fused_dh_of32_wf32", "fcce_fused_dh_of32_wf16", "fcce_fused_dh_of32_wbf16"},
+    {"fcce_fused_dh_of16_wf32", "fcce_fused_dh_of16_wf16", "fcce_fused_dh_of16_wbf16"},
+    {"fcce_fused_dh_obf16_wf32", "fcce_fused_dh_obf16_wf16", "fcce_fused_dh_obf16_wbf16"}};
+// [out]
+const char* const kFusedDhQuant[3] = {
+    "fcce_fused_dh_of32_q", "fcce_fused_dh_of16_q", "fcce_fused_dh_obf16_q"};
+
+// Head threadgroups in flight: enough to fill a large Apple GPU (several per
+// core); fewer when each split keeps a [BM, H] float32 partial, whose total
+// is kept small for unified memory.
+constexpr int64_t kTargetThreadgroups = 512;
+constexpr int64_t kTargetThreadgroupsWithAcc = 256;
+// Upper bound of the per-split [splits, M, H] float32 partials (dh, gsum).
+constexpr int64_t kPartAccBudgetBytes = int64_t(128) << 20;
+// Vocabulary rows per dW launch when dW needs a float32 staging buffer.
+constexpr int64_t kDwSlabRows = 8192;
+
+// Buffer indices, fixed per role across the kernels that use them.
+constexpr int kParamsIndex = 20;
+
+int dtype_index(DType t) {
+  return static_cast<int>(t);
+}
+
+int bits_index(int bits) {
+  for (int i = 0; i < 6; ++i) {
+    if (kBits[i] == bits) {
+      return i;
+    }
+  }
+  throw std::invalid_argument(
+      "[flash_cce] Metal head: bits must be one of 2, 3, 4, 5, 6, 8, got " +
+      std::to_string(bits));
+}
+
+int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+uint32_t u32(int64_t v, const char* what) {
+  if (v < 0 || v > INT32_MAX) {
+    throw std::invalid_argument(std::string("[flash_cce] Metal head: ") + what +
+                                " out of range: " + std::to_string(v));
+  }
+  return static_cast<uint32_t>(v);
+}
+
+
+void check(const Problem& p) {
+  auto bad = [](const std::string& msg) {
+    throw std::invalid_argument("[flash_cce] Metal head: " + msg);
+  };
+  if (p.M < 1 || p.H < 1 || p.V < 1) {
+    bad("M, H and V must be positive, got M=" + std::to_string(p.M) +
+        ", H=" + std::to_string(p.H) + ", V=" + std::to_string(p.V));
+  }
+  if (p.M > INT32_MAX || p.H > INT32_MAX || p.V > INT32_MAX ||
+      p.M * p.H > INT32_MAX) {
+    bad("M * H must stay below 2^31, got M=" + std::to_string(p.M) +
+        ", H=" + std::to_string(p.H));
+  }
+  if (p.quantized) {
+    bits_index(p.bits);
+    if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) {
+      bad("group_size must be 32, 64 or 128, got " + std::to_string(p.group_size));
+    }
+    if (p.H % p.group_size != 0) {
+      bad("H=" + std::to_string(p.H) + " is not a multiple of group_size " +
+          std::to_string(p.group_size));
+    }
+    if (p.pass == Pass::backward && p.compute_dw) {
+      bad("compute_dw needs a dense w");
+    }
+  }
+  if (p.max_splits < 0) {
+    bad("max_splits must be >= 0, got " + std::to_string(p.max_splits));
+  }
+  if (p.dw_slab_rows < 0 || p.dw_slab_rows % FCCE_BN != 0) {
+    bad("dw_slab_rows must be a non-negative multiple of " + std::to_string(FCCE_BN) +
+        ", got " + std::to_string(p.dw_slab_rows));
+  }
+}
+
+FcceParams base_params(const Problem& p) {
+  FcceParams q{};
+  q.M = static_cast<int>(p.M);
+  q.H = static_cast<int>(p.H);
+  q.V = static_cast<int>(p.V);
+  q.softcap = p.softcap;
+  q.ignore_index = p.ignore_index;
+  q.m_tiles = static_cast<int>(cdiv(p.M, FCCE_BM));
+  if (p.quantized) {
+    q.bits = p.bits;
+    q.group_size = p.group_size;
+    q.row_bytes = static_cast<int>(p.H * p.bits / 8);
+    q.groups = static_cast<int>(p.H / p.group_size);
+    q.sb_dtype = dtype_index(p.sb);
+  }
+  return q;
+}
+
+// Splits of the vocabulary: enough threadgroups in flight, the [splits, M, H]
+// partials (when kept) within budget, and no empty split.
+void choose_splits(const Problem& p, bool with_acc, FcceParams& q) {
+  const int64_t v_blocks = cdiv(p.V, FCCE_BN);
+  const int64_t target = with_acc ? kTargetThreadgroupsWithAcc : kTargetThreadgroups;
+  int64_t splits = std::max<int64_t>(1, cdiv(target, q.m_tiles));
+  if (with_acc) {
+    splits = std::min(splits, std::max<int64_t>(1, kPartAccBudgetBytes / (p.M * p.H * 4)));
+  }
+  if (p.max_splits > 0) {
+    splits = std::min<int64_t>(splits, p.max_splits);
+  }
+  splits = std::clamp<int64_t>(splits, 1, v_blocks);
+  const int64_t per = cdiv(v_blocks, splits);
+  q.blocks_per_split = static_cast<int>(per);
+  q.splits = static_cast<int>(cdiv(v_blocks, per));
+}
+
+std::vector<Binding> operand_bindings(const Problem& p) {
+  std::vector<Binding> b{{0, Role::h}, {1, Role::w}, {4, Role::targets}};
+  if (p.quantized) {
+    b.push_back({2, Role::scales});
+    b.push_back({3, Role::biases});
+  }
+  return b;
+}
+
+const char* head_kernel(const Problem& p, int mode) {
+  const int h = dtype_index(p.h);
+  return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
+                     : kHeadDense[mode][h][dtype_index(p.w)];
+}
+
+Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
+  Launch l{};
+  l.kernel = head_kernel(p, mode);
+  l.grid[0] = u32(q.splits, "splits");
+  l.grid[1] = u32(q.m_tiles, "m_tiles");
+  l.grid[2] = 1;
+  l.threads[0] = FCCE_THREADS;
+  l.threads[1] = l.threads[2] = 1;
+  l.threadgroup_bytes = 0; // declared in the kernel
+  l.buffers = operand_bindings(p);
+  if (mode == FCCE_MODE_DH) {
+    l.buffers.insert(l.buffers.end(), {{5, Role::lse}, {6, Role::g}, {7, Role::g_lse}});
+  } else {
+    l.buffers.insert(l.buffers.end(),
+                     {{8, Role::part_max}, {9, Role::part_sum}, {10, Role::target_logit}});
+  }
+  if (mode != FCCE_MODE_FWD) {
+    l.buffers.push_back({11, Role::part_acc});
+  }
+  l.params_index = kParamsIndex;
+  l.params = q;
+  l.params.mode = mode;
+  return l;
+}
+
+Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
+                   std::vector<Binding> buffers) {
+  Launch l{};
+  l.kernel = kernel;
+  l.grid[0] = u32(cdiv(count, FCCE_EW_THREADS), "grid");
+  l.grid[1] = l.grid[2] = 1;
+  l.threads[0] = FCCE_EW_THREADS;
+  l.threads[1] = l.threads[2] = 1;
+  l.threadgroup_bytes = 0;
+  l.buffers = std::move(buffers);
+  l.params_index = kParamsIndex;
+  l.params = q;
+  l.params.count = static_cast<int>(count);
+  return l;
+}
+
+void plan_forward(const Problem& p, Plan& plan) {
+  FcceParams q = base_params(p);
+  choose_splits(p, p.fused, q);
+  const size_t stats = size_t(q.splits) * p.M * 4;
+  plan.scratch = {{Role::part_max, stats}, {Role::part_sum, stats},
+                  {Role::target_logit, size_t(p.M) * 4}};
+  if (p.fused) {
+    plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
+  }
+  plan.launches.push_back(head_launch(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD));
+  plan.launches.push_back(elementwise(
+      kCombine, p.M, q,
+      {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
+       {10, Role::target_logit}, {12, Role::logp}, {5, Role::lse}}));
+  if (p.fused) {
+    FcceParams r = q;
+    r.mode = FCCE_REDUCE_GSUM;
+    plan.launches.push_back(elementwise(
+        kReduceGsum, p.M * p.H, r,
+        {{11, Role::part_acc}, {8, Role::part_max}, {5, Role::lse}, {13, Role::gsum}}));
+  }
+}
+
+void plan_dw(const Problem& p, Plan& plan) {
+  FcceParams q = base_params(p);
+  const bool staged = p.w != DType::f32;
+  const int64_t rows = p.dw_slab_rows > 0 ? p.dw_slab_rows : kDwSlabRows;
+  const int64_t slab = staged ? std::min(p.V, rows) : p.V;
+  if (staged) {
+    plan.scratch.push_back({Role::dw_acc, size_t(slab) * p.H * 4});
+  }
+  for (int64_t v0 = 0; v0 < p.V; v0 += slab) {
+    const int64_t n = std::min(slab, p.V - v0);
+    q.v_begin = static_cast<int>(v0);
+    q.v_count = static_cast<int>(n);
+    Launch l{};
+    l.kernel = kDw[dtype_index(p.h)][dtype_index(p.w)];
+    l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
+    l.grid[1] = l.grid[2] = 1;
+    l.threads[0] = FCCE_THREADS;
+    l.threads[1] = l.threads[2] = 1;
+    l.threadgroup_bytes = 0;
+    l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
+                 {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
+    l.params_index = kParamsIndex;
+    l.params = q;
+    plan.launches.push_back(l);
+    if (staged) {
+      plan.launches.push_back(elementwise(kCast[dtype_index(p.w)], n * p.H, q,
+                                          {{14, Role::dw_acc}, {15, Role::dw}}));
+    }
+  }
+}
+
+void plan_backward(const Problem& p, Plan& plan) {
+  FcceParams q = base_params(p);
+  choose_splits(p, true, q);
+  plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
+  plan.launches.push_back(head_launch(p, q, FCCE_MODE_DH));
+  FcceParams r = q;
+  r.mode = FCCE_REDUCE_SUM;
+  plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
+                                      {{11, Role::part_acc}, {13, Role::dh}}));
+  if (p.compute_dw) {
+    plan_dw(p, plan);
+  }
+}
+
+void plan_fused_dh(const Problem& p, Plan& plan) {
+  const FcceParams q = base_params(p);
+  const int o = dtype_index(p.out);
+  const char* kernel = p.quantized ? kFusedDhQuant[o]
+                                   : kFusedDhDense[o][dtype_index(p.w)];
+  std::vector<Binding> b{{13, Role::gsum}, {1, Role::w}, {4, Role::targets},
+                         {12, Role::logp}, {5, Role::lse}, {6, Role::g},
+                         {7, Role::g_lse}, {15, Role::dh}};
+  if (p.quantized) {
+    b.push_back({2, Role::scales});
+    b.push_back({3, Role::biases});
+  }
+  plan.launches.push_back(elementwise(kernel, p.M * p.H, q, std::move(b)));
+}
+
+} // namespace
+
+const char* role_name(Role r) {
+  static const char* const names[] = {
+      "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
+      "gsum", "g",  "g_lse",  "dh",       "dw",       "part_max",     "part_sum",
+      "target_logit", "part_acc", "dw_acc"};
+  return names[static_cast<int>(r)];
+}
+
+size_t head_threadgroup_bytes() {
+  return size_t(FCCE_SMEM_FLOATS) * 4;
+}
+
+size_t dw_threadgroup_bytes() {
+  return head_threadgroup_bytes(); // the same tiles (metal/dw.h uses HeadSmem)
+}
+
+Plan make_plan(const Problem& p) {
+  check(p);
+  Plan plan;
+  switch (p.pass) {
+    case Pass::forward:
+      plan_forward(p, plan);
+      break;
+    case Pass::backward:
+      plan_backward(p, plan);
+      break;
+    case Pass::fused_dh:
+      plan_fused_dh(p, plan);
+      break;
+  }
+  return plan;
+}
+
+const std::vector<std::string>& kernel_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (auto& mode : kHeadDense)
+      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& mode : kHeadQuant)
+      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
+    n.push_back(kCombine);
+    n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));
+    n.push_back(kReduceGsum);
+    n.push_back(kCast[1]);
+    n.push_back(kCast[2]);
+    for (auto& row : kFusedDhDense) n.insert(n.end(), std::begin(row), std::end(row));
+    n.insert(n.end(), std::begin(kFusedDhQuant), std::end(kFusedDhQuant));
+    return n;
+  }();
+  return names;
+}
+
+} // namespace flash_cce::metal

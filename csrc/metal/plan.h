@@ -1,0 +1,127 @@
+// The launch plan of the Metal head: which kernels run, in which order, on
+// which grid, with which buffers and parameters. Pure host code without Metal
+// headers, shared by the Metal host (which encodes exactly these launches) and
+// the emulation tests (which run the same launches on the CPU).
+//
+// Conventions a caller relies on:
+// - Launches run in order on one command encoder; each reads only what earlier
+//   launches (or the caller) wrote, so a memory barrier between consecutive
+//   launches is enough.
+// - `grid` counts threadgroups (dispatch_threadgroups), `threads` is the
+//   threadgroup size. `threadgroup_bytes` is dynamic threadgroup memory at
+//   index 0 (set_threadgroup_memory_length(bytes, 0)); 0 means none, which is
+//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS).
+// - `buffers` lists every device buffer of the launch as (index, role), all
+//   bound at offset 0. Scratch roles name buffers of Plan::scratch, allocated
+//   by the caller (contents undefined on entry: every kernel writes a scratch
+//   element before any kernel reads it).
+// - The FcceParams block (metal/params.h) goes to buffer `params_index` with
+//   set_bytes.
+// - Inputs are row-major and contiguous: h [M, H], w [V, H] (dense) or packed
+//   uint32 [V, H * bits / 32], scales/biases [V, H / group_size], targets [M]
+//   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32.
+// - Outputs: logp, lse [M] float32; gsum [M, H] float32; dh [M, H] in h's
+//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype. The launches
+//   write every output element, so outputs need no zero-fill.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../../metal/params.h"
+
+namespace flash_cce::metal {
+
+enum class DType { f32, f16, bf16 };
+
+// Which primitive is evaluated.
+enum class Pass {
+  forward, // FlashCCEForward: logp, lse (+ gsum when fused)
+  backward, // FlashCCEBackward: dh (+ dw when compute_dw)
+  fused_dh, // FlashCCEFusedDh: dh from gsum, logp, lse, g, g_lse
+};
+
+struct Problem {
+  int64_t M = 0, H = 0, V = 0;
+  DType h = DType::f32; // dtype of h (forward, backward)
+  DType w = DType::f32; // dtype of a dense w
+  DType sb = DType::f32; // dtype of scales and biases (quantized)
+  DType out = DType::f32; // dtype of dh for fused_dh (FlashCCEFusedDh's out_dtype)
+  bool quantized = false;
+  int bits = 4;
+  int group_size = 64;
+  float softcap = 0.0f; // 0: off
+  int ignore_index = -100;
+  bool fused = false; // forward: also produce gsum
+  Pass pass = Pass::forward;
+  bool compute_dw = false; // backward, dense only
+  // Overrides, 0 = the plan's choice: at most this many vocabulary splits,
+  // and this many vocabulary rows per staged dW launch (a multiple of 32).
+  int max_splits = 0;
+  int dw_slab_rows = 0;
+};
+
+enum class Role {
+  // Caller's arrays.
+  h,
+  w,
+  scales,
+  biases,
+  targets,
+  logp, // output of forward, input of fused_dh
+  lse, // output of forward, input of backward and fused_dh
+  gsum, // output of the fused forward, input of fused_dh
+  g,
+  g_lse,
+  dh,
+  dw,
+  // Scratch (Plan::scratch), float32.
+  part_max, // [splits, M] per-split running row maxima
+  part_sum, // [splits, M] per-split sums of exp(s - part_max)
+  target_logit, // [M] the target's (softcapped) logit
+  part_acc, // [splits, M, H] per-split partial dh / gsum
+  dw_acc, // [dw_slab_rows, H] float32 dW rows of one slab (half-precision w)
+};
+
+const char* role_name(Role r);
+
+struct Binding {
+  int index;
+  Role role;
+};
+
+struct ScratchBuffer {
+  Role role;
+  size_t bytes;
+};
+
+struct Launch {
+  const char* kernel; // an entry of kernel_names()
+  uint32_t grid[3];
+  uint32_t threads[3];
+  size_t threadgroup_bytes;
+  std::vector<Binding> buffers;
+  int params_index;
+  FcceParams params;
+};
+
+struct Plan {
+  std::vector<ScratchBuffer> scratch;
+  std::vector<Launch> launches;
+};
+
+// The launches for one primitive evaluation. Throws std::invalid_argument
+// naming the field for a problem the kernels do not cover (the argument checks
+// of flash_cce.cpp run before this and reject those already).
+Plan make_plan(const Problem& p);
+
+// Every kernel name the Metal sources define (metal/*.metal), in one table.
+const std::vector<std::string>& kernel_names();
+
+// Threadgroup memory each kernel family declares, in bytes (under 32 KB).
+size_t head_threadgroup_bytes();
+size_t dw_threadgroup_bytes();
+
+} // namespace flash_cce::metal

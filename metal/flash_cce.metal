@@ -1,0 +1,360 @@
+// The flash-CCE head's Metal kernels: entry points and their instantiations.
+// MLX's steel GEMM and quantization headers come from the installed MLX
+// (include path: the directory holding mlx/backend/metal/kernels).
+// Buffer indices follow csrc/metal/plan.cpp, which lists each launch. Each
+// kernel declares the threadgroup size the plan launches it with, so that the
+// compiler keeps its registers within what that size needs.
+#include <metal_stdlib>
+
+#include "mlx/backend/metal/kernels/utils.h"
+#include "mlx/backend/metal/kernels/steel/gemm/gemm.h"
+#include "mlx/backend/metal/kernels/quantized_utils.h"
+#include "mlx/backend/metal/kernels/quantized.h"
+
+#include "params.h"
+#include "loaders.h"
+#include "head.h"
+#include "dw.h"
+#include "rows.h"
+
+using namespace metal;
+
+// Forward: per-split row statistics and target logits.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
+}
+
+// Fused forward: the statistics plus the splits' partial gsum.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_acc [[buffer(11)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
+      part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_acc [[buffer(11)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
+      part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
+}
+
+// Backward for h: the splits' partial dh.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
+      nullptr, part_acc, p, smem, group, tid, sgid, lane);
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
+      nullptr, part_acc, p, smem, group, tid, sgid, lane);
+}
+
+// Backward for a dense w: float32 dW rows of the launch's slab.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* acc [[buffer(14)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
+}
+
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_combine(
+    const device int* targets [[buffer(4)]],
+    device float* lse [[buffer(5)]],
+    const device float* part_max [[buffer(8)]],
+    const device float* part_sum [[buffer(9)]],
+    const device float* target_logit [[buffer(10)]],
+    device float* logp [[buffer(12)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  fcce::combine_row(targets, part_max, part_sum, target_logit, logp, lse, p, i);
+}
+
+template <typename OutT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void reduce_dh(
+    const device float* part_acc [[buffer(11)]],
+    device OutT* out [[buffer(13)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  fcce::reduce_splits<FCCE_REDUCE_SUM>(part_acc, nullptr, nullptr, out, p, i);
+}
+
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_reduce_gsum(
+    const device float* lse [[buffer(5)]],
+    const device float* part_max [[buffer(8)]],
+    const device float* part_acc [[buffer(11)]],
+    device float* out [[buffer(13)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  fcce::reduce_splits<FCCE_REDUCE_GSUM>(part_acc, part_max, lse, out, p, i);
+}
+
+template <typename OutT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void cast_dw(
+    const device float* acc [[buffer(14)]],
+    device OutT* dw [[buffer(15)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  fcce::cast_rows(acc, dw, p, i);
+}
+
+template <typename OutT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fused_dh(
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    const device float* logp [[buffer(12)]],
+    const device float* gsum [[buffer(13)]],
+    device OutT* dh [[buffer(15)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  const fcce::DenseElement<WT> wt{w};
+  fcce::fused_dh_element(gsum, wt, targets, logp, lse, g, g_lse, dh, p, i);
+}
+
+template <typename OutT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fused_dh_q(
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    const device float* logp [[buffer(12)]],
+    const device float* gsum [[buffer(13)]],
+    device OutT* dh [[buffer(15)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  const fcce::QuantElement wt{w, scales, biases};
+  fcce::fused_dh_element(gsum, wt, targets, logp, lse, g, g_lse, dh, p, i);
+}
+
+// One line per template entry point: its name (as csrc/metal/plan.cpp lists
+// it) and the instantiation. fcce_combine and fcce_reduce_gsum are plain kernels.
+
+// fwd: dense heads
+template [[host_name("fcce_fwd_hf32_wf32")]] [[kernel]] decltype(head_fwd<float, float>) head_fwd<float, float>;
+template [[host_name("fcce_fwd_hf32_wf16")]] [[kernel]] decltype(head_fwd<float, half>) head_fwd<float, half>;
+template [[host_name("fcce_fwd_hf32_wbf16")]] [[kernel]] decltype(head_fwd<float, bfloat16_t>) head_fwd<float, bfloat16_t>;
+template [[host_name("fcce_fwd_hf16_wf32")]] [[kernel]] decltype(head_fwd<half, float>) head_fwd<half, float>;
+template [[host_name("fcce_fwd_hf16_wf16")]] [[kernel]] decltype(head_fwd<half, half>) head_fwd<half, half>;
+template [[host_name("fcce_fwd_hf16_wbf16")]] [[kernel]] decltype(head_fwd<half, bfloat16_t>) head_fwd<half, bfloat16_t>;
+template [[host_name("fcce_fwd_hbf16_wf32")]] [[kernel]] decltype(head_fwd<bfloat16_t, float>) head_fwd<bfloat16_t, float>;
+template [[host_name("fcce_fwd_hbf16_wf16")]] [[kernel]] decltype(head_fwd<bfloat16_t, half>) head_fwd<bfloat16_t, half>;
+template [[host_name("fcce_fwd_hbf16_wbf16")]] [[kernel]] decltype(head_fwd<bfloat16_t, bfloat16_t>) head_fwd<bfloat16_t, bfloat16_t>;
+// fwd: quantized heads
+template [[host_name("fcce_fwd_hf32_q2")]] [[kernel]] decltype(head_fwd_q<float, 2>) head_fwd_q<float, 2>;
+template [[host_name("fcce_fwd_hf32_q3")]] [[kernel]] decltype(head_fwd_q<float, 3>) head_fwd_q<float, 3>;
+template [[host_name("fcce_fwd_hf32_q4")]] [[kernel]] decltype(head_fwd_q<float, 4>) head_fwd_q<float, 4>;
+template [[host_name("fcce_fwd_hf32_q5")]] [[kernel]] decltype(head_fwd_q<float, 5>) head_fwd_q<float, 5>;
+template [[host_name("fcce_fwd_hf32_q6")]] [[kernel]] decltype(head_fwd_q<float, 6>) head_fwd_q<float, 6>;
+template [[host_name("fcce_fwd_hf32_q8")]] [[kernel]] decltype(head_fwd_q<float, 8>) head_fwd_q<float, 8>;
+template [[host_name("fcce_fwd_hf16_q2")]] [[kernel]] decltype(head_fwd_q<half, 2>) head_fwd_q<half, 2>;
+template [[host_name("fcce_fwd_hf16_q3")]] [[kernel]] decltype(head_fwd_q<half, 3>) head_fwd_q<half, 3>;
+template [[host_name("fcce_fwd_hf16_q4")]] [[kernel]] decltype(head_fwd_q<half, 4>) head_fwd_q<half, 4>;
+template [[host_name("fcce_fwd_hf16_q5")]] [[kernel]] decltype(head_fwd_q<half, 5>) head_fwd_q<half, 5>;
+template [[host_name("fcce_fwd_hf16_q6")]] [[kernel]] decltype(head_fwd_q<half, 6>) head_fwd_q<half, 6>;
+template [[host_name("fcce_fwd_hf16_q8")]] [[kernel]] decltype(head_fwd_q<half, 8>) head_fwd_q<half, 8>;
+template [[host_name("fcce_fwd_hbf16_q2")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 2>) head_fwd_q<bfloat16_t, 2>;
+template [[host_name("fcce_fwd_hbf16_q3")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 3>) head_fwd_q<bfloat16_t, 3>;
+template [[host_name("fcce_fwd_hbf16_q4")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 4>) head_fwd_q<bfloat16_t, 4>;
+template [[host_name("fcce_fwd_hbf16_q5")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 5>) head_fwd_q<bfloat16_t, 5>;
+template [[host_name("fcce_fwd_hbf16_q6")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 6>) head_fwd_q<bfloat16_t, 6>;
+template [[host_name("fcce_fwd_hbf16_q8")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 8>) head_fwd_q<bfloat16_t, 8>;
+// fwd_fused: dense heads
+template [[host_name("fcce_fwd_fused_hf32_wf32")]] [[kernel]] decltype(head_fwd_fused<float, float>) head_fwd_fused<float, float>;
+template [[host_name("fcce_fwd_fused_hf32_wf16")]] [[kernel]] decltype(head_fwd_fused<float, half>) head_fwd_fused<float, half>;
+template [[host_name("fcce_fwd_fused_hf32_wbf16")]] [[kernel]] decltype(head_fwd_fused<float, bfloat16_t>) head_fwd_fused<float, bfloat16_t>;
+template [[host_name("fcce_fwd_fused_hf16_wf32")]] [[kernel]] decltype(head_fwd_fused<half, float>) head_fwd_fused<half, float>;
+template [[host_name("fcce_fwd_fused_hf16_wf16")]] [[kernel]] decltype(head_fwd_fused<half, half>) head_fwd_fused<half, half>;
+template [[host_name("fcce_fwd_fused_hf16_wbf16")]] [[kernel]] decltype(head_fwd_fused<half, bfloat16_t>) head_fwd_fused<half, bfloat16_t>;
+template [[host_name("fcce_fwd_fused_hbf16_wf32")]] [[kernel]] decltype(head_fwd_fused<bfloat16_t, float>) head_fwd_fused<bfloat16_t, float>;
+template [[host_name("fcce_fwd_fused_hbf16_wf16")]] [[kernel]] decltype(head_fwd_fused<bfloat16_t, half>) head_fwd_fused<bfloat16_t, half>;
+template [[host_name("fcce_fwd_fused_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_fused<bfloat16_t, bfloat16_t>) head_fwd_fused<bfloat16_t, bfloat16_t>;
+// fwd_fused: quantized heads
+template [[host_name("fcce_fwd_fused_hf32_q2")]] [[kernel]] decltype(head_fwd_fused_q<float, 2>) head_fwd_fused_q<float, 2>;
+template [[host_name("fcce_fwd_fused_hf32_q3")]] [[kernel]] decltype(head_fwd_fused_q<float, 3>) head_fwd_fused_q<float, 3>;
+template [[host_name("fcce_fwd_fused_hf32_q4")]] [[kernel]] decltype(head_fwd_fused_q<float, 4>) head_fwd_fused_q<float, 4>;
+template [[host_name("fcce_fwd_fused_hf32_q5")]] [[kernel]] decltype(head_fwd_fused_q<float, 5>) head_fwd_fused_q<float, 5>;
+template [[host_name("fcce_fwd_fused_hf32_q6")]] [[kernel]] decltype(head_fwd_fused_q<float, 6>) head_fwd_fused_q<float, 6>;
+template [[host_name("fcce_fwd_fused_hf32_q8")]] [[kernel]] decltype(head_fwd_fused_q<float, 8>) head_fwd_fused_q<float, 8>;
+template [[host_name("fcce_fwd_fused_hf16_q2")]] [[kernel]] decltype(head_fwd_fused_q<half, 2>) head_fwd_fused_q<half, 2>;
+template [[host_name("fcce_fwd_fused_hf16_q3")]] [[kernel]] decltype(head_fwd_fused_q<half, 3>) head_fwd_fused_q<half, 3>;
+template [[host_name("fcce_fwd_fused_hf16_q4")]] [[kernel]] decltype(head_fwd_fused_q<half, 4>) head_fwd_fused_q<half, 4>;
+template [[host_name("fcce_fwd_fused_hf16_q5")]] [[kernel]] decltype(head_fwd_fused_q<half, 5>) head_fwd_fused_q<half, 5>;
+template [[host_name("fcce_fwd_fused_hf16_q6")]] [[kernel]] decltype(head_fwd_fused_q<half, 6>) head_fwd_fused_q<half, 6>;
+template [[host_name("fcce_fwd_fused_hf16_q8")]] [[kernel]] decltype(head_fwd_fused_q<half, 8>) head_fwd_fused_q<half, 8>;
+template [[host_name("fcce_fwd_fused_hbf16_q2")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 2>) head_fwd_fused_q<bfloat16_t, 2>;
+template [[host_name("fcce_fwd_fused_hbf16_q3")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 3>) head_fwd_fused_q<bfloat16_t, 3>;
+template [[host_name("fcce_fwd_fused_hbf16_q4")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 4>) head_fwd_fused_q<bfloat16_t, 4>;
+template [[host_name("fcce_fwd_fused_hbf16_q5")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 5>) head_fwd_fused_q<bfloat16_t, 5>;
+template [[host_name("fcce_fwd_fused_hbf16_q6")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 6>) head_fwd_fused_q<bfloat16_t, 6>;
+template [[host_name("fcce_fwd_fused_hbf16_q8")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 8>) head_fwd_fused_q<bfloat16_t, 8>;
+// dh: dense heads
+template [[host_name("fcce_dh_hf32_wf32")]] [[kernel]] decltype(head_dh<float, float>) head_dh<float, float>;
+template [[host_name("fcce_dh_hf32_wf16")]] [[kernel]] decltype(head_dh<float, half>) head_dh<float, half>;
+template [[host_name("fcce_dh_hf32_wbf16")]] [[kernel]] decltype(head_dh<float, bfloat16_t>) head_dh<float, bfloat16_t>;
+template [[host_name("fcce_dh_hf16_wf32")]] [[kernel]] decltype(head_dh<half, float>) head_dh<half, float>;
+template [[host_name("fcce_dh_hf16_wf16")]] [[kernel]] decltype(head_dh<half, half>) head_dh<half, half>;
+template [[host_name("fcce_dh_hf16_wbf16")]] [[kernel]] decltype(head_dh<half, bfloat16_t>) head_dh<half, bfloat16_t>;
+template [[host_name("fcce_dh_hbf16_wf32")]] [[kernel]] decltype(head_dh<bfloat16_t, float>) head_dh<bfloat16_t, float>;
+template [[host_name("fcce_dh_hbf16_wf16")]] [[kernel]] decltype(head_dh<bfloat16_t, half>) head_dh<bfloat16_t, half>;
+template [[host_name("fcce_dh_hbf16_wbf16")]] [[kernel]] decltype(head_dh<bfloat16_t, bfloat16_t>) head_dh<bfloat16_t, bfloat16_t>;
+// dh: quantized heads
+template [[host_name("fcce_dh_hf32_q2")]] [[kernel]] decltype(head_dh_q<float, 2>) head_dh_q<float, 2>;
+template [[host_name("fcce_dh_hf32_q3")]] [[kernel]] decltype(head_dh_q<float, 3>) head_dh_q<float, 3>;
+template [[host_name("fcce_dh_hf32_q4")]] [[kernel]] decltype(head_dh_q<float, 4>) head_dh_q<float, 4>;
+template [[host_name("fcce_dh_hf32_q5")]] [[kernel]] decltype(head_dh_q<float, 5>) head_dh_q<float, 5>;
+template [[host_name("fcce_dh_hf32_q6")]] [[kernel]] decltype(head_dh_q<float, 6>) head_dh_q<float, 6>;
+template [[host_name("fcce_dh_hf32_q8")]] [[kernel]] decltype(head_dh_q<float, 8>) head_dh_q<float, 8>;
+template [[host_name("fcce_dh_hf16_q2")]] [[kernel]] decltype(head_dh_q<half, 2>) head_dh_q<half, 2>;
+template [[host_name("fcce_dh_hf16_q3")]] [[kernel]] decltype(head_dh_q<half, 3>) head_dh_q<half, 3>;
+template [[host_name("fcce_dh_hf16_q4")]] [[kernel]] decltype(head_dh_q<half, 4>) head_dh_q<half, 4>;
+template [[host_name("fcce_dh_hf16_q5")]] [[kernel]] decltype(head_dh_q<half, 5>) head_dh_q<half, 5>;
+template [[host_name("fcce_dh_hf16_q6")]] [[kernel]] decltype(head_dh_q<half, 6>) head_dh_q<half, 6>;
+template [[host_name("fcce_dh_hf16_q8")]] [[kernel]] decltype(head_dh_q<half, 8>) head_dh_q<half, 8>;
+template [[host_name("fcce_dh_hbf16_q2")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 2>) head_dh_q<bfloat16_t, 2>;
+template [[host_name("fcce_dh_hbf16_q3")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 3>) head_dh_q<bfloat16_t, 3>;
+template [[host_name("fcce_dh_hbf16_q4")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 4>) head_dh_q<bfloat16_t, 4>;
+template [[host_name("fcce_dh_hbf16_q5")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5>) head_dh_q<bfloat16_t, 5>;
+template [[host_name("fcce_dh_hbf16_q6")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6>) head_dh_q<bfloat16_t, 6>;
+template [[host_name("fcce_dh_hbf16_q8")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8>) head_dh_q<bfloat16_t, 8>;
+// dW (dense heads)
+template [[host_name("fcce_dw_hf32_wf32")]] [[kernel]] decltype(head_dw<float, float>) head_dw<float, float>;
+template [[host_name("fcce_dw_hf32_wf16")]] [[kernel]] decltype(head_dw<float, half>) head_dw<float, half>;
+template [[host_name("fcce_dw_hf32_wbf16")]] [[kernel]] decltype(head_dw<float, bfloat16_t>) head_dw<float, bfloat16_t>;
+template [[host_name("fcce_dw_hf16_wf32")]] [[kernel]] decltype(head_dw<half, float>) head_dw<half, float>;
+template [[host_name("fcce_dw_hf16_wf16")]] [[kernel]] decltype(head_dw<half, half>) head_dw<half, half>;
+template [[host_name("fcce_dw_hf16_wbf16")]] [[kernel]] decltype(head_dw<half, bfloat16_t>) head_dw<half, bfloat16_t>;
+template [[host_name("fcce_dw_hbf16_wf32")]] [[kernel]] decltype(head_dw<bfloat16_t, float>) head_dw<bfloat16_t, float>;
+template [[host_name("fcce_dw_hbf16_wf16")]] [[kernel]] decltype(head_dw<bfloat16_t, half>) head_dw<bfloat16_t, half>;
+template [[host_name("fcce_dw_hbf16_wbf16")]] [[kernel]] decltype(head_dw<bfloat16_t, bfloat16_t>) head_dw<bfloat16_t, bfloat16_t>;
+// Element-wise passes
+template [[host_name("fcce_reduce_dh_f32")]] [[kernel]] decltype(reduce_dh<float>) reduce_dh<float>;
+template [[host_name("fcce_reduce_dh_f16")]] [[kernel]] decltype(reduce_dh<half>) reduce_dh<half>;
+template [[host_name("fcce_reduce_dh_bf16")]] [[kernel]] decltype(reduce_dh<bfloat16_t>) reduce_dh<bfloat16_t>;
+template [[host_name("fcce_cast_f16")]] [[kernel]] decltype(cast_dw<half>) cast_dw<half>;
+template [[host_name("fcce_cast_bf16")]] [[kernel]] decltype(cast_dw<bfloat16_t>) cast_dw<bfloat16_t>;
+template [[host_name("fcce_fused_dh_of32_wf32")]] [[kernel]] decltype(fused_dh<float, float>) fused_dh<float, float>;
+template [[host_name("fcce_fused_dh_of32_wf16")]] [[kernel]] decltype(fused_dh<float, half>) fused_dh<float, half>;
+template [[host_name("fcce_fused_dh_of32_wbf16")]] [[kernel]] decltype(fused_dh<float, bfloat16_t>) fused_dh<float, bfloat16_t>;
+template [[host_name("fcce_fused_dh_of16_wf32")]] [[kernel]] decltype(fused_dh<half, float>) fused_dh<half, float>;
+template [[host_name("fcce_fused_dh_of16_wf16")]] [[kernel]] decltype(fused_dh<half, half>) fused_dh<half, half>;
+template [[host_name("fcce_fused_dh_of16_wbf16")]] [[kernel]] decltype(fused_dh<half, bfloat16_t>) fused_dh<half, bfloat16_t>;
+template [[host_name("fcce_fused_dh_obf16_wf32")]] [[kernel]] decltype(fused_dh<bfloat16_t, float>) fused_dh<bfloat16_t, float>;
+template [[host_name("fcce_fused_dh_obf16_wf16")]] [[kernel]] decltype(fused_dh<bfloat16_t, half>) fused_dh<bfloat16_t, half>;
+template [[host_name("fcce_fused_dh_obf16_wbf16")]] [[kernel]] decltype(fused_dh<bfloat16_t, bfloat16_t>) fused_dh<bfloat16_t, bfloat16_t>;
+template [[host_name("fcce_fused_dh_of32_q")]] [[kernel]] decltype(fused_dh_q<float>) fused_dh_q<float>;
+template [[host_name("fcce_fused_dh_of16_q")]] [[kernel]] decltype(fused_dh_q<half>) fused_dh_q<half>;
+template [[host_name("fcce_fused_dh_obf16_q")]] [[kernel]] decltype(fused_dh_q<bfloat16_t>) fused_dh_q<bfloat16_t>;

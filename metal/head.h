@@ -1,0 +1,241 @@
+// The head's tile loop. A threadgroup owns BM rows of h and a contiguous range
+// of BN-row vocabulary blocks (one split). Per block:
+//   1. logits S [BM, BN] = h W^T over H with steel's BlockMMA (fp32 operands
+//      and accumulators), stored to threadgroup memory;
+//   2. a row epilogue (4 threads per row, 8 columns each): softcap, then
+//      - FWD / FWD_FUSED: the online (max, sum of exp) of the row and the
+//        target's logit; FWD_FUSED keeps C = exp(s - max) dcap;
+//      - DH: C = dS = (g [v == y] + (g_lse - g) exp(s - lse)) dcap;
+//   3. FWD_FUSED / DH: part_acc[split, rows, :] = factor * part_acc + C W,
+//      H in BK-column pieces (factor rescales the fused forward's previous
+//      blocks to the new row maximum; 1 for DH).
+// The split's row statistics go to part_max / part_sum at the end. Only the
+// [splits, M] statistics and the [splits, M, H] partials reach device memory.
+#pragma once
+
+namespace fcce {
+
+// The running-maximum sentinel: finite, so that exp(sentinel - x) is 0, never NaN.
+constant constexpr float kFloorLogit = -3.0e38f;
+constant constexpr int kLdC = FCCE_BN + 4; // row stride of the coefficient tile
+
+using LogitMMA = mlx::steel::BlockMMA<
+    float, float, FCCE_BM, FCCE_BN, FCCE_BK, FCCE_WM, FCCE_WN,
+    false, true, FCCE_LD, FCCE_LD>;
+// C [BM, BN] times a w tile [BN, BK] (rows v, columns of H).
+using AccMMA = mlx::steel::BlockMMA<
+    float, float, FCCE_BM, FCCE_BK, FCCE_BN, FCCE_WM, FCCE_WN,
+    false, false, kLdC, FCCE_LD>;
+
+// Threadgroup memory of the head kernel (plan.cpp's head_threadgroup_bytes).
+struct HeadSmem {
+  threadgroup float* hs; // [BM, LD] h tile
+  threadgroup float* ws; // [BN, LD] w tile
+  threadgroup float* cs; // [BM, kLdC] logits, then coefficients
+  threadgroup float* factor; // [BM] per-row rescale of the partials
+
+  METAL_FUNC HeadSmem(threadgroup float* smem)
+      : hs(smem),
+        ws(smem + FCCE_BM * FCCE_LD),
+        cs(smem + (FCCE_BM + FCCE_BN) * FCCE_LD),
+        factor(smem + (FCCE_BM + FCCE_BN) * FCCE_LD + FCCE_BM * kLdC) {}
+};
+
+// S = h[m0 : m0 + BM] w[v0 : v0 + BN]^T into sm.cs.
+template <typename HT, class W>
+METAL_FUNC void logits_tile(
+    const device HT* h, thread const W& w, const constant FcceParams& p,
+    int m0, int v0, thread const HeadSmem& sm, uint tid, uint sgid, uint lane) {
+  LogitMMA mma(sgid, lane);
+  for (int k0 = 0; k0 < p.H; k0 += FCCE_BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    load_dense_tile(h, p.M, p.H, m0, k0, sm.hs, tid);
+    w.load(p, v0, k0, sm.ws, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    mma.mma(sm.hs, sm.ws);
+  }
+  mma.Ctile.template store<float, FCCE_WM, FCCE_WN, kLdC, 1>(
+      sm.cs + mma.sm * kLdC + mma.sn);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Softcaps the thread's 8 logits in place; dcap receives d(cap tanh(x/cap))/dx.
+METAL_FUNC void softcap8(thread float* s, thread float* dcap, float cap) {
+  for (int j = 0; j < 8; ++j) {
+    if (cap > 0.0f) {
+      const float t = metal::precise::tanh(s[j] / cap);
+      s[j] = cap * t;
+      dcap[j] = 1.0f - t * t;
+    } else {
+      dcap[j] = 1.0f;
+    }
+  }
+}
+
+// One row's target: whether the row exists, its target and whether that
+// takes a gradient (not ignored, inside [0, V)).
+struct RowTarget {
+  bool ok;
+  int y;
+  bool y_ok;
+};
+
+METAL_FUNC RowTarget row_target(const constant FcceParams& p, const device int* targets, int m) {
+  RowTarget t;
+  t.ok = m < p.M;
+  t.y = t.ok ? targets[m] : -1;
+  t.y_ok = t.ok && t.y != p.ignore_index && t.y >= 0 && t.y < p.V;
+  return t;
+}
+
+// The backward's per-row factors: g masked by the target, g_lse - g, lse.
+struct RowGrad {
+  float gm;
+  float coef;
+  float lse;
+};
+
+METAL_FUNC RowGrad row_grad(
+    thread const RowTarget& t, const device float* lse, const device float* g,
+    const device float* g_lse, int m) {
+  RowGrad r{0.0f, 0.0f, 0.0f};
+  if (t.ok) {
+    r.gm = t.y_ok ? g[m] : 0.0f;
+    r.coef = g_lse[m] - r.gm;
+    r.lse = lse[m];
+  }
+  return r;
+}
+
+// The thread's 8 logits from the tile, softcapped; dcap receives the softcap's derivative.
+METAL_FUNC void read_logits8(threadgroup float* crow, thread float* s, thread float* dcap,
+                             float cap) {
+  for (int j = 0; j < 8; ++j) {
+    s[j] = crow[j];
+  }
+  softcap8(s, dcap, cap);
+}
+
+// dS = (g [v == y] + (g_lse - g) exp(s - lse)) dcap for columns v0 ... v0 + 7,
+// written over the logits; 0 for columns past V and rows past M.
+METAL_FUNC void write_ds8(threadgroup float* crow, thread const float* s,
+                          thread const float* dcap, int v0, const constant FcceParams& p,
+                          thread const RowTarget& t, thread const RowGrad& r) {
+  for (int j = 0; j < 8; ++j) {
+    const int v = v0 + j;
+    float d = v < p.V && t.ok ? r.coef * metal::precise::exp(s[j] - r.lse) : 0.0f;
+    d += t.y_ok && v == t.y ? r.gm : 0.0f;
+    crow[j] = d * dcap[j];
+  }
+}
+
+// Sum (or max) over the 4 threads of a row: lanes 4r ... 4r + 3 of one SIMD group.
+METAL_FUNC float row_sum4(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(2));
+}
+METAL_FUNC float row_max4(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  return max(x, simd_shuffle_xor(x, ushort(2)));
+}
+
+// part[rows, :] = factor[row] * part[rows, :] (skipped for the split's first
+// block) + cs ws-tiles of w, H in BK-wide pieces.
+template <class W>
+METAL_FUNC void accumulate_cw(
+    thread const W& w, const constant FcceParams& p, device float* part,
+    int m0, int v0, bool first, bool rescale, thread const HeadSmem& sm,
+    uint tid, uint sgid, uint lane) {
+  const short rows = short(min(FCCE_BM, p.M - m0));
+  for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    w.load(p, v0, i0, sm.ws, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    AccMMA acc(sgid, lane);
+    const short2 dims(short(min(FCCE_BK, p.H - i0)), rows);
+    device float* dst = part + i0;
+    if (!first) {
+      acc.Ctile.template load_safe<float, FCCE_WM, FCCE_WN>(
+          dst + acc.sm * p.H + acc.sn, p.H, dims - short2(acc.sn, acc.sm));
+      if (rescale) {
+        for (short i = 0; i < decltype(acc.Ctile)::kTileRows; ++i) {
+          const float f = sm.factor[acc.sm + i * 8 * FCCE_WM];
+          for (short j = 0; j < decltype(acc.Ctile)::kTileCols; ++j) {
+            acc.Ctile.frag_at(i, j) *= f;
+          }
+        }
+      }
+    }
+    acc.mma(sm.cs, sm.ws);
+    acc.store_result_safe(dst, p.H, dims);
+  }
+}
+
+template <int MODE, typename HT, class W>
+METAL_FUNC void head_tiles(
+    const device HT* h, thread const W& w, const device int* targets,
+    const device float* lse, const device float* g, const device float* g_lse,
+    device float* part_max, device float* part_sum, device float* target_logit,
+    device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
+    uint3 group, uint tid, uint sgid, uint lane) {
+  const HeadSmem sm(smem);
+  const int split = int(group.x), m0 = int(group.y) * FCCE_BM;
+  const int vb0 = split * p.blocks_per_split;
+  const int vb1 = min(vb0 + p.blocks_per_split, (p.V + FCCE_BN - 1) / FCCE_BN);
+
+  // This thread's row and columns in the epilogue.
+  const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
+  const RowTarget t = row_target(p, targets, m);
+  const RowGrad r = MODE == FCCE_MODE_DH ? row_grad(t, lse, g, g_lse, m) : RowGrad{0, 0, 0};
+  float run_max = kFloorLogit, run_sum = 0.0f;
+  device float* part = MODE == FCCE_MODE_FWD
+      ? part_acc
+      : part_acc + (size_t(split) * size_t(p.M) + size_t(m0)) * size_t(p.H);
+
+  for (int vb = vb0; vb < vb1; ++vb) {
+    const int v0 = vb * FCCE_BN;
+    logits_tile(h, w, p, m0, v0, sm, tid, sgid, lane);
+
+    threadgroup float* crow = sm.cs + er * kLdC + ec;
+    float s[8], dcap[8];
+    read_logits8(crow, s, dcap, p.softcap);
+    if (MODE == FCCE_MODE_DH) {
+      write_ds8(crow, s, dcap, v0 + ec, p, t, r);
+    } else {
+      float bmax = kFloorLogit;
+      for (int j = 0; j < 8; ++j) {
+        const int v = v0 + ec + j;
+        if (t.y_ok && v == t.y) {
+          target_logit[m] = s[j];
+        }
+        s[j] = v < p.V ? s[j] : kFloorLogit;
+        bmax = max(bmax, s[j]);
+      }
+      const float new_max = max(run_max, row_max4(bmax));
+      const float f = metal::precise::exp(run_max - new_max);
+      float part_e = 0.0f;
+      for (int j = 0; j < 8; ++j) {
+        const float e = metal::precise::exp(s[j] - new_max);
+        part_e += e;
+        if (MODE == FCCE_MODE_FWD_FUSED) {
+          crow[j] = e * dcap[j];
+        }
+      }
+      run_sum = run_sum * f + row_sum4(part_e);
+      run_max = new_max;
+      if (MODE == FCCE_MODE_FWD_FUSED && ec == 0) {
+        sm.factor[er] = f;
+      }
+    }
+    if (MODE != FCCE_MODE_FWD) {
+      accumulate_cw(w, p, part, m0, v0, vb == vb0, MODE == FCCE_MODE_FWD_FUSED,
+                    sm, tid, sgid, lane);
+    }
+  }
+  if (MODE != FCCE_MODE_DH && ec == 0 && t.ok) {
+    part_max[split * p.M + m] = run_max;
+    part_sum[split * p.M + m] = run_sum;
+  }
+}
+
+} // namespace fcce

@@ -1,0 +1,54 @@
+// The parameter block of every flash-CCE Metal kernel, shared by the Metal
+// sources and the host (csrc/metal/plan.h). Plain 32-bit ints and floats only,
+// so that MSL and C++ agree on its layout; it is passed with set_bytes.
+#pragma once
+
+// Tiles of the head kernels: BM rows of h by BN vocabulary rows, reduced over
+// H in steps of BK; WM x WN SIMD groups of 32 threads.
+#define FCCE_BM 32
+#define FCCE_BN 32
+#define FCCE_BK 32
+#define FCCE_WM 2
+#define FCCE_WN 2
+#define FCCE_THREADS 128 // FCCE_WM * FCCE_WN SIMD groups of 32 (asserted in loaders.h)
+// Row stride (in floats) of the threadgroup tiles: padded against bank conflicts.
+#define FCCE_LD (FCCE_BK + 4)
+// Threadgroup memory of the head and dW kernels, in floats (declared in the
+// kernels; metal/head.h's HeadSmem carves it): h tile [BM, LD], w tile
+// [BN, LD], coefficient tile [BM, BN + 4], row factors [BM].
+#define FCCE_SMEM_FLOATS \
+  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
+// Threads per threadgroup of the element-wise kernels (combine, reduce, cast, fused dh).
+#define FCCE_EW_THREADS 256
+
+// Head kernel modes (FcceParams::mode).
+// FWD: per-split running (max, sum of exp) per row and the target logits.
+// FWD_FUSED: FWD plus, per split, sum_v exp(s_v - max) dcap_v W_v into part_acc.
+// DH: sum_v dS_v W_v into part_acc, dS = (g [v == y] + (g_lse - g) p_v) dcap_v.
+#define FCCE_MODE_FWD 0
+#define FCCE_MODE_FWD_FUSED 1
+#define FCCE_MODE_DH 2
+// Reduce kernel modes: the plain sum over splits (dh), or each split weighted
+// by exp(part_max - lse) (gsum of the fused forward).
+#define FCCE_REDUCE_SUM 0
+#define FCCE_REDUCE_GSUM 1
+
+struct FcceParams {
+  int M; // rows of h
+  int H; // hidden size
+  int V; // vocabulary rows of w
+  int mode; // FCCE_MODE_* (head kernel) or FCCE_REDUCE_* (reduce kernel)
+  int bits; // quantized heads: bits per weight; 0 for dense heads
+  int group_size; // quantized heads: weights per scale/bias
+  int row_bytes; // quantized heads: bytes of one packed row (H * bits / 8)
+  int groups; // quantized heads: H / group_size
+  int sb_dtype; // quantized heads: dtype of scales and biases (0 float32, 1 float16, 2 bfloat16)
+  float softcap; // 0: off
+  int ignore_index;
+  int splits; // vocabulary splits (grid.x of the head kernel)
+  int blocks_per_split; // BN-row vocabulary blocks per split
+  int m_tiles; // BM-row tiles of h (grid.y of the head kernel)
+  int v_begin; // dW and cast: first vocabulary row of this launch
+  int v_count; // dW and cast: vocabulary rows of this launch
+  int count; // element-wise kernels: elements to process
+};

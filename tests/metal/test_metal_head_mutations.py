@@ -1,0 +1,143 @@
+"""The emulation catches broken variants of the head kernels: a barrier
+removed, a buffer one element short (threadgroup memory in the kernel, a
+scratch buffer of the plan), a wrong buffer index. Each variant is built from
+metal/flash_cce.metal with one exact edit (metal_emu.mutate raises when the
+text to edit is missing, so these tests cannot silently test nothing), and
+the unmodified source passes the same check in the same mode.
+"""
+
+import numpy as np
+import pytest
+
+import head_emu as he
+import metal_emu
+from test_metal_head import U32, Head, check_all, plans_for, reference
+
+pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
+
+# Two m tiles, three splits of several blocks: every barrier of the tile loop matters.
+PROBLEM = dict(M=37, H=70, V=333)
+# Under AddressSanitizer (slower): still two m tiles, partial k and vocabulary tiles.
+SMALL = dict(M=33, H=36, V=70)
+
+
+def forward_plan(p, fused):
+    return he.plan("forward", p.M, p.H, p.V, fused=fused, max_splits=3, **p.kw())
+
+
+def forward_error(program, p, fused, seed=0, scratch_short=None):
+    """Largest |lse - reference| over the rows, relative to its derived bound."""
+    plan = forward_plan(p, fused)
+    if scratch_short:
+        for s in plan["scratch"]:
+            if s["role"] == scratch_short:
+                s["bytes"] -= 4
+    a = p.operands()
+    a.update(logp=np.zeros(p.M, np.float32), lse=np.zeros(p.M, np.float32),
+             gsum=np.zeros((p.M, p.H), np.float32))
+    he.run_plan(program, plan, a, seed=seed)
+    _, ref_lse, _, _, _ = reference(p, None)
+    tol = 2 * p.ds() + (p.V + 16) * U32 * (1 + np.abs(ref_lse).max())
+    err = np.abs(a["lse"] - ref_lse).max()
+    return err / tol if np.isfinite(err) else np.inf
+
+
+def source_for(fused=None):
+    """The kernels of both forward plans (one build serves both)."""
+    p = Head(2, 8, 40)
+    return he.kernel_source(he.plan_kernels(forward_plan(p, False), forward_plan(p, True)))
+
+
+@pytest.fixture(scope="module")
+def head():
+    return Head(**PROBLEM, seed=7)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return Head(**SMALL, seed=8)
+
+
+def test_unmodified_passes(head, small):
+    prog = he.build(source=source_for())
+    for fused in (False, True):
+        assert forward_error(prog, head, fused) <= 1
+    asan = he.build(source=source_for(), mode="asan")
+    for fused in (False, True):
+        assert forward_error(asan, small, fused) <= 1
+
+
+def test_every_pass_clean_under_asan():
+    # Buffers and threadgroup arrays of exact size: no access outside them in
+    # any pass of a dense float32 head or a 3- and 4-bit head.
+    kernels = set()
+    for plan in plans_for(Head(2, 8, 40), 0.0, compute_dw=True):
+        kernels |= he.plan_kernels(plan)
+    for bits in (3, 4):
+        for plan in plans_for(Head(2, 32, 40, quant=(bits, 32)), 0.0):
+            kernels |= he.plan_kernels(plan)
+    prog = he.build(kernels, mode="asan")
+    check_all(prog, Head(**SMALL, ignore=(1,), seed=9), 3.0, compute_dw=True, max_splits=2)
+    for bits in (3, 4):
+        check_all(prog, Head(5, 64, 45, quant=(bits, 32), seed=bits), 30.0, max_splits=1)
+
+
+# The three barriers of the logits tile: before loading the next h and w
+# tiles (a SIMD group overwrites tiles others still multiply), between loading
+# and multiplying (one multiplies a tile others have not finished loading), and
+# between storing the logits and the row epilogue (rows read before written).
+BARRIERS = {
+    "before_load": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    load_dense_tile(h,",
+                    "    load_dense_tile(h,"),
+    "before_mma": ("threadgroup_barrier(mem_flags::mem_threadgroup);\n    mma.mma(sm.hs, sm.ws);",
+                   "mma.mma(sm.hs, sm.ws);"),
+    "before_epilogue": ("      sm.cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+                        "      sm.cs + mma.sm * kLdC + mma.sn);"),
+}
+
+
+@pytest.mark.parametrize("barrier", sorted(BARRIERS))
+def test_barrier_removed_is_caught(head, barrier):
+    # A race shows under some thread schedules: four seeded schedules, one must fail.
+    src = metal_emu.mutate(source_for(), *BARRIERS[barrier])
+    prog = he.build(source=src)
+    assert max(forward_error(prog, head, False, seed=s) for s in range(4)) > 1
+
+
+def test_threadgroup_memory_one_float_short_is_caught(small):
+    # The fused forward writes the last float (the row factors' last entry).
+    src = source_for()
+    decl = "threadgroup float smem[FCCE_SMEM_FLOATS];"
+    at = src[: src.index("void head_fwd_fused(")].count(decl)  # the fused forward's own
+    src = metal_emu.mutate(src, decl, "threadgroup float smem[FCCE_SMEM_FLOATS - 1];",
+                           occurrence=at)
+    prog = he.build(source=src, mode="asan")
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, small, True)
+
+
+def test_scratch_buffer_one_float_short_is_caught(small):
+    prog = he.build(source=source_for(), mode="asan")
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, small, False, scratch_short="part_sum")
+
+
+def test_wrong_buffer_index_is_caught(head):
+    # part_max and part_sum swapped: every buffer still bound, the values wrong.
+    src = source_for()
+    src = metal_emu.mutate(src, "device float* part_max [[buffer(8)]],",
+                           "device float* part_max [[buffer(9)]],", occurrence=0)
+    src = metal_emu.mutate(src, "device float* part_sum [[buffer(9)]],",
+                           "device float* part_sum [[buffer(8)]],", occurrence=0)
+    prog = he.build(source=src)
+    assert forward_error(prog, head, False) > 1
+
+
+def test_address_spaces_type_check():
+    # Every kernel compiles with device / constant / threadgroup as distinct
+    # clang address spaces; a threadgroup pointer used as a device pointer does not.
+    he.build(mode="typecheck")
+    src = metal_emu.mutate(he.kernel_source(), "    device float* dst = part + i0;",
+                           "    device float* dst = sm.cs + i0;")
+    with pytest.raises(metal_emu.CompileError, match="address_space"):
+        he.build(source=src, mode="typecheck")
