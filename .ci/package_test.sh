@@ -21,6 +21,6 @@ assert any(n.startswith('flash_cce/_ext') for n in names), 'the wheel has no fla
 
 "$py" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --upgrade pip
-"$tmp/venv/bin/python" -m pip install -q "${sdist}[cpu]"
+"$tmp/venv/bin/python" -m pip install -q "${sdist}[cpu,train]"
 cd "$tmp"
 "$tmp/venv/bin/python" "$root/.ci/smoke.py"
