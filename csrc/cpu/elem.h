@@ -8,6 +8,14 @@ namespace flash_cce::cpu {
 
 enum class Elem { f32, bf16, f16 };
 
+// IEEE binary16: _Float16, or on Arm with GCC before 13 (no _Float16 in C++)
+// the equivalent __fp16 storage type.
+#if defined(__aarch64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+using half = __fp16;
+#else
+using half = _Float16;
+#endif
+
 template <Elem E>
 inline float load(const void* p, int64_t i) {
   if constexpr (E == Elem::f32) {
@@ -18,7 +26,7 @@ inline float load(const void* p, int64_t i) {
     std::memcpy(&f, &bits, 4);
     return f;
   } else {
-    return static_cast<float>(static_cast<const _Float16*>(p)[i]);
+    return static_cast<float>(static_cast<const half*>(p)[i]);
   }
 }
 
@@ -43,7 +51,7 @@ inline void store(void* p, Elem e, int64_t i, float v) {
       break;
     }
     case Elem::f16:
-      static_cast<_Float16*>(p)[i] = static_cast<_Float16>(v);
+      static_cast<half*>(p)[i] = static_cast<half>(v);
       break;
     default:
       static_cast<float*>(p)[i] = v;

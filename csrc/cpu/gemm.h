@@ -36,7 +36,7 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
 int64_t sgemm_packed_a_floats(int64_t M, int64_t K);
 void sgemm_pack_a(const MatView& A, int64_t M, int64_t K, float* out);
 
-// Name of the micro-kernel in use ("avx2", "generic"), for benchmarks.
+// Name of the micro-kernel in use ("avx2", "neon", "generic"), for benchmarks.
 const char* sgemm_kernel_name();
 
 } // namespace flash_cce::cpu

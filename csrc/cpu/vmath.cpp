@@ -5,7 +5,8 @@
 #include <cstring>
 
 // Compiled twice on x86-64 Linux (AVX2+FMA and baseline), picked at load time.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && \
+    !defined(FLASH_CCE_NO_SIMD)
 #define FLASH_CCE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define FLASH_CCE_CLONES

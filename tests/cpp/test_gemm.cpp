@@ -59,7 +59,7 @@ Operand make(int64_t rows, int64_t cols, bool trans, Elem e, std::mt19937& rng) 
         o.half[at] = to_bf16(v);
         v = from_bf16(o.half[at]);
       } else if (e == Elem::f16) {
-        _Float16 hv = static_cast<_Float16>(v);
+        half hv = static_cast<half>(v);
         std::memcpy(&o.half[at], &hv, 2);
         v = static_cast<float>(hv);
       }
