@@ -44,7 +44,9 @@ if DEVICE == "gpu":
     mx.set_default_device(mx.gpu)
 
 
-HEAD_TESTS = ("test_head", "test_head_errors", "test_gpu_head")
+# Modules that choose the head's backend themselves (the Metal gate's tests
+# drive the "auto" backend with injected kernels).
+HEAD_TESTS = ("test_head", "test_head_errors", "test_gpu_head", "test_metal_gate")
 
 
 @pytest.fixture(autouse=True)

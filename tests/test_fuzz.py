@@ -193,6 +193,8 @@ def bad_flags(draw):
         bad, needle = [s.flag_name], s.flag_name
     else:
         bad, needle = [draw(TEXT.filter(lambda t: t and not t.startswith("-")))], "unrecognized arguments"
+    # A later good value of the bad flag's own setting would override it (argparse keeps the last).
+    good = [g for g in good if g[0] != bad[0]]
     at = draw(st.integers(0, len(good)))
     return sum(good[:at], []) + bad + sum(good[at:], []), needle
 
