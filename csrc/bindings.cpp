@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -134,5 +135,13 @@ NB_MODULE(_ext, m) {
   m.def("has_gpu_kernels", &flash_cce::has_gpu_kernels);
   m.def("gpu_kernel_image", &flash_cce::gpu_kernel_image,
         "The CUDA kernels' fatbin image on the default GPU and the kernels it routes to.");
+  m.def("has_metal_kernels", &flash_cce::has_metal_kernels);
+  m.def(
+      "metal_library",
+      [] {
+        auto st = flash_cce::metal_library_status();
+        return std::make_tuple(st.source, st.path, st.error);
+      },
+      "Loads the Metal kernels' library once; returns (source, path, error).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 }

@@ -7,8 +7,10 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
-#ifdef FLASH_CCE_CUDA
+#if defined(FLASH_CCE_CUDA)
 #include "cuda/cuda_head.h"
+#elif defined(FLASH_CCE_METAL)
+#include "metal/metal_head.h"
 #endif
 
 namespace flash_cce {
@@ -611,50 +613,42 @@ bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype) {
   if (s.device == mx::Device::cpu) {
     return true;
   }
-#ifdef FLASH_CCE_CUDA
+#if defined(FLASH_CCE_CUDA)
   return h_dtype != mx::float16;
+#elif defined(FLASH_CCE_METAL)
+  return metal::supports_fused(h_dtype);
 #else
   (void)h_dtype;
   return false;
 #endif
 }
 
-#ifdef FLASH_CCE_CUDA
+#if defined(FLASH_CCE_CUDA) || defined(FLASH_CCE_METAL)
+#if defined(FLASH_CCE_CUDA)
+namespace gpu = cuda;
+#else
+namespace gpu = metal;
+#endif
 bool has_gpu_kernels() {
   return true;
 }
-std::string gpu_kernel_image() {
-  mx::Device d = mx::default_device();
-  return cuda::kernel_image(d == mx::Device::gpu ? d.index : 0);
-}
-std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning& tuning) {
-  check_tuning(tuning);
-  mx::Device d = mx::default_device();
-  return cuda::launch_plan_items(d == mx::Device::gpu ? d.index : 0, tuning);
-}
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
-  cuda::forward(stream(), make_problem(inputs, cfg_), inputs, outputs);
+  gpu::forward(stream(), make_problem(inputs, cfg_), inputs, outputs);
 }
 void FlashCCEBackward::eval_gpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  cuda::backward(stream(), make_problem(inputs, cfg_), inputs, outputs);
+  gpu::backward(stream(), make_problem(inputs, cfg_), inputs, outputs);
 }
 void FlashCCEFusedDh::eval_gpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   auto p = make_problem(inputs, cfg_);
   p.h_dtype = outputs[0].dtype();
-  cuda::fused_dh(stream(), p, inputs, outputs);
+  gpu::fused_dh(stream(), p, inputs, outputs);
 }
 #else
 bool has_gpu_kernels() {
   return false;
-}
-std::string gpu_kernel_image() {
-  throw std::runtime_error("[flash_cce] this build has no GPU kernel");
-}
-std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning&) {
-  throw std::runtime_error("[flash_cce] this build has no GPU kernel");
 }
 void FlashCCEForward::eval_gpu(const std::vector<mx::array>&,
                                std::vector<mx::array>&) {
@@ -670,6 +664,42 @@ void FlashCCEFusedDh::eval_gpu(const std::vector<mx::array>&,
                                std::vector<mx::array>&) {
   throw std::runtime_error(
       "[flash_cce] this build has no GPU kernel; use backend='fallback'");
+}
+#endif
+
+// The CUDA fatbin's image and launch sizes; other builds have neither.
+#if defined(FLASH_CCE_CUDA)
+std::string gpu_kernel_image() {
+  mx::Device d = mx::default_device();
+  return cuda::kernel_image(d == mx::Device::gpu ? d.index : 0);
+}
+std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning& tuning) {
+  check_tuning(tuning);
+  mx::Device d = mx::default_device();
+  return cuda::launch_plan_items(d == mx::Device::gpu ? d.index : 0, tuning);
+}
+#else
+std::string gpu_kernel_image() {
+  throw std::runtime_error("[flash_cce] this build has no CUDA kernels");
+}
+std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning&) {
+  throw std::runtime_error("[flash_cce] this build has no CUDA kernels");
+}
+#endif
+
+#ifdef FLASH_CCE_METAL
+bool has_metal_kernels() {
+  return true;
+}
+MetalLibraryStatus metal_library_status() {
+  return metal::library_status();
+}
+#else
+bool has_metal_kernels() {
+  return false;
+}
+MetalLibraryStatus metal_library_status() {
+  return {"", "", "this build has no Metal kernels"};
 }
 #endif
 

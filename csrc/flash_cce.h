@@ -86,7 +86,7 @@ std::vector<mx::array> flash_cce_backward(
     const HeadTuning& tuning = {},
     mx::StreamOrDevice s = {});
 
-// True when eval_gpu has a native kernel in this build (CUDA today).
+// True when eval_gpu has a native kernel in this build (CUDA or Metal).
 bool has_gpu_kernels();
 // The CUDA kernels' image on the default GPU and the kernels it routes to
 // (loads them); an error in a build without GPU kernels.
@@ -95,6 +95,18 @@ std::string gpu_kernel_image();
 // attributes they come from, as (name, value) pairs; an error in a build
 // without GPU kernels.
 std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning& tuning);
+
+// True when this build has the Metal kernels (an Apple build).
+bool has_metal_kernels();
+
+// Where the Metal kernels' library came from, after loading it once:
+// source is "metallib" (built with the module), "source" (compiled at run
+// time from the embedded source) or empty when neither worked; error holds the
+// reasons (also a metallib's that was passed over for the source).
+struct MetalLibraryStatus {
+  std::string source, path, error;
+};
+MetalLibraryStatus metal_library_status();
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);

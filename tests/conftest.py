@@ -62,3 +62,9 @@ def _fp32_head_for_training_tests(request):
             yield
     else:
         yield
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=None,
+                     help="examples per property-based fuzz test of the CLI (default: the test's own, "
+                          "about 1100 in all)")

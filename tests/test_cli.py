@@ -1,6 +1,7 @@
 """`flash-cce` end to end on the tiny model: train, resume, eval, plot; config precedence."""
 
 import json
+import re
 import struct
 import zlib
 
@@ -8,7 +9,9 @@ import pytest
 
 import mlx.core as mx
 
-from flash_cce.cli import AUTO_PAD, CONFIG_DEFAULTS, _objective, build_parser, main, resolve_config
+from flash_cce import settings
+from flash_cce.cli import build_parser, main
+from flash_cce.runner import AUTO_PAD, objective_config, resolve_config
 from flash_cce.trainer import read_metrics
 from test_trainer import tiny_setup
 
@@ -20,17 +23,17 @@ def test_precedence_flags_over_yaml_over_defaults(tmp_path):
     cfg = resolve_config(flags, cfg_file)
     assert cfg["batch_size"] == 7  # flag
     assert cfg["learning_rate"] == 2.0e-4  # YAML
-    assert cfg["iters"] == CONFIG_DEFAULTS["iters"]  # default
-    assert cfg["lora_parameters"] == {"rank": 16, "scale": 5.0, "dropout": 0.1}  # flag into a YAML table
+    assert cfg["iters"] == settings.BY_NAME["iters"].default  # default
+    assert cfg["lora_parameters"] == {"rank": 16, "scale": 5.0, "dropout": 0.1, "keys": None}  # flag into a YAML table
     cfg_file.write_text("lerning_rate: 1\n")
-    with pytest.raises(ValueError, match="unknown key 'lerning_rate'"):
+    with pytest.raises(ValueError, match="unknown key 'lerning_rate' \\(did you mean 'learning_rate'\\?\\)"):
         resolve_config({}, cfg_file)
 
 
 def test_pad_to_settings(tmp_path):
     def pad_to(*argv):
         args = build_parser().parse_args(["train", *argv])
-        return _objective(resolve_config(vars(args), None)).pad_to
+        return objective_config(resolve_config(vars(args), None)).pad_to
 
     on_cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
     assert pad_to() == (AUTO_PAD if on_cuda else None)  # auto by default
@@ -38,8 +41,8 @@ def test_pad_to_settings(tmp_path):
     assert pad_to("--pad-to", "0") is None
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("pad_to: -3\n")
-    with pytest.raises(ValueError, match="pad_to: expected auto, 0 or a positive integer"):
-        _objective(resolve_config({}, cfg_file))
+    with pytest.raises(ValueError, match="pad_to: got -3; allowed: auto or an integer >= 0"):
+        objective_config(resolve_config({}, cfg_file))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--pad-to", "wide"])
 
@@ -80,10 +83,9 @@ def test_train_resume_eval_plot(tmp_path, capsys):
     assert saved["fine_tune_type"] == "lora" and saved["lora_parameters"]["rank"] == 4
 
     capsys.readouterr()
-    assert main(["eval", "--model", str(model_dir), "--adapter-path", str(cut / "best"),
-                 "--data", str(data_dir), "--split", "valid"]) == 0
+    assert main(["eval", "--adapter-path", str(cut / "best"), "--split", "valid"]) == 0
     out = capsys.readouterr().out
-    assert "rewards/accuracies=" in out and "loss=" in out
+    assert "rewards/accuracies" in out and "loss" in out
 
     assert main(["plot", str(cut)]) == 0
     w, h, raw = _png_size(cut / "plot.png")
@@ -105,11 +107,51 @@ def test_malformed_data_reports_file_and_line(tmp_path, capsys):
 def test_bad_settings_are_named(tmp_path, capsys):
     model_dir, data_dir = tiny_setup(tmp_path)
     assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--num-layers", "9")) == 2
-    assert "num_layers must be -1 or in [1, 2], got 9" in capsys.readouterr().err
+    assert "num_layers: got 9; allowed: -1 or 1 to 2 (the model has 2 blocks)" in capsys.readouterr().err
     assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--warmup", "5")) == 2
-    assert "warmup must be in [0, iters=1)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--objective", "kto"])
+    assert "warmup: got 5; allowed: < iters (1)" in capsys.readouterr().err
+    assert main(["train", "--objective", "kpo"]) == 2
+    assert ("objective: got 'kpo' (a string); allowed: one of orpo, simpo, orpo_margin, dpo, cpo, kto, sft"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "r", 1, "--objective", "dpo",
+                            "--loss-type", "kto")) == 2
+    assert "loss_type for dpo must be one of ['sigmoid'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_objective_names_are_the_registry():
+    from flash_cce.losses import OBJECTIVES
+    from flash_cce.settings import BY_NAME
+
+    assert set(BY_NAME["objective"].choices) == set(OBJECTIVES)
+
+
+def _trim(data_dir, n):
+    for path in data_dir.glob("*.jsonl"):
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[:n]))
+    return data_dir
+
+
+def test_train_and_eval_kto_on_the_unpaired_demo_split(tmp_path, capsys):
+    model_dir, data_dir = tiny_setup(tmp_path)
+    unpaired = _trim(data_dir / "unpaired", 16)
+    run = tmp_path / "kto"
+    assert main(_train_argv(model_dir, unpaired, run, 2, "--objective", "kto",
+                            "--desirable-weight", "1.2")) == 0
+    records = read_metrics(run)
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in records:
+        assert {"loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                "logps/chosen", "logps/rejected"} <= set(r)
+        assert r["kl"] >= 0.0
+    assert "16 examples (8 desirable)" in capsys.readouterr().out
+    assert main(["eval", "--adapter-path", str(run / "adapters"), "--split", "valid"]) == 0
+    assert re.search(r"^kl +\d", capsys.readouterr().out, re.M)
+    # Paired records are no KTO data: the file and line say so.
+    assert main(_train_argv(model_dir, data_dir, tmp_path / "bad", 1, "--objective", "kto")) == 2
+    assert f"{data_dir / 'train.jsonl'}:1: a paired record" in capsys.readouterr().err
 
 
 class _Exec(Exception):

@@ -129,5 +129,51 @@ def test_splits_and_summary(tok, tmp_path):
     stats = length_summary(splits["train"][0])
     assert stats["prompt"]["max"] == 7 and stats["pair"]["mean"] == 20.0  # BOS + 6 words; 2 x (7 + 3)
     assert "3 pairs" in format_summary("train", *splits["train"])
-    with pytest.raises(ValueError, match="data must be a directory"):
+    with pytest.raises(ValueError, match="data: .*missing. does not exist; give a directory"):
         load_splits(tmp_path / "missing", tok)
+
+
+UNPAIRED = {"prompt": "tom has a red ball .", "completion": "red .", "label": True}
+
+
+def test_unpaired_record_layout_and_truncation(tok, tmp_path):
+    recs = [UNPAIRED, dict(UNPAIRED, completion="blue .", label=False)]
+    examples, report = load_pairs(_write(tmp_path / "u.jsonl", recs), tok, unpaired=True)
+    prompt = [tok.bos_token_id] + ids(tok, "tom has a red ball .")
+    assert examples[0].tokens == prompt + ids(tok, "red .") + [tok.eos_token_id]
+    assert examples[1].tokens == prompt + ids(tok, "blue .") + [tok.eos_token_id]
+    assert [e.label for e in examples] == [True, False]
+    assert examples[0].prompt_len == len(prompt) and report["truncated"] == 0
+    cut, report = load_pairs(tmp_path / "u.jsonl", tok, unpaired=True, max_seq_length=6)
+    assert cut[0].tokens == examples[0].tokens[4:] and cut[0].prompt_len == len(prompt) - 4
+    assert report == dict(records=2, truncated=2, dropped=0)
+    assert "2 examples (1 desirable)" in format_summary("train", examples, report)
+
+
+def test_unpaired_chat_messages(tok, tmp_path):
+    user = [{"role": "user", "content": "what color is the ball ?"}]
+    rec = {"prompt": user, "completion": [{"role": "assistant", "content": "red ."}], "label": False}
+    (example,), _ = load_pairs(_write(tmp_path / "c.jsonl", [rec]), tok, unpaired=True)
+    q = ("user", "what color is the ball ?")
+    assert example.tokens == _chat_ids(tok, [q, ("assistant", "red .")], False)
+    assert example.prompt_len == len(_chat_ids(tok, [q], True)) and example.label is False
+
+
+UNPAIRED_MALFORMED = [
+    ({"prompt": "a", "completion": "red ."}, "missing key 'label'"),
+    ({"prompt": "a", "completion": "red .", "label": 1}, "'label' must be true or false, got 1"),
+    ({"prompt": "a", "completion": "red .", "label": "yes"}, "'label' must be true or false"),
+    ({"prompt": "a", "label": True}, "missing key 'completion'"),
+    ({"prompt": "a", "completion": " ", "label": True}, "'completion' is an empty string"),
+    ({"prompt": "a", "completion": [{"role": "assistant", "content": "x"}], "label": True}, "mix of strings"),
+    (STR_REC, "a paired record (chosen/rejected)"),
+]
+
+
+@pytest.mark.parametrize("bad,message", UNPAIRED_MALFORMED)
+def test_malformed_unpaired_record_names_file_and_line(tok, tmp_path, bad, message):
+    path = _write(tmp_path / "bad.jsonl", [UNPAIRED, "", bad])
+    with pytest.raises(ValueError) as e:
+        load_pairs(path, tok, unpaired=True)
+    assert str(e.value).startswith(f"{path}:3: ")
+    assert message in str(e.value)

@@ -1,10 +1,16 @@
 """The demo: its bundled data, its deterministic tiny model, and that it learns."""
 
 import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from flash_cce.demo import DATA_DIR, MARKER, SPLITS, demo_records, demo_words, run_demo
+from flash_cce.demo import (DATA_DIR, MARKER, SPLITS, UNPAIRED_DIR, demo_records, demo_words, run_demo,
+                            unpaired_records)
 from flash_cce.tiny import build_tiny_model
 
 
@@ -13,6 +19,9 @@ def test_bundled_data_is_the_generator_output():
     for split, n in SPLITS.items():
         lines = (DATA_DIR / f"{split}.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in lines] == records[split] and len(lines) == n
+        lines = (UNPAIRED_DIR / f"{split}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == unpaired_records(records[split])
+        assert [r["label"] for r in map(json.loads, lines[:4])] == [True, False, True, False]
 
 
 def test_held_out_triples_are_unseen():
@@ -49,7 +58,18 @@ def test_demo_learns_the_preference(tmp_path):
                  "adapters/adapter_config.json", "best/adapters.safetensors", MARKER):
         assert (run / name).exists(), name
     text = "\n".join(lines)
-    assert "before" in text and "after" in text and "mlx_lm.generate" in text
+    assert "before" in text and "after" in text
+    # The printed command answers as the demo's own greedy answer after training:
+    # the color the prompt states.
+    (cmd,) = [line.split("Try: ", 1)[1] for line in text.splitlines() if line.startswith("Try: ")]
+    argv = shlex.split(cmd)
+    script = shutil.which(argv[0]) or str(Path(sys.executable).parent / argv[0])
+    proc = subprocess.run([script, *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = proc.stdout.split("==========")[1].strip()
+    first = demo_records()["test"][0]
+    assert f'"{first["prompt"]}"' in cmd
+    assert answer.split()[0] == first["chosen"].split()[0], (answer, first)
     # A rerun replaces its own directory but refuses anyone else's.
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("x")

@@ -133,7 +133,7 @@ def test_per_pair_terms_sum_to_batch_loss():
     """Differentiating pair by pair relies on this decomposition."""
     for name in losses.OBJECTIVES:
         cfg = ObjectiveConfig(name=name)
-        stats = _stats()
+        stats = _kto_stats(0.5) if name == "kto" else _stats()
         whole = losses.get(name).fn(stats, cfg)[0].sum().item()
         total_tokens = float(FIXED["nll_n"].sum())
         parts = sum(
@@ -146,4 +146,154 @@ def test_per_pair_terms_sum_to_batch_loss():
 
 def test_unknown_objective_raises():
     with pytest.raises(ValueError, match="objective name"):
-        losses.get("kto")
+        losses.get("kpo")
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def trl_dpo(loss_type, beta, eps=0.0, f=FIXED):
+    """TRL DPOTrainer._compute_loss (reverse KL, one loss_type), float64 numpy."""
+    cl, rl = f["c_sum"] - f["ref_c"], f["r_sum"] - f["ref_r"]
+    d = cl - rl
+    per = {
+        "sigmoid": lambda: -_logsigmoid(beta * d),
+        "hinge": lambda: np.maximum(0.0, 1 - beta * d),
+        "ipo": lambda: (cl / f["c_n"] - rl / f["r_n"] - 1 / (2 * beta)) ** 2,
+        "robust": lambda: (-(1 - eps) * _logsigmoid(beta * d) + eps * _logsigmoid(-beta * d)) / (1 - 2 * eps),
+        "nca_pair": lambda: (-_logsigmoid(beta * cl) - 0.5 * _logsigmoid(-beta * cl)
+                             - 0.5 * _logsigmoid(-beta * rl)),
+        "sppo_hard": lambda: (cl - 0.5 / beta) ** 2 + (rl + 0.5 / beta) ** 2,
+        "apo_zero": lambda: (1 - _sigmoid(beta * cl)) + _sigmoid(beta * rl),
+        "apo_down": lambda: _sigmoid(beta * cl) + (1 - _sigmoid(beta * d)),
+    }[loss_type]()
+    cr, rr = beta * cl, beta * rl
+    return per.mean(), {
+        "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (cr > rr).mean(), "rewards/margins": (cr - rr).mean(),
+        "logps/chosen": f["c_sum"].mean(), "logps/rejected": f["r_sum"].mean(),
+    }
+
+
+def trl_cpo(loss_type, beta, cpo_alpha, gamma=0.5, eps=0.0, f=FIXED):
+    """TRL CPOTrainer.cpo_loss + get_batch_loss_metrics (alpha = 0), float64 numpy.
+    The NLL is the chosen response's token mean (prompt labels masked)."""
+    avg = loss_type in ("ipo", "simpo")
+    cw = f["c_sum"] / f["c_n"] if avg else f["c_sum"]
+    rw = f["r_sum"] / f["r_n"] if avg else f["r_sum"]
+    logits = cw - rw
+    if loss_type == "simpo":
+        logits = logits - gamma / beta
+    if loss_type in ("simpo", "sigmoid"):
+        per = -_logsigmoid(beta * logits) * (1 - eps) - _logsigmoid(-beta * logits) * eps
+    elif loss_type == "hinge":
+        per = np.maximum(0.0, 1 - beta * logits)
+    else:
+        per = (logits - 1 / (2 * beta)) ** 2
+    nll = f["nll_sum"].sum() / f["nll_n"].sum()
+    cr, rr = beta * cw, beta * rw
+    return per.mean() + cpo_alpha * nll, {
+        "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (cr > rr).mean(), "rewards/margins": (cr - rr).mean(),
+        "logps/chosen": cw.mean(), "logps/rejected": rw.mean(), "nll_loss": nll,
+    }
+
+
+def trl_kto(loss_type, beta, logps, ref_logps, labels, kl_logps, ref_kl_logps, wd=1.0, wu=1.0):
+    """TRL KTOTrainer._compute_loss, float64 numpy."""
+    kl = max((kl_logps - ref_kl_logps).mean(), 0.0)
+    good, bad = labels.astype(bool), ~labels.astype(bool)
+    cl, rl = logps[good] - ref_logps[good], logps[bad] - ref_logps[bad]
+    if loss_type == "kto":
+        cls, rls = 1 - _sigmoid(beta * (cl - kl)), 1 - _sigmoid(beta * (kl - rl))
+    else:
+        cls, rls = 1 - _sigmoid(beta * cl), _sigmoid(beta * rl)
+    loss = np.concatenate([wd * cls, wu * rls]).mean()
+    metrics = {"kl": kl, "rewards/chosen": (beta * cl).sum() / good.sum(),
+               "logps/chosen": logps[good].sum() / good.sum(),
+               "rewards/rejected": (beta * rl).sum() / bad.sum(),
+               "logps/rejected": logps[bad].sum() / bad.sum()}
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return loss, metrics
+
+
+def _check_all(got_terms, got_metrics, want_loss, want_metrics):
+    _check(got_terms.sum(), want_loss)
+    assert set(want_metrics) <= set(got_metrics)
+    for k, v in want_metrics.items():
+        _check(got_metrics[k], v)
+
+
+@pytest.mark.parametrize("loss_type", losses.DPO_LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.1, 0.7])
+def test_dpo_loss_types_match_trl(loss_type, beta):
+    eps = 0.2 if loss_type == "robust" else 0.0
+    cfg = ObjectiveConfig(name="dpo", beta=beta, loss_type=loss_type, label_smoothing=eps)
+    _check_all(*losses.dpo(_stats(), cfg), *trl_dpo(loss_type, beta, eps))
+
+
+def test_dpo_default_loss_type_is_sigmoid():
+    got = losses.dpo(_stats(), ObjectiveConfig(name="dpo", beta=0.3))[0].sum()
+    _check(got, trl_dpo("sigmoid", 0.3)[0])
+
+
+@pytest.mark.parametrize("loss_type", losses.CPO_LOSS_TYPES)
+def test_cpo_loss_types_match_trl(loss_type):
+    eps = 0.1 if loss_type in ("sigmoid", "simpo") else 0.0
+    cfg = ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type=loss_type,
+                          label_smoothing=eps, cpo_alpha=0.6)
+    _check_all(*losses.cpo(_stats(), cfg), *trl_cpo(loss_type, 0.4, 0.6, 0.3, eps))
+
+
+def _kto_stats(kl_value):
+    f = FIXED
+    return {"c_sum": mx.array(f["c_sum"].astype(np.float32)),
+            "ref_c": mx.array(f["ref_c"].astype(np.float32)),
+            "label": mx.array([1.0, 0.0, 1.0, 0.0]),
+            "kl": mx.full((4,), kl_value, mx.float32)}
+
+
+@pytest.mark.parametrize("loss_type", losses.KTO_LOSS_TYPES)
+@pytest.mark.parametrize("kl_shift", [0.8, -3.0])  # a positive KL and one clamped to 0
+def test_kto_matches_trl(loss_type, kl_shift):
+    kl_logps = FIXED["r_sum"] + kl_shift
+    ref_kl_logps = FIXED["r_sum"]
+    labels = np.array([1, 0, 1, 0])
+    want = trl_kto(loss_type, 0.3, FIXED["c_sum"], FIXED["ref_c"], labels, kl_logps, ref_kl_logps,
+                   wd=1.5, wu=0.7)
+    cfg = ObjectiveConfig(name="kto", beta=0.3, loss_type=loss_type,
+                          desirable_weight=1.5, undesirable_weight=0.7)
+    kl = max(kl_shift, 0.0)
+    _check_all(*losses.kto(_kto_stats(kl), cfg), *want)
+
+
+def test_kto_kl_carries_no_gradient():
+    cfg = ObjectiveConfig(name="kto", beta=0.3)
+    g = mx.grad(lambda kl: losses.kto(dict(_kto_stats(0.0), kl=kl), cfg)[0].sum())(mx.full((4,), 0.5))
+    assert np.all(np.array(g) == 0.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(name="dpo", loss_type="exo_pair"), r"loss_type for dpo must be one of \['sigmoid'"),
+    (dict(name="orpo", loss_type="sigmoid"), "objective 'orpo' has no loss types"),
+    (dict(name="cpo", loss_type="simpo", beta=0.0), "beta must be > 0 for cpo"),
+    (dict(name="dpo", loss_type="robust", label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),
+    (dict(name="cpo", cpo_alpha=-1.0), "cpo_alpha must be >= 0"),
+    (dict(name="kto", undesirable_weight=0.0), "undesirable_weight must be > 0"),
+])
+def test_bad_objective_settings_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ObjectiveConfig(**kwargs).validate()
+
+
+@pytest.mark.parametrize("w", [0.0, 2.5])
+def test_pref_weight_scales_the_preference_term(w):
+    nll = FIXED["nll_sum"].sum() / FIXED["nll_n"].sum()
+    want_orpo, _ = trl_orpo(FIXED["c_sum"] / FIXED["c_n"], FIXED["r_sum"] / FIXED["r_n"], nll, 0.2)
+    got = losses.orpo(_stats(), ObjectiveConfig(name="orpo", beta=0.2, pref_weight=w))[0].sum()
+    _check(got, nll + w * (want_orpo - nll))
+    want_cpo, _ = trl_cpo("simpo", 0.4, 0.6, 0.3)
+    got = losses.cpo(_stats(), ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type="simpo",
+                                               cpo_alpha=0.6, pref_weight=w))[0].sum()
+    _check(got, 0.6 * nll + w * (want_cpo - 0.6 * nll))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from flash_cce.batch import Pair
+from flash_cce.batch import Example, Pair
 from flash_cce.lm import lora_modules
 from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
@@ -72,9 +72,34 @@ def _ref_loss(model, pairs, cfg, ref=None):
     if cfg.name == "simpo":
         return -nn.log_sigmoid(cfg.beta * (lw - ll) - cfg.gamma).mean()
     if cfg.name == "dpo":
-        margin = (s["c_sum"] - ref["c_sum"]) - (s["r_sum"] - ref["r_sum"])
-        return -nn.log_sigmoid(cfg.beta * margin).mean()
+        return _ref_dpo(s, ref, cfg).mean()
+    if cfg.name == "cpo":
+        avg = cfg.loss_type in ("ipo", "simpo")
+        x = (lw - ll) if avg else (s["c_sum"] - s["r_sum"])
+        b = cfg.beta
+        per = {"sigmoid": lambda: -nn.log_sigmoid(b * x),
+               "simpo": lambda: -nn.log_sigmoid(b * x - cfg.gamma),
+               "hinge": lambda: mx.maximum(1 - b * x, 0.0),
+               "ipo": lambda: (x - 1 / (2 * b)) ** 2}[cfg.loss_type]()
+        return per.mean() + cfg.cpo_alpha * nll
     return nll
+
+
+def _ref_dpo(s, ref, cfg):
+    """DPO's per-pair losses by loss_type, in plain MLX ops."""
+    b, e = cfg.beta, cfg.label_smoothing
+    c, r = s["c_sum"] - ref["c_sum"], s["r_sum"] - ref["r_sum"]
+    return {
+        "sigmoid": lambda: -nn.log_sigmoid(b * (c - r)),
+        "hinge": lambda: mx.maximum(1 - b * (c - r), 0.0),
+        "ipo": lambda: (c / s["c_n"] - r / s["r_n"] - 0.5 / b) ** 2,
+        "robust": lambda: (-(1 - e) * nn.log_sigmoid(b * (c - r))
+                           + e * nn.log_sigmoid(-b * (c - r))) / (1 - 2 * e),
+        "nca_pair": lambda: -nn.log_sigmoid(b * c) - 0.5 * nn.log_sigmoid(-b * c) - 0.5 * nn.log_sigmoid(-b * r),
+        "sppo_hard": lambda: (c - 0.5 / b) ** 2 + (r + 0.5 / b) ** 2,
+        "apo_zero": lambda: 1 - mx.sigmoid(b * c) + mx.sigmoid(b * r),
+        "apo_down": lambda: mx.sigmoid(b * c) + 1 - mx.sigmoid(b * (c - r)),
+    }[cfg.loss_type or "sigmoid"]()
 
 
 def _ref_value_and_grad(model, pairs, cfg, ref=None):
@@ -122,11 +147,7 @@ def test_other_objectives_match_reference(name):
     _matches_reference(model, pairs, cfg)
 
 
-def test_dpo_reference_is_the_model_without_adapters():
-    model = tiny_model("gemma3_text", lora=True)
-    pairs = _pairs(3)
-    cfg = ObjectiveConfig(name="dpo", beta=0.3)
-    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+def _adapters_off_stats(model, pairs):
     mods = lora_modules(model)
     scales = [m.scale for m in mods]
     for m in mods:
@@ -134,12 +155,110 @@ def test_dpo_reference_is_the_model_without_adapters():
     ref = {k: mx.stop_gradient(v) for k, v in _ref_stats(model, pairs).items()}
     for m, sc in zip(mods, scales):
         m.scale = sc
+    return ref, mods, scales
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "robust", "nca_pair",
+                                       "sppo_hard", "apo_zero", "apo_down"])
+def test_dpo_reference_is_the_model_without_adapters(loss_type):
+    model = tiny_model("gemma3_text", lora=True)
+    pairs = _pairs(3)
+    # beta large enough that hinge's 1 - beta * delta changes sign nowhere near 0.
+    cfg = ObjectiveConfig(name="dpo", beta=0.3, loss_type=loss_type,
+                          label_smoothing=0.2 if loss_type == "robust" else 0.0)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    ref, mods, scales = _adapters_off_stats(model, pairs)
     want_loss, want_grads = _ref_value_and_grad(model, pairs, cfg, ref)
     _close(loss, want_loss)
     _grads_close(grads, want_grads)
     assert [m.scale for m in mods] == scales  # adapters switched back on
     # With adapters this far from zero the policy differs from its reference.
     assert abs(metrics["rewards/margins"].item()) > 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo", "hinge", "ipo"])
+def test_cpo_matches_reference(loss_type):
+    """CPO's NLL covers the chosen response only (TRL masks the prompt's labels),
+    whatever nll_on_prompt says."""
+    model = tiny_model("llama", lora=True)
+    pairs = _pairs(9)
+    cfg = ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type, cpo_alpha=0.7)
+    loss, grads, metrics = value_and_grad(model, pairs, cfg)
+    want_loss, want_grads = _ref_value_and_grad(
+        model, pairs, ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type,
+                                      cpo_alpha=0.7, nll_on_prompt=False))
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+
+
+def _examples(seed):
+    rng = np.random.default_rng(seed)
+    shapes = [(5, 3, True), (7, 4, False), (4, 6, True), (6, 2, False)]
+    return [Example(p.chosen, p.chosen_prompt_len, label)
+            for p, label in ((random_pair(rng, n, m, 1), lab) for n, m, lab in shapes)]
+
+
+def _completion_logps(model, seqs_and_plens):
+    return mx.stack([_logps(model, s)[n - 1:].sum() for s, n in seqs_and_plens])
+
+
+@pytest.mark.parametrize("loss_type, frozen", [("kto", False), ("apo_zero_unpaired", False),
+                                               ("kto", True)])
+def test_kto_matches_reference(loss_type, frozen):
+    """KTO's loss and gradients against mlx-lm's logits: the reference is the
+    model without adapters (or a frozen base for full fine-tuning), the KL
+    estimate the mean log-ratio of each prompt with the previous example's
+    completion, clamped at 0, held constant."""
+    from flash_cce.reference import FrozenModel
+    from mlx.utils import tree_map
+
+    examples = _examples(10)
+    cfg = ObjectiveConfig(name="kto", beta=0.4, loss_type=loss_type,
+                          desirable_weight=1.3, undesirable_weight=0.8)
+    own = [(e.tokens, e.prompt_len) for e in examples]
+    kl_seqs = [(e.tokens[:e.prompt_len] + examples[i - 1].tokens[examples[i - 1].prompt_len:],
+                e.prompt_len) for i, e in enumerate(examples)]
+    if frozen:
+        base = tiny_model("qwen3")
+        model = tiny_model("qwen3")
+        model.update(tree_map(lambda p: p + 0.02 * mx.random.normal(p.shape), model.parameters()))
+        cfg.reference = FrozenModel(base)
+        ref_own, ref_kl = _completion_logps(base, own), _completion_logps(base, kl_seqs)
+    else:
+        model = tiny_model("qwen3", lora=True)
+        mods = lora_modules(model)
+        scales = [m.scale for m in mods]
+        for m in mods:
+            m.scale = 0.0
+        ref_own, ref_kl = _completion_logps(model, own), _completion_logps(model, kl_seqs)
+        for m, sc in zip(mods, scales):
+            m.scale = sc
+    loss, grads, metrics = value_and_grad(model, examples, cfg)
+    kl = mx.maximum((_completion_logps(model, kl_seqs) - ref_kl).mean(), 0.0)
+    label = mx.array([float(e.label) for e in examples])
+
+    def ref_loss():
+        ratio = _completion_logps(model, own) - ref_own
+        if loss_type == "kto":
+            good, bad = 1 - mx.sigmoid(0.4 * (ratio - kl)), 1 - mx.sigmoid(0.4 * (kl - ratio))
+        else:
+            good, bad = 1 - mx.sigmoid(0.4 * ratio), mx.sigmoid(0.4 * ratio)
+        return mx.where(label > 0, 1.3 * good, 0.8 * bad).mean()
+
+    want_loss, want_grads = nn.value_and_grad(model, ref_loss)()
+    _close(loss, want_loss)
+    _grads_close(grads, want_grads)
+    _close(metrics["kl"], kl)
+    assert metrics["tokens"].item() == sum(len(e.tokens) for e in examples)
+    e_loss, e_metrics = evaluate(model, examples, cfg)
+    _close(e_loss, loss)
+
+
+def test_kto_batch_of_one_raises():
+    with pytest.raises(ValueError, match="at least 2 examples"):
+        value_and_grad(tiny_model("llama", lora=True), _examples(1)[:1], ObjectiveConfig(name="kto"))
+    with pytest.raises(ValueError, match=r"examples\[0\] must be a flash_cce.batch.Example"):
+        value_and_grad(tiny_model("llama", lora=True), _pairs(), ObjectiveConfig(name="kto"))
 
 
 def test_dpo_without_adapters_raises():
@@ -218,5 +337,7 @@ def test_malformed_batch_and_config_raise():
                        ObjectiveConfig(max_length=8))
     with pytest.raises(ValueError, match="objective name"):
         value_and_grad(model, _pairs(), ObjectiveConfig(name="ipo"))
+    with pytest.raises(ValueError, match="loss_type for dpo"):
+        value_and_grad(model, _pairs(), ObjectiveConfig(name="dpo", loss_type="ipo2"))
     with pytest.raises(ValueError, match="segment_size"):
         value_and_grad(model, _pairs(), ObjectiveConfig(segment_size=-1))

@@ -177,7 +177,7 @@ def test_memory_canary():
 
 
 def test_bad_training_args():
-    with pytest.raises(ValueError, match="grad_accumulation_steps must be >= 1"):
+    with pytest.raises(ValueError, match="grad_accumulation_steps: got 0; allowed: an integer >= 1"):
         TrainingArgs(grad_accumulation_steps=0).validate()
     with pytest.raises(ValueError, match="max_grad_norm"):
         TrainingArgs(max_grad_norm=0).validate()

@@ -1,5 +1,5 @@
-"""The tokenised preference pair: the one data type the data layer, the
-objectives and the trainer share."""
+"""The tokenised preference pair and the tokenised unpaired example: the data
+types the data layer, the objectives and the trainer share."""
 
 from dataclasses import dataclass
 
@@ -34,3 +34,27 @@ class Pair:
                 )
             if len(seq) - n < 1:
                 raise ValueError(f"{where}: the {name} response is empty")
+
+
+@dataclass
+class Example:
+    """One unpaired example (KTO) as token ids: a prompt followed by a
+    completion, and whether the completion is desirable."""
+
+    tokens: list
+    prompt_len: int
+    label: bool
+
+    def completion(self):
+        return self.tokens[self.prompt_len:]
+
+    def as_pair(self, rejected=None):
+        """A Pair whose chosen side is this example (and whose rejected side is
+        `rejected`, tokens after the same prompt, or the example again)."""
+        other = self.tokens if rejected is None else self.tokens[:self.prompt_len] + list(rejected)
+        return Pair(self.tokens, other, self.prompt_len, self.prompt_len)
+
+    def validate(self, where="example"):
+        if not isinstance(self.label, bool):
+            raise ValueError(f"{where}: label must be true or false, got {self.label!r}")
+        self.as_pair().validate(where)

@@ -27,6 +27,14 @@ OPTIMIZER = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 
 
+class Interrupted(Exception):
+    """Training stopped on request after `step`, whose checkpoint `ckpt` was written."""
+
+    def __init__(self, step, ckpt):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.ckpt = step, ckpt
+
+
 def _fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -66,7 +74,7 @@ def set_rng_state(key):
     mx.random.seed((int(hi) << 32) | int(lo))  # seed(k) sets the key to [k >> 32, k & 0xffffffff]
 
 
-def _link(run_dir, name, target):
+def link(run_dir, name, target):
     tmp = run_dir / f".{name}.tmp"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
@@ -100,9 +108,9 @@ def save_checkpoint(run_dir, step, model, optimizer, trainer_state, adapter_conf
         _fsync_dir(tmp)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
-    _link(run_dir, "adapters", final)
+    link(run_dir, "adapters", final)
     if best:
-        _link(run_dir, "best", final)
+        link(run_dir, "best", final)
     _prune(run_dir, keep)
     return final
 
@@ -116,24 +124,67 @@ def _prune(run_dir, keep):
 
 
 def find_checkpoint(path):
-    """The checkpoint directory for `path`: a checkpoint itself, or a run
-    directory (its latest checkpoint)."""
+    """The checkpoint directory for `path`: a checkpoint itself (also through a
+    run's `adapters` or `best` link), or a run directory (its latest checkpoint)."""
     path = Path(path)
     if (path / TRAINER_STATE).exists():
-        return path
+        return path.resolve()
     if (path / "adapters" / TRAINER_STATE).exists():
         return (path / "adapters").resolve()
+    if not path.exists():
+        raise ValueError(f"resume: no such directory {str(path)!r}")
     raise ValueError(
         f"resume: {str(path)!r} is neither a run directory with a checkpoint nor a "
         f"checkpoint directory (no {TRAINER_STATE})"
     )
 
 
+def run_dir_of(ckpt):
+    """The run directory holding checkpoint directory `ckpt` (None when outside one)."""
+    ckpt = Path(ckpt).resolve()
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+
+
+def read_adapters(path, what="adapters"):
+    """{name: array} of adapters.safetensors in `path`, or ValueError."""
+    file = Path(path) / ADAPTERS
+    if not file.exists():
+        raise ValueError(f"{what}: {str(path)!r} has no {ADAPTERS}")
+    try:
+        return mx.load(str(file))
+    except Exception as e:  # a torn or foreign file: MLX raises RuntimeError/ValueError
+        raise ValueError(f"{what}: cannot read {file}: {str(e).splitlines()[0]}") from None
+
+
+def check_adapter_shapes(weights, model, what="adapters"):
+    """ValueError unless `weights` are exactly `model`'s trainable parameters, shape for shape."""
+    own = dict(tree_flatten(model.trainable_parameters()))
+    missing = sorted(set(own) - set(weights))
+    extra = sorted(set(weights) - set(own))
+    if extra or missing:
+        name = (extra or missing)[0]
+        kind = "not a trainable parameter of this model" if extra else "missing from the file"
+        raise ValueError(f"{what}: {name} is {kind} ({len(extra)} unexpected, {len(missing)} missing): "
+                         "fine_tune_type, num_layers or lora_parameters differ from the run that wrote them")
+    for name, w in weights.items():
+        if tuple(w.shape) != tuple(own[name].shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(w.shape)}, this model's "
+                             f"{tuple(own[name].shape)}: lora_parameters or the model differ")
+
+
+def load_adapters(path, model, what="adapters"):
+    """Loads adapters.safetensors of `path` into `model`'s trainable parameters after checking them."""
+    weights = read_adapters(path, what)
+    check_adapter_shapes(weights, model, what)
+    model.load_weights(list(weights.items()), strict=False)
+    mx.eval(model.parameters())
+
+
 def load_checkpoint(path, model, optimizer):
     """Loads weights and optimizer state from the checkpoint at `path` (see
     `find_checkpoint`) into `model` / `optimizer`; returns (trainer_state, dir)."""
     ckpt = find_checkpoint(path)
-    model.load_weights(str(ckpt / ADAPTERS), strict=False)
+    load_adapters(ckpt, model, "resume")
     optimizer.state = tree_unflatten(list(mx.load(str(ckpt / OPTIMIZER)).items()))
     with open(ckpt / TRAINER_STATE) as f:
         state = json.load(f)

@@ -1,11 +1,12 @@
-"""Preference data in TRL's format -> `Pair`s.
+"""Preference data in TRL's formats -> `Pair`s and `Example`s.
 
-One JSON object per line with `prompt`, `chosen` and `rejected`, each a string or
-a list of chat messages (`{"role": ..., "content": ...}`). Without `prompt`,
-`chosen` and `rejected` are whole conversations and their common leading
-messages are the prompt (TRL's implicit prompt). Message lists go through the
-tokenizer's chat template; strings are tokenised as plain text, with the
-tokenizer's special tokens on the prompt and EOS after each response.
+Paired: one JSON object per line with `prompt`, `chosen` and `rejected`, each a
+string or a list of chat messages (`{"role": ..., "content": ...}`). Without
+`prompt`, `chosen` and `rejected` are whole conversations and their common
+leading messages are the prompt (TRL's implicit prompt). Unpaired (KTO): one
+object per line with `prompt`, `completion` and a boolean `label`. Message lists
+go through the tokenizer's chat template; strings are tokenised as plain text,
+with the tokenizer's special tokens on the prompt and EOS after each response.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import Pair
+from .batch import Example, Pair
 
 TRUNCATION_MODES = ("keep_end", "keep_start", "drop", "error")
 
@@ -34,14 +35,12 @@ def _check_messages(value, key, where):
             )
 
 
-def check_record(rec, where):
-    """Raises DataError unless `rec` is a TRL preference record; returns it."""
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    keys = ("prompt", "chosen", "rejected") if "prompt" in rec else ("chosen", "rejected")
+def _check_texts(rec, keys, expected, where):
+    """Each of `keys` present, a non-empty string (the prompt may be empty) or a
+    message list, all of one form."""
     for key in keys:
         if key not in rec:
-            raise DataError(f"{where}: missing key '{key}' (expected prompt, chosen, rejected)")
+            raise DataError(f"{where}: missing key '{key}' (expected {expected})")
         value = rec[key]
         if isinstance(value, str):
             if key != "prompt" and not value.strip():
@@ -55,6 +54,28 @@ def check_record(rec, where):
     kinds = {isinstance(rec[k], str) for k in keys}
     if len(kinds) > 1:
         raise DataError(f"{where}: mix of strings and message lists; use one form for {', '.join(keys)}")
+
+
+def check_unpaired_record(rec, where):
+    """Raises DataError unless `rec` is a TRL unpaired record; returns it."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "chosen" in rec or "rejected" in rec:
+        raise DataError(f"{where}: a paired record (chosen/rejected); kto reads prompt, completion, label")
+    _check_texts(rec, ("prompt", "completion"), "prompt, completion, label", where)
+    if "label" not in rec:
+        raise DataError(f"{where}: missing key 'label' (expected prompt, completion, label)")
+    if not isinstance(rec["label"], bool):
+        raise DataError(f"{where}: 'label' must be true or false, got {json.dumps(rec['label'])[:40]}")
+    return rec
+
+
+def check_record(rec, where):
+    """Raises DataError unless `rec` is a TRL preference record; returns it."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    keys = ("prompt", "chosen", "rejected") if "prompt" in rec else ("chosen", "rejected")
+    _check_texts(rec, keys, "prompt, chosen, rejected", where)
     if "prompt" not in rec:
         if isinstance(rec["chosen"], str):
             raise DataError(f"{where}: missing key 'prompt' (needed when chosen/rejected are strings)")
@@ -71,20 +92,32 @@ def _common_prefix(a, b):
     return n
 
 
-def read_jsonl(path):
-    """The records of a JSONL file; DataError names the file and line of a bad one."""
+def read_jsonl(path, check=check_record):
+    """The records of a JSONL file (UTF-8, a leading BOM allowed), each passed
+    through `check(record, where)`; DataError names the file and line of a bad one."""
     path = Path(path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            records.append((check_record(rec, where), where))
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        where = f"{path}:{lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is 0x{line[e.start]:02x})") from None
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+        records.append((check(rec, where), where))
     return records
 
 
@@ -130,26 +163,35 @@ class Encoder:
             return full, n
         return full, len(p)
 
+    def encode_one(self, prompt, response, where="record"):
+        """(tokens, prompt_len) of a prompt and one response (strings or messages)."""
+        messages = isinstance(response, list)
+        if messages and self.chat_template is False:
+            raise DataError(f"{where}: chat messages need chat_template 'auto' or true")
+        if not messages and self.chat_template is True:
+            prompt = [{"role": "user", "content": prompt}]
+            response = [{"role": "assistant", "content": response}]
+            messages = True
+        if messages:
+            return self._chat(prompt, response, where)
+        return self._text(prompt, response)
+
+    def encode_example(self, rec, where="record"):
+        """The Example of an unpaired record."""
+        tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)
+        example = Example(tokens, n, rec["label"])
+        try:
+            example.validate(where)
+        except ValueError as e:
+            raise DataError(str(e)) from None
+        return example
+
     def encode(self, rec, where="record"):
         if "prompt" not in rec:
             n = _common_prefix(rec["chosen"], rec["rejected"])
             rec = dict(prompt=rec["chosen"][:n], chosen=rec["chosen"][n:], rejected=rec["rejected"][n:])
-        messages = isinstance(rec["chosen"], list)
-        if messages and self.chat_template is False:
-            raise DataError(f"{where}: chat messages need chat_template 'auto' or true")
-        if not messages and self.chat_template is True:
-            rec = dict(
-                prompt=[{"role": "user", "content": rec["prompt"]}],
-                chosen=[{"role": "assistant", "content": rec["chosen"]}],
-                rejected=[{"role": "assistant", "content": rec["rejected"]}],
-            )
-            messages = True
-        if messages:
-            chosen, cp = self._chat(rec["prompt"], rec["chosen"], where)
-            rejected, rp = self._chat(rec["prompt"], rec["rejected"], where)
-        else:
-            chosen, cp = self._text(rec["prompt"], rec["chosen"])
-            rejected, rp = self._text(rec["prompt"], rec["rejected"])
+        chosen, cp = self.encode_one(rec["prompt"], rec["chosen"], where)
+        rejected, rp = self.encode_one(rec["prompt"], rec["rejected"], where)
         pair = Pair(chosen, rejected, cp, rp)
         try:
             pair.validate(where)
@@ -183,9 +225,18 @@ def truncate(pair, max_len, mode):
     return Pair(chosen, rejected, cp, rp)
 
 
-def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
-               chat_template="auto", enable_thinking=None):
-    """(pairs, report) from a TRL preference JSONL file.
+def _fit_example(example, max_len, mode):
+    """`truncate` for an unpaired example (its one sequence on both sides)."""
+    if len(example.tokens) <= max_len:
+        return example
+    fitted = truncate(example.as_pair(), max_len, mode)
+    return None if fitted is None else Example(fitted.chosen, fitted.chosen_prompt_len, example.label)
+
+
+def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end",
+                   chat_template="auto", enable_thinking=None, unpaired=False):
+    """(pairs, report) from `read_jsonl`'s records, or with `unpaired`
+    (examples, report) from unpaired ones (prompt, completion, label).
 
     `report` counts the records read, truncated and dropped by `truncation`
     (one of TRUNCATION_MODES) at `max_seq_length` tokens per sequence.
@@ -196,11 +247,11 @@ def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
         raise ValueError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
     enc = Encoder(tokenizer, chat_template, enable_thinking)
     pairs, truncated, dropped = [], 0, 0
-    records = read_jsonl(path)
     for rec, where in records:
-        pair = enc.encode(rec, where)
+        pair = enc.encode_example(rec, where) if unpaired else enc.encode(rec, where)
         try:
-            fitted = truncate(pair, max_seq_length, truncation)
+            fit = _fit_example if unpaired else truncate
+            fitted = fit(pair, max_seq_length, truncation)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
         if fitted is None:
@@ -211,26 +262,52 @@ def load_pairs(path, tokenizer, max_seq_length=2048, truncation="keep_end",
     return pairs, dict(records=len(records), truncated=truncated, dropped=dropped)
 
 
-def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), **kwargs):
-    """{split: (pairs, report)} for each `split`.jsonl present in `data_dir`."""
+def load_pairs(path, tokenizer, unpaired=False, **kwargs):
+    """(pairs, report) from a TRL preference JSONL file, or with `unpaired`
+    (examples, report) from a TRL unpaired one (see `encode_records`)."""
+    return encode_records(read_jsonl(path, _checker(unpaired)), tokenizer, unpaired=unpaired, **kwargs)
+
+
+def _checker(unpaired):
+    return check_unpaired_record if unpaired else check_record
+
+
+def read_splits(data_dir, splits=("train", "valid", "test"), unpaired=False):
+    """{split: records} for each `split`.jsonl present in `data_dir`."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise ValueError(f"data must be a directory with train.jsonl / valid.jsonl, got {str(data_dir)!r}")
-    return {
-        s: load_pairs(data_dir / f"{s}.jsonl", tokenizer, **kwargs)
-        for s in splits
-        if (data_dir / f"{s}.jsonl").exists()
-    }
+        what = "is a file" if data_dir.exists() else "does not exist"
+        raise DataError(f"data: {str(data_dir)!r} {what}; give a directory with train.jsonl and valid.jsonl")
+    return {s: read_jsonl(data_dir / f"{s}.jsonl", _checker(unpaired))
+            for s in splits if (data_dir / f"{s}.jsonl").is_file()}
+
+
+def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), unpaired=False, **kwargs):
+    """{split: (pairs, report)} for each `split`.jsonl present in `data_dir`."""
+    return {s: encode_records(recs, tokenizer, unpaired=unpaired, **kwargs)
+            for s, recs in read_splits(data_dir, splits, unpaired).items()}
+
+
+def _unpaired(items):
+    return bool(items) and isinstance(items[0], Example)
 
 
 def length_summary(pairs):
-    """Token-length statistics (min, mean, p50, p95, max) of prompts, responses and pairs."""
-    cols = {
-        "prompt": [p.chosen_prompt_len for p in pairs],
-        "chosen": [len(p.chosen) - p.chosen_prompt_len for p in pairs],
-        "rejected": [len(p.rejected) - p.rejected_prompt_len for p in pairs],
-        "pair": [len(p.chosen) + len(p.rejected) for p in pairs],
-    }
+    """Token-length statistics (min, mean, p50, p95, max) of prompts, responses and
+    pairs (of prompts, completions and sequences for unpaired examples)."""
+    if _unpaired(pairs):
+        cols = {
+            "prompt": [e.prompt_len for e in pairs],
+            "complete": [len(e.tokens) - e.prompt_len for e in pairs],
+            "sequence": [len(e.tokens) for e in pairs],
+        }
+    else:
+        cols = {
+            "prompt": [p.chosen_prompt_len for p in pairs],
+            "chosen": [len(p.chosen) - p.chosen_prompt_len for p in pairs],
+            "rejected": [len(p.rejected) - p.rejected_prompt_len for p in pairs],
+            "pair": [len(p.chosen) + len(p.rejected) for p in pairs],
+        }
     out = {}
     for name, v in cols.items():
         a = np.array(v or [0])
@@ -240,7 +317,9 @@ def length_summary(pairs):
 
 
 def format_summary(name, pairs, report):
-    lines = [f"{name}: {len(pairs)} pairs ({report['records']} records, "
+    what = (f"examples ({sum(e.label for e in pairs)} desirable)" if _unpaired(pairs)
+            else "pairs")
+    lines = [f"{name}: {len(pairs)} {what} ({report['records']} records, "
              f"{report['truncated']} truncated, {report['dropped']} dropped)"]
     for col, s in length_summary(pairs).items():
         lines.append(f"  {col:<8} tokens min {s['min']:>5}  mean {s['mean']:>7.1f}  "

@@ -20,6 +20,7 @@ OBJECTS = "ball cup hat box car kite book lamp sock bell".split()
 GLUE = "has a an . what color is the ?".split()
 SPLITS = {"train": 800, "valid": 100, "test": 100}
 DATA_DIR = Path(__file__).parent / "demo_data"
+UNPAIRED_DIR = DATA_DIR / "unpaired"  # the same pairs unpaired (TRL's format for KTO)
 MARKER = ".flash-cce-demo"
 
 # The base is random, so LoRA has no features to adapt: the demo trains the
@@ -64,13 +65,23 @@ def demo_records(seed=0):
     return out
 
 
+def unpaired_records(records):
+    """Each pair as two unpaired records: the chosen answer desirable, the
+    rejected one not (as TRL's unpair_preference_dataset)."""
+    return [dict(prompt=r["prompt"], completion=r[side], label=side == "chosen")
+            for r in records for side in ("chosen", "rejected")]
+
+
 def write_demo_data(path, seed=0):
+    """The demo's pairs in path/{split}.jsonl and unpaired in path/unpaired/."""
     import json
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    (path / "unpaired").mkdir(parents=True, exist_ok=True)
     for split, recs in demo_records(seed).items():
         (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (path / "unpaired" / f"{split}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in unpaired_records(recs)))
     return path
 
 
@@ -86,6 +97,8 @@ def _fresh_run_dir(run_dir):
 
 
 def _answers(model_dir, adapter_path, prompts):
+    """Greedy answers to plain-text prompts, as the string records were trained
+    (and as `mlx_lm.generate --ignore-chat-template` prompts)."""
     from mlx_lm import generate, load
 
     model, tok = load(str(model_dir), adapter_path=adapter_path and str(adapter_path))
@@ -95,23 +108,23 @@ def _answers(model_dir, adapter_path, prompts):
 def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     """Builds the tiny model, trains it on the bundled pairs, prints the held-out
     accuracy curve and before/after answers; returns the validation records."""
-    from .cli import resolve_config, run_train
     from .plot import plot_run
+    from .runner import resolve_config, run_train
     from .tiny import build_tiny_model
 
     tic = time.perf_counter()
     run_dir = _fresh_run_dir(run_dir)
     model_dir = build_tiny_model(run_dir / "base_model", demo_words(), seed=0)
-    cfg = resolve_config({}, base=dict(DEMO_CONFIG, model=str(model_dir), data=str(DATA_DIR),
-                                        run_dir=str(run_dir)))
+    cfg = dict(DEMO_CONFIG, model=str(model_dir), data=str(DATA_DIR), run_dir=str(run_dir))
     if iters is not None:
-        cfg["iters"] = iters
+        cfg.update(iters=iters, warmup=min(DEMO_CONFIG["warmup"], iters // 5))
+    cfg = resolve_config({}, base=cfg)
     tests = demo_records()["test"][:4]
     prompts = [r["prompt"] for r in tests]
     before = _answers(model_dir, None, prompts)
 
     evals = []
-    run_train(cfg, log=log, on_eval=evals.append)
+    run_train(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,))
     after = _answers(model_dir, run_dir / "adapters", prompts)
     png = plot_run(run_dir)
 
@@ -121,7 +134,8 @@ def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     for r, b, a in zip(tests, before, after):
         log(f"  {r['prompt']}\n      expected {r['chosen']!r:12} before {b!r:24} after {a!r}")
     log(f"\nRun directory {run_dir}: metrics.jsonl, {png.name}, adapters/, best/, checkpoints/")
+    # String records train as plain text, so the command skips the chat template.
     log(f"Try: mlx_lm.generate --model {model_dir} --adapter-path {run_dir / 'adapters'} "
-        f"--prompt \"{prompts[0]}\" --max-tokens 4")
+        f"--ignore-chat-template --prompt \"{prompts[0]}\" --max-tokens 4")
     log(f"Demo finished in {time.perf_counter() - tic:.1f} s")
     return evals

@@ -6,18 +6,29 @@ Every objective reads a dict of float32 vectors over the pairs of a batch:
 - `c_n`, `r_n`: their token counts,
 - `nll_sum`, `nll_n`: summed negative log-likelihood and token count of the
   chosen sequence (prompt + response, or the response only),
-- `ref_c`, `ref_r`: DPO's reference `c_sum` / `r_sum`.
+- `ref_c`, `ref_r`: the reference model's `c_sum` / `r_sum` (DPO, KTO),
+- `label`, `kl` (KTO): 1 for a desirable example, 0 for an undesirable one, and
+  the batch's KL estimate (see `kto`).
 
 With `l_w = c_sum / c_n`, `l_l = r_sum / r_n` (length-normalised log-probs),
 `NLL = sum(nll_sum) / sum(nll_n)` (token mean over the batch, as TRL) and
 `mean` over the pairs:
 
-- orpo:        `NLL - beta * mean(logsigmoid(log_odds))`,
+- orpo:        `NLL - w * beta * mean(logsigmoid(log_odds))`,
                `log_odds = (l_w - l_l) - (log1mexp(l_w) - log1mexp(l_l))` (TRL's ORPOTrainer)
-- orpo_margin: `NLL - beta * mean(logsigmoid(log_odds - gamma))` (ORPO when gamma = 0)
+- orpo_margin: `NLL - w * beta * mean(logsigmoid(log_odds - gamma))` (ORPO when gamma = 0)
 - simpo:       `-mean(logsigmoid(beta * (l_w - l_l) - gamma))`
-- dpo:         `-mean(logsigmoid(beta * ((c_sum - ref_c) - (r_sum - ref_r))))`
+- dpo:         by `loss_type` (TRL's DPOTrainer), on the log-ratios
+               `c = c_sum - ref_c`, `r = r_sum - ref_r`; sigmoid:
+               `-mean(logsigmoid(beta * (c - r)))` (docs/objectives.md lists the others)
+- cpo:         `w` times a reference-free `loss_type` plus `cpo_alpha * NLL` (TRL's CPOTrainer)
+- kto:         unpaired examples, `1 - sigmoid(beta * (ratio - kl))` for desirable
+               ones and `1 - sigmoid(beta * (kl - ratio))` for the others, weighted
+               (TRL's KTOTrainer)
 - sft:         `NLL`
+
+`w` is `cfg.pref_weight` (1 in TRL), the preference weight that `controller`
+can adjust during training; `PREF_WEIGHTED` names the objectives that have one.
 
 Each returns `(terms, metrics)`: `terms[i]` is pair i's share of the loss, so the
 loss is `terms.sum()` and a batch can be differentiated one pair at a time when
@@ -63,7 +74,7 @@ def _odds_ratio(stats, cfg, n_pairs, nll_tokens, gamma):
     log_odds = (lw - ll) - (log1mexp(lw) - log1mexp(ll))
     ratio = nn.log_sigmoid(log_odds - gamma)
     nll = _nll(stats, nll_tokens)
-    terms = nll - cfg.beta * ratio / n
+    terms = nll - cfg.pref_weight * cfg.beta * ratio / n
     metrics = _reward_metrics(cfg.beta * lw, cfg.beta * ll)
     metrics.update({
         "logps/chosen": lw.mean(), "logps/rejected": ll.mean(), "nll_loss": nll.sum(),
@@ -90,11 +101,47 @@ def simpo(stats, cfg, n_pairs=None, nll_tokens=None):
     return terms, metrics
 
 
+def _sigmoid_smoothed(x, eps):
+    """`-(1 - eps) logsigmoid(x) - eps logsigmoid(-x)` (conservative labels)."""
+    return -(1 - eps) * nn.log_sigmoid(x) - eps * nn.log_sigmoid(-x)
+
+
+def _dpo_terms(stats, cfg):
+    """Per-pair loss of DPO's `cfg.loss_type` (TRL's DPOTrainer, reverse KL)."""
+    beta, eps = cfg.beta, cfg.label_smoothing
+    chosen = stats["c_sum"] - stats["ref_c"]  # log-ratios against the reference
+    rejected = stats["r_sum"] - stats["ref_r"]
+    delta = chosen - rejected
+    kind = loss_type(cfg)
+    if kind == "sigmoid":
+        return -nn.log_sigmoid(beta * delta)
+    if kind == "hinge":
+        return nn.relu(1 - beta * delta)
+    if kind == "ipo":
+        # Log-ratios averaged over the response tokens, so beta means the same at any length.
+        avg = chosen / mx.maximum(stats["c_n"], 1.0) - rejected / mx.maximum(stats["r_n"], 1.0)
+        return (avg - 1 / (2 * beta)) ** 2
+    if kind == "robust":
+        # Unbiased under labels flipped with probability eps (rDPO).
+        return (-(1 - eps) * nn.log_sigmoid(beta * delta)
+                + eps * nn.log_sigmoid(-beta * delta)) / (1 - 2 * eps)
+    if kind == "nca_pair":
+        return (-nn.log_sigmoid(beta * chosen) - 0.5 * nn.log_sigmoid(-beta * chosen)
+                - 0.5 * nn.log_sigmoid(-beta * rejected))
+    if kind == "sppo_hard":
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    if kind == "apo_zero":
+        return 1 - mx.sigmoid(beta * chosen) + mx.sigmoid(beta * rejected)
+    if kind == "apo_down":
+        return mx.sigmoid(beta * chosen) + 1 - mx.sigmoid(beta * delta)
+    raise ValueError(f"loss_type for dpo must be one of {DPO_LOSS_TYPES}, got {kind!r}")
+
+
 def dpo(stats, cfg, n_pairs=None, nll_tokens=None):
     n = stats["c_sum"].size if n_pairs is None else n_pairs
+    terms = _dpo_terms(stats, cfg) / n
     chosen = cfg.beta * (stats["c_sum"] - stats["ref_c"])
     rejected = cfg.beta * (stats["r_sum"] - stats["ref_r"])
-    terms = -nn.log_sigmoid(chosen - rejected) / n
     metrics = _reward_metrics(chosen, rejected)
     metrics.update({
         "logps/chosen": stats["c_sum"].mean(), "logps/rejected": stats["r_sum"].mean(),
@@ -102,9 +149,75 @@ def dpo(stats, cfg, n_pairs=None, nll_tokens=None):
     return terms, metrics
 
 
+def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
+    """TRL's CPOTrainer: a reference-free preference loss plus `cpo_alpha` times
+    the chosen response's NLL (with loss_type simpo: SFT + SimPO in one stage)."""
+    n = stats["c_sum"].size if n_pairs is None else n_pairs
+    beta, kind = cfg.beta, loss_type(cfg)
+    if kind in ("ipo", "simpo"):  # length-averaged log-probs
+        lw, ll = stats["c_sum"] / stats["c_n"], stats["r_sum"] / stats["r_n"]
+    else:
+        lw, ll = stats["c_sum"], stats["r_sum"]
+    logits = lw - ll
+    if kind == "simpo":
+        pref = _sigmoid_smoothed(beta * (logits - cfg.gamma / beta), cfg.label_smoothing)
+    elif kind == "sigmoid":
+        pref = _sigmoid_smoothed(beta * logits, cfg.label_smoothing)
+    elif kind == "hinge":
+        pref = nn.relu(1 - beta * logits)
+    elif kind == "ipo":
+        pref = (logits - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"loss_type for cpo must be one of {CPO_LOSS_TYPES}, got {kind!r}")
+    nll = _nll(stats, nll_tokens)
+    terms = cfg.pref_weight * pref / n + cfg.cpo_alpha * nll
+    metrics = _reward_metrics(beta * lw, beta * ll)
+    metrics.update({"logps/chosen": lw.mean(), "logps/rejected": ll.mean(), "nll_loss": nll.sum()})
+    return terms, metrics
+
+
+def kto(stats, cfg, n_pairs=None, nll_tokens=None):
+    """TRL's KTOTrainer (loss_type kto / apo_zero_unpaired) on unpaired examples.
+
+    Reads `c_sum` (the completion's summed log-probs), `ref_c`, `label` (1:
+    desirable, 0: undesirable) and `kl`, the batch's KL estimate (the same value
+    in every row, a constant: TRL detaches it and clamps it at 0).
+    """
+    n = stats["c_sum"].size if n_pairs is None else n_pairs
+    beta, label = cfg.beta, stats["label"]
+    ratio = stats["c_sum"] - stats["ref_c"]
+    kl = mx.stop_gradient(stats["kl"])
+    kind = loss_type(cfg)
+    if kind == "kto":
+        good, bad = 1 - mx.sigmoid(beta * (ratio - kl)), 1 - mx.sigmoid(beta * (kl - ratio))
+    elif kind == "apo_zero_unpaired":
+        good, bad = 1 - mx.sigmoid(beta * ratio), mx.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"loss_type for kto must be one of {KTO_LOSS_TYPES}, got {kind!r}")
+    terms = mx.where(label > 0, cfg.desirable_weight * good, cfg.undesirable_weight * bad) / n
+    rewards = beta * ratio
+    n_good, n_bad = label.sum(), (1 - label).sum()
+    metrics = {"kl": kl.mean()}
+    # TRL logs a side's means only when the batch has examples of that side.
+    good_mean = lambda v: (v * label).sum() / mx.maximum(n_good, 1.0)  # noqa: E731
+    bad_mean = lambda v: (v * (1 - label)).sum() / mx.maximum(n_bad, 1.0)  # noqa: E731
+    metrics.update({
+        "rewards/chosen": good_mean(rewards), "logps/chosen": good_mean(stats["c_sum"]),
+        "rewards/rejected": bad_mean(rewards), "logps/rejected": bad_mean(stats["c_sum"]),
+    })
+    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return terms, metrics
+
+
 def sft(stats, cfg, n_pairs=None, nll_tokens=None):
     nll = _nll(stats, nll_tokens)
     return nll, {"nll_loss": nll.sum(), "logps/chosen": (stats["c_sum"] / stats["c_n"]).mean()}
+
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down")
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+PREF_WEIGHTED = ("orpo", "orpo_margin", "cpo")  # an NLL term and a weighted preference term
 
 
 @dataclass(frozen=True)
@@ -115,13 +228,17 @@ class Objective:
     rejected: bool = True  # needs the rejected response
     nll: bool = False  # uses the chosen NLL
     reference: bool = False  # needs reference log-probs (DPO)
+    loss_types: tuple = ()  # accepted `loss_type` values, the first the default
+    nll_on_prompt: object = None  # None: as configured; False: the response only (TRL's CPO)
 
 
 OBJECTIVES = {
     "orpo": Objective(orpo, nll=True),
     "orpo_margin": Objective(orpo_margin, nll=True),
     "simpo": Objective(simpo),
-    "dpo": Objective(dpo, reference=True),
+    "dpo": Objective(dpo, reference=True, loss_types=DPO_LOSS_TYPES),
+    "cpo": Objective(cpo, nll=True, loss_types=CPO_LOSS_TYPES, nll_on_prompt=False),
+    "kto": Objective(kto, rejected=False, reference=True, loss_types=KTO_LOSS_TYPES),
     "sft": Objective(sft, rejected=False, nll=True),
 }
 
@@ -131,3 +248,29 @@ def get(name):
     if name not in OBJECTIVES:
         raise ValueError(f"objective name must be one of {sorted(OBJECTIVES)}, got {name!r}")
     return OBJECTIVES[name]
+
+
+def loss_type(cfg):
+    """`cfg.loss_type`, or where None the objective's default (its first)."""
+    types = get(cfg.name).loss_types
+    return cfg.loss_type if cfg.loss_type is not None else (types[0] if types else None)
+
+
+def validate(cfg):
+    """Raises ValueError naming the setting of `cfg` that `cfg.name` cannot use."""
+    obj = get(cfg.name)
+    if cfg.loss_type is not None and cfg.loss_type not in obj.loss_types:
+        if not obj.loss_types:
+            raise ValueError(f"loss_type: objective {cfg.name!r} has no loss types, got {cfg.loss_type!r}")
+        raise ValueError(f"loss_type for {cfg.name} must be one of {list(obj.loss_types)}, got {cfg.loss_type!r}")
+    if obj.loss_types and not cfg.beta > 0:
+        raise ValueError(f"beta must be > 0 for {cfg.name}, got {cfg.beta}")
+    if not 0 <= cfg.label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if not cfg.pref_weight >= 0:
+        raise ValueError(f"pref_weight must be >= 0, got {cfg.pref_weight}")
+    if not cfg.cpo_alpha >= 0:
+        raise ValueError(f"cpo_alpha must be >= 0, got {cfg.cpo_alpha}")
+    for name in ("desirable_weight", "undesirable_weight"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")

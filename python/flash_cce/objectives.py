@@ -26,7 +26,7 @@ from .attention import DEFAULT_BLOCK, routed
 from .batch import Pair
 from .head import linear_logprobs
 from .layers import training_layers
-from .lm import LM, adapters_off
+from .lm import LM
 from .prefix import sequence_hidden
 
 # Tokens per pair (chosen + rejected) from which the default checkpoints the
@@ -38,9 +38,15 @@ DEFAULT_SEGMENT_SIZE = 1
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "orpo"  # "orpo" | "simpo" | "orpo_margin" | "dpo" | "sft"
+    name: str = "orpo"  # a key of losses.OBJECTIVES
     beta: float = 0.1
-    gamma: float = 0.5  # SimPO / ORPO+margin target margin
+    gamma: float = 0.5  # SimPO / ORPO+margin / CPO-simpo target margin
+    loss_type: Optional[str] = None  # TRL's loss_type of dpo / cpo / kto; None: the default
+    label_smoothing: float = 0.0  # DPO robust, CPO sigmoid/simpo
+    cpo_alpha: float = 1.0  # weight of CPO's NLL term
+    pref_weight: float = 1.0  # weight of the preference term of orpo / orpo_margin / cpo
+    desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable examples
+    undesirable_weight: float = 1.0
     nll_on_prompt: bool = True  # ORPO/SFT NLL over prompt+response (TRL) or response only
     prefix_sharing: bool = True
     # Shared-prompt layout (see `prefix`): None picks; True packed rows; False two passes
@@ -55,9 +61,11 @@ class ObjectiveConfig:
     max_length: Optional[int] = None  # longest sequence accepted (tokens); None: any
     # Queries per block of the training attention (see `attention`); None: default; 0: mlx-lm's
     attention_block: Optional[int] = None
+    # Where DPO's / KTO's reference log-probs come from (see `reference`); None: adapters off
+    reference: Optional[object] = None
 
     def validate(self):
-        losses.get(self.name)
+        losses.validate(self)
         if self.segment_size is not None and self.segment_size < 0:
             raise ValueError(f"segment_size must be None or >= 0, got {self.segment_size}")
         if self.max_length is not None and self.max_length < 2:
@@ -153,7 +161,7 @@ def hidden_stats(lm, h, rows, pair, cfg, obj):
     for b, seq in enumerate(seqs):
         for j in range(len(seq) - 1):
             resp = j + 1 >= plens[b]
-            nll = b == 0 and obj.nll and (resp or cfg.nll_on_prompt)
+            nll = b == 0 and obj.nll and (resp or _nll_on_prompt(cfg, obj))
             if resp or nll:
                 idx.append(rows[b][j])
                 tgt.append(seq[j + 1])
@@ -172,23 +180,30 @@ def can_share(pair, cfg, obj):
 
 
 def _reference(lm, pairs, cfg, obj):
-    """DPO's reference log-probs: the same model with its adapters off, no gradient."""
-    out = []
-    with adapters_off(lm.model), routed(lm.model, _attention_block(cfg)):
-        for p in pairs:
-            s = pair_stats(lm, p, cfg, obj, stack=_forward_stack(lm, cfg))
-            mx.eval(s["c_sum"], s["r_sum"])
-            out.append((s["c_sum"], s["r_sum"]))
-    return out
+    """Reference log-probs of `pairs` from `cfg.reference` (default: the model
+    with its adapters off), without gradients."""
+    from .reference import AdaptersOff
+
+    return (cfg.reference or AdaptersOff()).stats(lm, pairs, cfg, obj)
 
 
-def _prepare(model, pairs, cfg):
+def _prepare(model, items, cfg, group=None, training=True):
+    """(lm, objective, pairs, extras): `extras[i]` (or None) holds pair i's
+    statistics that come from outside its own forward (reference log-probs, ...)."""
     cfg.validate()
     lm = LM(model)
-    _check(pairs, cfg, model.args.vocab_size)
     obj = losses.get(cfg.name)
-    ref = _reference(lm, pairs, cfg, obj) if obj.reference else None
-    return lm, obj, ref
+    if cfg.name == "kto":
+        from .kto import prepare
+
+        pairs, extras = prepare(lm, items, cfg, group, training)
+        return lm, obj, pairs, extras
+    _check(items, cfg, model.args.vocab_size)
+    return lm, obj, items, _reference(lm, items, cfg, obj) if obj.reference else None
+
+
+def _nll_on_prompt(cfg, obj):
+    return cfg.nll_on_prompt if obj.nll_on_prompt is None else obj.nll_on_prompt
 
 
 def _batch_totals(pairs, cfg, obj):
@@ -196,15 +211,13 @@ def _batch_totals(pairs, cfg, obj):
     nll_tokens = 0
     if obj.nll:
         for p in pairs:
-            skip = 1 if cfg.nll_on_prompt else max(p.chosen_prompt_len, 1)
+            skip = 1 if _nll_on_prompt(cfg, obj) else max(p.chosen_prompt_len, 1)
             nll_tokens += len(p.chosen) - skip
     return len(pairs), nll_tokens
 
 
-def _with_reference(stats, ref, i):
-    if ref is not None:
-        stats = dict(stats, ref_c=ref[i][0], ref_r=ref[i][1])
-    return stats
+def _with_extras(stats, extras, i):
+    return stats if extras is None else dict(stats, **extras[i])
 
 
 def _stack(all_stats):
@@ -227,7 +240,7 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
     stats = _stack(all_stats)
     counts = mx.array([
         sum(cfg.prefix_sharing and obj.rejected and not p.shares_prompt() for p in pairs),
-        sum(len(p.chosen) + len(p.rejected) for p in pairs),
+        sum(len(p.chosen) + len(p.rejected) * obj.rejected for p in pairs),
     ])
     if _distributed(group):
         stats = {k: mx.distributed.all_gather(v, group=group) for k, v in stats.items()}
@@ -247,14 +260,14 @@ def value_and_grad(model, pairs, cfg, group=None):
     gradients are this rank's share of the batch's, so that their sum over the
     ranks (an all-reduce) is the gradient of the whole batch.
     """
-    lm, obj, ref = _prepare(model, pairs, cfg)
+    lm, obj, pairs, extras = _prepare(model, pairs, cfg, group)
     totals = _global_totals(_batch_totals(pairs, cfg, obj), group)
     grads, all_stats = None, []
     for i, pair in enumerate(pairs):
         seg = _segment_size(cfg, pair)
 
         def loss_of(stats):
-            stats = _with_reference(stats, ref, i)
+            stats = _with_extras(stats, extras, i)
             one = {k: v[None] for k, v in stats.items()}
             terms, _ = obj.fn(one, cfg, *totals)
             return terms.sum(), stats
@@ -296,12 +309,12 @@ def _compiled_pair(lm, pair, cfg, obj, loss_of):
 
 def evaluate(model, pairs, cfg):
     """Loss and metrics of `cfg`'s objective without gradients."""
-    lm, obj, ref = _prepare(model, pairs, cfg)
+    lm, obj, pairs, extras = _prepare(model, pairs, cfg, training=False)
     all_stats = []
     with routed(model, _attention_block(cfg)):
         for i, pair in enumerate(pairs):
-            stats = _with_reference(
-                pair_stats(lm, pair, cfg, obj, stack=_forward_stack(lm, cfg)), ref, i)
+            stats = _with_extras(
+                pair_stats(lm, pair, cfg, obj, stack=_forward_stack(lm, cfg)), extras, i)
             mx.eval(stats)
             all_stats.append(stats)
     return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))

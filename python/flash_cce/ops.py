@@ -8,7 +8,8 @@ import os
 
 import mlx.core as mx
 
-from . import _ext, fallback
+from . import _ext, fallback, metal
+from .selfcheck import HeadSpec
 
 _BACKENDS = (None, "auto", "native", "fallback")
 
@@ -23,11 +24,16 @@ def _device(stream):
 
 
 def has_native_kernel(device=None):
-    """Whether `device` (default: MLX's default device) runs the C++/CUDA kernels."""
+    """Whether `device` (default: MLX's default device) has native kernels in
+    this build (C++ on the CPU; CUDA or Metal on the GPU). On a Metal GPU they
+    still run only where they pass their self-check (flash_cce.metal_status())."""
     return _device(device).type == mx.cpu or _ext.has_gpu_kernels()
 
 
-def _use_native(backend, stream):
+def _use_native(backend, stream, spec=None, h=None):
+    """Whether a call runs the native kernels. `spec` (a HeadSpec) and `h` let
+    "auto" consult the Metal gate: on a Metal GPU the kernels run only for
+    configurations that passed the self-check, and sizes they index (metal.py)."""
     source = "backend"
     if backend is None:
         backend, source = os.environ.get("FLASH_CCE_BACKEND") or None, "FLASH_CCE_BACKEND"
@@ -35,10 +41,13 @@ def _use_native(backend, stream):
         raise ValueError(f"{source} must be one of {_BACKENDS[1:]}, got {backend!r}")
     if backend == "fallback":
         return False
-    native = has_native_kernel(_device(stream))
+    device = _device(stream)
+    native = has_native_kernel(device)
     if backend == "native" and not native:
-        raise ValueError(f"backend='native' but {_device(stream)} has no flash-CCE kernel")
-    return native
+        raise ValueError(f"backend='native' but {device} has no flash-CCE kernel")
+    if backend == "native" or not native or spec is None or not metal.gated(device):
+        return native
+    return metal.fits(h) and metal.GATE.allows(spec)
 
 
 def _is_tracing_error(err):
@@ -103,7 +112,7 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     _ext.check_tuning(tuning)
     if validate_targets:
         check_targets(targets, w.shape[0], ignore_index)
-    if _use_native(backend, stream):
+    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size), h):
         logp, lse = _ext.forward(
             h, w, targets, scales, biases, group_size=group_size, bits=bits,
             softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
@@ -137,7 +146,7 @@ def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
     _ext.check_tuning(tuning)
     if compute_dw and scales is not None:
         raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
-    if _use_native(backend, stream):
+    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size), h):
         out = _ext.backward(
             h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
             bits=bits, softcap=softcap, ignore_index=ignore_index,

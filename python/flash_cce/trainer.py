@@ -8,7 +8,7 @@ Shaped like mlx-lm's `tuner.trainer`: `TrainingArgs` holds the loop's settings a
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +17,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from . import checkpoint
+from . import checkpoint, settings
+from .checkpoint import Interrupted  # noqa: F401 (raised here, caught by the CLI)
 from .objectives import ObjectiveConfig
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
@@ -27,29 +28,24 @@ GB = 1e9
 
 @dataclass
 class TrainingArgs:
-    batch_size: int = field(default=4, metadata={"help": "Pairs per micro-batch, over all ranks together."})
-    iters: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
-    grad_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    max_grad_norm: Optional[float] = field(default=1.0, metadata={"help": "Clip the global gradient norm to this (None: no clipping)."})
-    steps_per_eval: int = field(default=100, metadata={"help": "Steps between validations (0: only before and after)."})
-    val_batches: int = field(default=-1, metadata={"help": "Validation micro-batches per evaluation, -1 for all."})
-    save_every: int = field(default=100, metadata={"help": "Steps between checkpoints (0: only the last)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints kept besides the best."})
-    seed: int = field(default=0, metadata={"help": "Seed of the data order and the MLX PRNG."})
+    """The loop's settings; defaults and help come from `flash_cce.settings`."""
+
+    batch_size: int = settings.field("batch_size")
+    iters: int = settings.field("iters")
+    grad_accumulation_steps: int = settings.field("grad_accumulation_steps")
+    max_grad_norm: Optional[float] = settings.field("max_grad_norm")
+    steps_per_eval: int = settings.field("steps_per_eval")
+    val_batches: int = settings.field("val_batches")
+    save_every: int = settings.field("save_every")
+    keep_checkpoints: int = settings.field("keep_checkpoints")
+    seed: int = settings.field("seed")
     memory_canary: float = field(default=0.25, metadata={"help": "Warn when active memory grows by this fraction after the first steps."})
-    progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    progress: bool = settings.field("progress")
 
     def validate(self):
-        for name in ("batch_size", "iters", "grad_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps_per_eval", "save_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        for f in fields(self):
+            if f.name in settings.BY_NAME:
+                settings.check_value(settings.BY_NAME[f.name], getattr(self, f.name))
 
 
 def build_schedule(learning_rate, iters, warmup=0, schedule="cosine", min_learning_rate=0.0):
@@ -173,13 +169,18 @@ def _progress(args, start, rank):
 
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
           adapter_config=None, resume=None, value_and_grad=objective_value_and_grad,
-          evaluate=objective_evaluate, on_eval=None, log=print):
+          evaluate=objective_evaluate, on_eval=None, log=print, should_stop=None, gpu_capture=None,
+          controller=None):
     """Trains `model`'s trainable parameters on `train_pairs` (list of Pair).
 
     Writes run_dir/metrics.jsonl (a record per step and per evaluation) and
     checkpoints (see `checkpoint`) when `run_dir` is given. `resume` is a run or
     checkpoint directory to continue from exactly. `on_eval(record)` sees each
-    evaluation. Returns the last evaluation record (or None).
+    evaluation. `should_stop()` is asked after each step: when true, a checkpoint
+    is written and `Interrupted` raised. `gpu_capture` is a Metal trace file that
+    records this session's first step. `controller` (a `controller.Controller`)
+    sets the objective's preference weight each step. Returns the last
+    evaluation record (or None).
     """
     args.validate()
     objective = objective or ObjectiveConfig()
@@ -206,6 +207,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         loaded.pop("training_args", None)
         state.update(loaded)
         checkpoint.set_rng_state(state.pop("rng"))
+        controller = _resumed_controller(state, controller)
         log(f"Resumed from {ckpt} at step {state['step']}")
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
@@ -214,7 +216,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             log_file.write(record)
 
     def validate_now(step):
-        if not val_pairs:
+        if not val_pairs or args.val_batches == 0:
             return None
         tic = time.perf_counter()
         values = evaluate_pairs(model, val_pairs, objective, args.batch_size, args.val_batches, evaluate)
@@ -227,9 +229,11 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
 
     def save(step, best=False):
         if not writer:
-            return
+            return None
         trainer_state = dict(state, rng=checkpoint.rng_state(), training_args=asdict(args))
-        checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
+        if controller is not None:
+            trainer_state["controller"] = controller.state()
+        return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
                                    adapter_config or {}, best=best, keep=args.keep_checkpoints)
 
     def after_eval(record, step):
@@ -246,10 +250,15 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     bar = _progress(args, state["step"], rank)
     accum = args.grad_accumulation_steps
     try:
-        for step in range(state["step"] + 1, args.iters + 1):
+        first = state["step"] + 1
+        for step in range(first, args.iters + 1):
+            if gpu_capture is not None and step == first:
+                mx.metal.start_capture(str(gpu_capture))
             tic = time.perf_counter()
             mx.reset_peak_memory()
             grads, sums, tokens = None, {}, 0
+            if controller is not None:
+                objective = replace(objective, pref_weight=controller.weight)
             for _ in range(accum):
                 idx = batch_indices(len(train_pairs), args.batch_size, state["position"],
                                     args.seed, rank, size)
@@ -268,6 +277,9 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
             optimizer.update(model, grads)
             mx.eval(model.parameters(), optimizer.state)
+            if gpu_capture is not None and step == first:
+                mx.metal.stop_capture()
+                log(f"Recorded step {step} into {gpu_capture}")
             del grads
             state["step"] = step
             elapsed = time.perf_counter() - tic
@@ -276,6 +288,9 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                           learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+            if controller is not None:
+                record["pref_weight"] = objective.pref_weight
+                controller.update(sums["nll_loss"])
             warning = canary.check(step, active)
             if warning:
                 record["memory_warning"] = warning
@@ -295,14 +310,33 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                         bar.write(_eval_line(last_eval))
                     elif rank == 0:
                         log(_eval_line(last_eval))
-            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters:
-                save(step, best=is_best)
+            stop = should_stop is not None and should_stop()
+            if should_stop is not None and size > 1:  # every rank stops after the same step
+                stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
+            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
+                ckpt = save(step, best=is_best)
+            if stop and step < args.iters:
+                raise Interrupted(step, ckpt)
     finally:
         if bar is not None:
             bar.close()
         if log_file is not None:
             log_file.close()
     return last_eval
+
+
+def _resumed_controller(state, controller):
+    """The controller as the checkpoint left it (None when it had none)."""
+    saved = state.pop("controller", None)
+    if controller is None or saved is None:
+        if (controller is None) != (saved is None):
+            raise ValueError("resume: the checkpoint was made "
+                             + ("with" if saved is not None else "without")
+                             + " an adaptive preference weight; resume it the same way")
+        return controller
+    from .controller import Controller
+
+    return Controller.from_state(saved)
 
 
 def _eval_line(r):
@@ -321,20 +355,17 @@ def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=N
     LoRA/DoRA layers on the last `num_layers` blocks (-1: all) or, for "full",
     those blocks' own weights. `quantize` ({"bits", "group_size"}) quantizes a
     dense base first (QLoRA)."""
-    import mlx.nn as nn
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     if fine_tune_type not in ("lora", "dora", "full"):
         raise ValueError(f"fine_tune_type must be 'lora', 'dora' or 'full', got {fine_tune_type!r}")
     if num_layers > len(model.layers) or num_layers == 0 or num_layers < -1:
-        raise ValueError(f"num_layers must be -1 or in [1, {len(model.layers)}], got {num_layers}")
+        raise ValueError(f"num_layers: got {num_layers}; allowed: -1 or 1 to {len(model.layers)} "
+                         f"(the model has {len(model.layers)} blocks)")
     if quantize:
         if fine_tune_type == "full":
             raise ValueError("quantize: a quantized base needs fine_tune_type 'lora' or 'dora', not 'full'")
-        gs, bits = quantize.get("group_size", 64), quantize.get("bits", 4)
-        nn.quantize(model, group_size=gs, bits=bits,
-                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
-                    and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)
+        quantize_model(model, quantize)
     model.freeze()
     if fine_tune_type == "full":
         for layer in model.layers[-max(num_layers, 0):]:
@@ -346,6 +377,16 @@ def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=N
         params.setdefault("dropout", 0.0)
         linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
     return model
+
+
+def quantize_model(model, quantize):
+    """Quantizes `model`'s dense layers ({"bits", "group_size"}) as prepare_model does."""
+    import mlx.nn as nn
+
+    gs, bits = quantize.get("group_size", 64), quantize.get("bits", 4)
+    nn.quantize(model, group_size=gs, bits=bits,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)
 
 
 def trainable_summary(model):

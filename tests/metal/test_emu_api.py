@@ -19,6 +19,7 @@ def prog():
 
 def test_threadgroup_memory_argument(prog):
     x = np.arange(96, dtype=np.float32)
+    x.setflags(write=False)  # inputs may be read-only
     y = np.zeros(96, np.float32)
     prog.run(me.Dispatch("reverse_groups", {0: x, 1: y}, threadgroups=(3, 1, 1),
                          threads=(32, 1, 1), threadgroup_memory={0: 128}))
@@ -98,7 +99,8 @@ def test_interface_errors(prog):
 def test_constant_parameter_larger_than_its_buffer():
     prog = build(Path(__file__).parent / "samples" / "reduce.metal")
     x = np.zeros((1, 32), np.float32)
-    with pytest.raises(me.EmulationError, match=r"'n' \(buffer 2\) needs 4 bytes, the buffer has 2"):
+    with pytest.raises(me.EmulationError,
+                       match=r"'n' \(buffer 2\) needs 4 bytes, the buffer has 2"):
         prog.run(me.Dispatch("row_sum_float", {0: x, 1: np.zeros(1, np.float32),
                                                2: np.int16(32)}, threads=(32, 1, 1)))
 
@@ -115,3 +117,28 @@ def test_threadgroup_declaration_it_cannot_share_is_refused():
 def test_kernel_that_never_finishes_times_out(prog):
     with pytest.raises(me.EmulationError, match="did not finish within 2 s"):
         prog.run(me.Dispatch("spin", {0: np.zeros(1, np.int32)}), timeout=2)
+
+
+def test_source_with_mlx_headers_inlined():
+    """A build-time inlined source carries MLX's headers as `// ---- NAME`
+    sections with include guards; those the emulator shadows are swapped for
+    the shadows (their own text cannot compile as C++)."""
+    from emu_env import mlx_include
+
+    inc = mlx_include()
+    sections = []
+    for i, name in enumerate(["mlx/backend/metal/kernels/bf16_math.h",
+                              "mlx/backend/metal/kernels/complex.h",
+                              "mlx/backend/metal/kernels/logging.h",
+                              "mlx/backend/metal/kernels/steel/utils/type_traits.h"]):
+        text = (inc / name).read_text().replace("#pragma once", "")
+        sections.append(f"// ---- {name}\n#ifndef GUARD_{i}\n#define GUARD_{i}\n{text}\n"
+                        f"#endif // GUARD_{i}")
+    body = (Path(__file__).parent / "samples" / "reduce.metal").read_text()
+    src = "#include <metal_stdlib>\n" + "\n".join(sections) + "\n" + body
+    prog = build(src)
+    x = np.ones((1, 100), np.float32)
+    out = np.zeros(1, np.float32)
+    prog.run(me.Dispatch("row_sum_float", {0: x, 1: out, 2: np.int32(100)}, threads=(64, 1, 1)))
+    assert out[0] == 100
+    build(src, mode="typecheck")

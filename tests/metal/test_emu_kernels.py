@@ -40,10 +40,12 @@ def as_f64(a, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_sum(dtype):
+@pytest.mark.parametrize("threads", [256, 48])
+def test_row_sum(dtype, threads):
+    """48 threads: a second SIMD group of 16 lanes."""
     prog = build(SAMPLES / "reduce.metal")
     rng = np.random.default_rng(1)
-    rows, n, threads = 3, 1000, 256
+    rows, n = 3, 1000
     x = to_dtype(rng.standard_normal((rows, n)), dtype)
     out = np.zeros(rows, np.float32)
     prog.run(me.Dispatch(f"row_sum_{dtype}", {0: x, 1: out, 2: np.int32(n)},
@@ -88,7 +90,8 @@ def test_steel_gemm_tile(dtype, mnk):
     a = to_dtype(rng.standard_normal((m, k)), dtype)
     b = to_dtype(rng.standard_normal((n, k)), dtype)
     c = np.full((m, n), np.nan, np.float32)
-    prog.run(me.Dispatch(f"gemm_nt_{dtype}", {0: a, 1: b, 2: c, 3: np.array([m, n, k, 0], np.int32)},
+    mnk_bytes = np.array([m, n, k, 0], np.int32)
+    prog.run(me.Dispatch(f"gemm_nt_{dtype}", {0: a, 1: b, 2: c, 3: mnk_bytes},
                          threadgroups=(-(-n // 32), -(-m // 32), 1), threads=(128, 1, 1)))
     af, bf = as_f64(a, dtype), as_f64(b, dtype)
     # Each 8x8 product rounds once to float32 and adds to a float32 accumulator:

@@ -36,6 +36,8 @@ def test_unmutated_passes_every_build():
     src = reduce_source()
     assert all(row_sum(build(src), seed) for seed in range(4))
     assert row_sum(build(src, mode="asan"))
+    with pytest.warns(UserWarning, match="ThreadSanitizer keeps about 256 threads apart"):
+        assert row_sum(build(src, mode="tsan"))  # 3 x 256 threads
     build(src, mode="typecheck")
 
 
@@ -63,6 +65,43 @@ def test_removed_barrier_in_steel_gemm_gives_wrong_results(occurrence):
                              {0: a, 1: b, 2: c, 3: np.array([m, n, k, 0], np.int32)},
                              threadgroups=(1, 1, 1), threads=(128, 1, 1)), seed=seed)
         assert not np.allclose(c, a.astype(np.float64) @ b.T, atol=1e-3)
+
+
+@pytest.mark.parametrize("occurrence", [0, 1])
+def test_removed_barrier_is_a_race_under_thread_sanitizer(occurrence):
+    """ThreadSanitizer orders only what a barrier orders, so the race is
+    reported under the uniform schedule (seed 2) that may miss the wrong
+    result."""
+    src = me.mutate((SAMPLES / "gemm_nt.metal").read_text(), BARRIER, "", occurrence=occurrence)
+    prog = build(src, mode="tsan")
+    m, n, k = 32, 32, 48
+    a = np.ones((m, k), np.float32)
+    b = np.ones((n, k), np.float32)
+    c = np.zeros((m, n), np.float32)
+    with pytest.raises(me.EmulationError, match="ThreadSanitizer: .*data race"):
+        prog.run(me.Dispatch("gemm_nt_float",
+                             {0: a, 1: b, 2: c, 3: np.array([m, n, k, 0], np.int32)},
+                             threadgroups=(1, 1, 1), threads=(128, 1, 1)), seed=2)
+
+
+def test_benign_barrier_removal_is_not_a_race():
+    """Without the barrier after the SIMD sums, the tree's first step (stride
+    16 reads nothing with 8 SIMD groups) still ends in a barrier: no race, and
+    ThreadSanitizer reports none."""
+    prog = build(me.mutate(reduce_source(), BARRIER, "", occurrence=0), mode="tsan")
+    with pytest.warns(UserWarning, match="ThreadSanitizer keeps"):
+        assert row_sum(prog)
+
+
+def test_two_threadgroups_writing_one_element_is_a_race():
+    """Threadgroups of one dispatch are unordered. (ThreadSanitizer keeps about
+    240 threads apart: 3 x 64 threads here; 2 x 128 would go unreported.)"""
+    src = me.mutate(reduce_source(), "out[row] = partial[0];", "out[0] = partial[0];")
+    x = np.ones((3, 100), np.float32)
+    with pytest.raises(me.EmulationError, match="ThreadSanitizer: .*data race"):
+        build(src, mode="tsan").run(me.Dispatch(
+            "row_sum_float", {0: x, 1: np.zeros(3, np.float32), 2: np.int32(100)},
+            threadgroups=(3, 1, 1), threads=(64, 1, 1)))
 
 
 def test_output_buffer_one_element_short():
@@ -135,6 +174,13 @@ def test_threadgroup_pointer_assigned_to_device_pointer():
     src = me.mutate(reduce_source(), "  if (lane == 0) {\n",
                     "  device float* p = partial;\n  if (lane == 0) {\n")
     with pytest.raises(me.CompileError, match="address_space\\(1\\).*address_space\\(3\\)"):
+        build(src, mode="typecheck")
+
+
+def test_buffer_argument_without_address_space():
+    src = me.mutate(reduce_source(), "const device T* x [[buffer(0)]]", "const T* x [[buffer(0)]]")
+    with pytest.raises(me.CompileError, match="buffer argument 'x' must be in the device or "
+                                              "constant address space"):
         build(src, mode="typecheck")
 
 

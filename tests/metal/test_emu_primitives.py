@@ -109,3 +109,39 @@ def test_atomics(prog):
                          threads=(96, 1, 1)))
     assert total[0] == 5 * sum(range(96))
     np.testing.assert_array_equal(per_group, 96)
+
+
+def test_lanes_that_returned_drop_out(prog):
+    out = np.full(64, -1, np.int32)
+    prog.run(me.Dispatch("early_exit", {0: out, 1: np.array([20, 1], np.int32)}))
+    np.testing.assert_array_equal(out[:20], sum(range(20)))
+    np.testing.assert_array_equal(out[32:52], np.arange(20) ^ 1)
+    np.testing.assert_array_equal(out[20:32], -1)
+    # Lanes 4 to 15 would read lanes 20 to 31, which returned.
+    with pytest.raises(me.EmulationError,
+                       match=r"reads lane (2\d|3[01]), which is inactive or has returned"):
+        prog.run(me.Dispatch("early_exit", {0: out, 1: np.array([20, 16], np.int32)}))
+
+
+def test_scalar_functions(prog):
+    rng = np.random.default_rng(9)
+    x = np.concatenate([np.int32([0, 1, -1, 2**30, 65535, 65536]),
+                        rng.integers(-2**31, 2**31 - 1, 26, dtype=np.int64).astype(np.int32)])
+    f = rng.standard_normal(32).astype(np.float32)
+    n = 32
+    out = np.zeros(4 * n, np.int32)
+    fout = np.zeros(4 * n, np.float32)
+    prog.run(me.Dispatch("scalar_ops", {0: x, 1: f, 2: out, 3: fout}, threads=(n, 1, 1)))
+    u = x.view(np.uint32).astype(np.int64)
+    bits = lambda v, w: np.array([w - int(b).bit_length() for b in v])  # noqa: E731
+    np.testing.assert_array_equal(out[:n], bits(u, 32))
+    trailing = [32 if b == 0 else (int(b) & -int(b)).bit_length() - 1 for b in u]
+    np.testing.assert_array_equal(out[n:2 * n], trailing)
+    np.testing.assert_array_equal(out[2 * n:3 * n], [bin(int(b)).count("1") for b in u])
+    np.testing.assert_array_equal(out[3 * n:], bits(u & 0xFFFF, 16))
+    i = np.arange(n)
+    trio = np.stack([f, f[(i + 1) % n], f[(i + 2) % n]])
+    np.testing.assert_array_equal(fout[:n], trio.max(0))
+    np.testing.assert_array_equal(fout[n:2 * n], trio.min(0))
+    np.testing.assert_array_equal(fout[2 * n:3 * n], np.median(trio, 0))
+    np.testing.assert_array_equal(fout[3 * n:], (f >= f[(i + 1) % n]).astype(np.float32))

@@ -44,6 +44,21 @@ extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const voi
                                                 size_t* size_old);
 #endif
 
+// Build with -DEMU_TSAN (runtime uninstrumented, kernels under ThreadSanitizer):
+// each thread is a ThreadSanitizer fiber whose switches do not synchronise, so
+// only what Metal orders is ordered: a barrier for its threadgroup (or SIMD
+// group), a dispatch for the next. Accesses to the same memory that nothing
+// orders are reported as races, whatever the schedule; this includes two
+// threadgroups of one dispatch.
+#ifdef EMU_TSAN
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
+#define EMU_TSAN_ONLY(x) x
+#else
+#define EMU_TSAN_ONLY(x)
+#endif
+
 extern const emu::Entry emu_entries[];
 extern const int emu_entry_count;
 
@@ -68,6 +83,7 @@ struct Fiber {
   Site wait_site = {nullptr, 0};
   const char* wait_kind = nullptr;
   void* fake_stack = nullptr;
+  void* tsan_fiber = nullptr;
 };
 
 // Threads waiting at one barrier or SIMD exchange.
@@ -75,6 +91,9 @@ struct Meeting {
   std::vector<int> waiting;
   Site site = {nullptr, 0};
   uint64_t seq = 0;
+  // Happens-before objects of alternate meetings, in memory of this
+  // threadgroup's own (so that the next threadgroup does not inherit them).
+  char* sync = nullptr;
   int first = -1;
 };
 
@@ -102,13 +121,16 @@ struct Runtime {
   std::vector<uint32_t> priority;  // per thread, by the schedule
   Meeting tg;
   std::vector<Meeting> simd;
-  std::vector<std::vector<unsigned char>> slots;
-  std::map<const void*, void*> tg_static;
+  Span slots;  // kSimdWidth * kSimdSlot bytes per SIMD group
+  Span sync;   // the meetings' happens-before objects
+  std::map<const void*, Span> tg_static;
   std::map<int, Span> tg_dynamic;
   size_t tg_bytes = 0;
   const void* main_stack_bottom = nullptr;
   size_t main_stack_size = 0;
   void* sched_fake_stack = nullptr;
+  void* tsan_main = nullptr;
+  char dispatch_sync, exit_sync;
 } R;
 
 Fiber& cur() { return R.fibers[R.current]; }
@@ -127,17 +149,41 @@ std::string where() {
   return s.str();
 }
 
-void* tg_alloc(size_t size, size_t align) {
+// Memory a threadgroup starts with: exactly `size` bytes, so that
+// AddressSanitizer sees one element too many, filled with 0xff (NaN for
+// floats) so that reading it before writing shows. Under ThreadSanitizer,
+// fresh pages mapped while ignoring accesses: nothing of an earlier
+// threadgroup's use of the addresses, nor the filling, counts as an access.
+void* fresh(size_t size) {
+#ifdef EMU_TSAN
+  __tsan_ignore_thread_begin();
+  void* p = mmap(nullptr, std::max<size_t>(size, 1), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) fail("out of memory");
+#else
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, std::max<size_t>(size, 1)) != 0) fail("out of memory");
+#endif
+  std::memset(p, 0xff, size);
+  EMU_TSAN_ONLY(__tsan_ignore_thread_end());
+  return p;
+}
+
+void release_fresh(Span s) {
+#ifdef EMU_TSAN
+  __tsan_ignore_thread_begin();
+  munmap(s.data, std::max<size_t>(s.size, 1));
+  __tsan_ignore_thread_end();
+#else
+  free(s.data);
+#endif
+}
+
+void* tg_alloc(size_t size) {
   R.tg_bytes += size;
   if (R.tg_bytes > kThreadgroupMemoryLimit)
     fail("threadgroup memory of %zu bytes exceeds the 32 KB that Apple GPUs have", R.tg_bytes);
-  // Exact size, so that AddressSanitizer sees one element too many; filled
-  // with 0xff (NaN for floats) so that reading it before writing shows.
-  void* p = nullptr;
-  if (posix_memalign(&p, std::max(align, sizeof(void*)), std::max<size_t>(size, 1)) != 0)
-    fail("out of memory");
-  std::memset(p, 0xff, size);
-  return p;
+  return fresh(size);
 }
 
 // Switches from the running fiber to the scheduler.
@@ -147,7 +193,12 @@ void to_scheduler() {
   __sanitizer_start_switch_fiber(f.state == State::done ? nullptr : &f.fake_stack,
                                  R.main_stack_bottom, R.main_stack_size);
 #endif
+#ifdef EMU_TSAN
+  __tsan_switch_to_fiber(R.tsan_main, __tsan_switch_to_fiber_no_sync);
+  swapcontext(&f.ctx, &R.sched);
+#else
   if (!_setjmp(f.jb)) _longjmp(R.sched_jb, 1);
+#endif
 #ifdef EMU_ASAN
   __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
 #endif
@@ -192,7 +243,9 @@ void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   f.wait_kind = kind;
   m.waiting.push_back(R.current);
   if (int(m.waiting.size()) == expected) release(m);
+  EMU_TSAN_ONLY(__tsan_release(&m.sync[seq & 1]));
   to_scheduler();
+  EMU_TSAN_ONLY(__tsan_acquire(&m.sync[seq & 1]));
 }
 
 int simd_active(int sg) {
@@ -208,6 +261,7 @@ void fiber_main() {
 #ifdef EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &R.main_stack_bottom, &R.main_stack_size);
 #endif
+  EMU_TSAN_ONLY(__tsan_acquire(&R.dispatch_sync));
   R.d.entry->run();
   Fiber& f = cur();
   if (!R.tg.waiting.empty())
@@ -220,6 +274,7 @@ void fiber_main() {
   int sg = f.pos.simd_group;
   Meeting& m = R.simd[sg];
   if (!m.waiting.empty() && int(m.waiting.size()) == simd_active(sg)) release(m);
+  EMU_TSAN_ONLY(__tsan_release(&R.exit_sync));
   to_scheduler();
   fail("a finished thread was resumed");
 }
@@ -228,15 +283,24 @@ void run_threadgroup() {
   const Dispatch& d = R.d;
   int n = R.nthreads;
   int nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  EMU_TSAN_ONLY(__tsan_ignore_thread_begin());
   R.simd.assign(nsimd, Meeting());
-  R.slots.assign(nsimd, std::vector<unsigned char>(kSimdWidth * kSimdSlot));
   R.tg = Meeting();
+  R.slots = Span{nullptr, size_t(nsimd) * kSimdWidth * kSimdSlot};
+  R.slots.data = fresh(R.slots.size);
+  R.sync = Span{fresh(2 * (nsimd + 1)), size_t(2 * (nsimd + 1))};
+  R.tg.sync = static_cast<char*>(R.sync.data);
+  for (int sg = 0; sg < nsimd; sg++) R.simd[sg].sync = R.tg.sync + 2 * (sg + 1);
+  // Full capacity up front: threads add themselves without reallocating.
+  R.tg.waiting.reserve(n);
+  for (Meeting& m : R.simd) m.waiting.reserve(kSimdWidth);
+  EMU_TSAN_ONLY(__tsan_ignore_thread_end());
   R.tg_bytes = 0;
   R.tg_static.clear();
   R.tg_dynamic.clear();
   R.done = 0;
   R.current = -1;
-  for (auto& [index, len] : d.tg_lengths) R.tg_dynamic[index] = Span{tg_alloc(len, 16), len};
+  for (auto& [index, len] : d.tg_lengths) R.tg_dynamic[index] = Span{tg_alloc(len), len};
   R.runnable = {};
   R.priority.assign(n, 0);
   if (R.schedule != 2) {
@@ -265,6 +329,16 @@ void run_threadgroup() {
     f.started = false;
     f.barriers = f.simd_ops = 0;
     f.fake_stack = nullptr;
+#ifdef EMU_TSAN
+    // A fresh stack and fiber: nothing of the previous threadgroup's threads
+    // may look ordered before this one's.
+    __tsan_ignore_thread_begin();
+    if (mmap(f.stack, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+             -1, 0) == MAP_FAILED)
+      fail("cannot map a fiber stack");
+    __tsan_ignore_thread_end();
+    f.tsan_fiber = __tsan_create_fiber(0);
+#endif
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
@@ -279,11 +353,16 @@ void run_threadgroup() {
 #ifdef EMU_ASAN
     __sanitizer_start_switch_fiber(&R.sched_fake_stack, f.stack, kStackBytes);
 #endif
+#ifdef EMU_TSAN
+    __tsan_switch_to_fiber(f.tsan_fiber, __tsan_switch_to_fiber_no_sync);
+    swapcontext(&R.sched, &f.ctx);
+#else
     if (!_setjmp(R.sched_jb)) {
       if (f.started) _longjmp(f.jb, 1);
       f.started = true;
       swapcontext(&R.sched, &f.ctx);
     }
+#endif
 #ifdef EMU_ASAN
     __sanitizer_finish_switch_fiber(R.sched_fake_stack, nullptr, nullptr);
 #endif
@@ -302,10 +381,19 @@ void run_threadgroup() {
     s << ") — a barrier or SIMD operation in divergent control flow";
     fail("%s", s.str().c_str());
   }
-  for (auto& [key, p] : R.tg_static) free(p);
-  for (auto& [index, s] : R.tg_dynamic) free(s.data);
+#ifdef EMU_TSAN
+  // The scheduler does not acquire this threadgroup's accesses (the next
+  // threadgroup's fibers would inherit them): its memory goes unobserved.
+  for (int i = 0; i < n; i++) __tsan_destroy_fiber(R.fibers[i].tsan_fiber);
+  __tsan_ignore_thread_begin();
+#endif
+  for (auto& [key, s] : R.tg_static) release_fresh(s);
+  for (auto& [index, s] : R.tg_dynamic) release_fresh(s);
+  release_fresh(R.slots);
+  release_fresh(R.sync);
   R.tg_static.clear();
   R.tg_dynamic.clear();
+  EMU_TSAN_ONLY(__tsan_ignore_thread_end());
 }
 
 const Entry* find_entry(const std::string& name) {
@@ -363,6 +451,10 @@ void run_dispatch(uint64_t seed, bool shuffle) {
   }
   R.rng.seed(seed);
   R.schedule = int(seed % 3);
+#ifdef EMU_TSAN
+  R.tsan_main = __tsan_get_current_fiber();
+  __tsan_release(&R.dispatch_sync);
+#endif
   std::vector<uint64_t> order;
   uint64_t total = uint64_t(d.groups[0]) * d.groups[1] * d.groups[2];
   for (uint64_t g = 0; g < total; g++) order.push_back(g);
@@ -373,6 +465,8 @@ void run_dispatch(uint64_t seed, bool shuffle) {
     d.group[2] = g / (uint64_t(d.groups[0]) * d.groups[1]);
     run_threadgroup();
   }
+  // The dispatch's end orders all its threads before what follows.
+  EMU_TSAN_ONLY(__tsan_acquire(&R.exit_sync));
 }
 
 std::vector<unsigned char> read_file(const std::string& path, size_t size) {
@@ -479,9 +573,10 @@ const unsigned char* simd_exchange(const void* data, size_t size, Site site) {
   Fiber& f = cur();
   f.simd_ops++;
   int sg = f.pos.simd_group;
-  if (size) std::memcpy(R.slots[sg].data() + f.pos.lane * kSimdSlot, data, size);
+  unsigned char* slots = static_cast<unsigned char*>(R.slots.data) + sg * kSimdWidth * kSimdSlot;
+  if (size) std::memcpy(slots + f.pos.lane * kSimdSlot, data, size);
   meet(R.simd[sg], site, 2 * f.simd_ops, simd_active(sg), "SIMD-group operation");
-  return R.slots[sg].data();
+  return slots;
 }
 
 void simd_release() {
@@ -506,9 +601,9 @@ void yield() {
 
 void* threadgroup_static(const void* key, size_t size, size_t align) {
   auto it = R.tg_static.find(key);
-  if (it != R.tg_static.end()) return it->second;
-  void* p = tg_alloc(size, align);
-  R.tg_static[key] = p;
+  if (it != R.tg_static.end()) return it->second.data;
+  void* p = tg_alloc(size);
+  R.tg_static[key] = Span{p, size};
   return p;
 }
 

@@ -121,3 +121,34 @@ template <typename T>
   while (atomic_load_explicit(flag, memory_order_relaxed) == 0) {
   }
 }
+
+// Lanes from `live` on return first; the others reduce and shuffle.
+[[kernel]] void early_exit(
+    device int* out [[buffer(0)]],
+    constant int2& live_mask [[buffer(1)]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  if (lane >= live_mask.x) {
+    return;
+  }
+  out[lane] = simd_sum(int(lane));
+  out[32 + lane] = simd_shuffle_xor(int(lane), ushort(live_mask.y));
+}
+
+// Integer bit counts and three-way min/max/median, one row per function.
+[[kernel]] void scalar_ops(
+    const device int* x [[buffer(0)]],
+    const device float* f [[buffer(1)]],
+    device int* out [[buffer(2)]],
+    device float* fout [[buffer(3)]],
+    uint i [[thread_position_in_grid]],
+    uint n [[threads_per_grid]]) {
+  out[i] = clz(x[i]);
+  out[n + i] = ctz(x[i]);
+  out[2 * n + i] = popcount(x[i]);
+  out[3 * n + i] = clz(ushort(x[i]));
+  const float a = f[i], b = f[(i + 1) % n], c = f[(i + 2) % n];
+  fout[i] = fmax3(a, b, c);
+  fout[n + i] = fmin3(a, b, c);
+  fout[2 * n + i] = fmedian3(a, b, c);
+  fout[3 * n + i] = step(b, a);
+}

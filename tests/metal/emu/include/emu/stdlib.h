@@ -334,7 +334,40 @@ inline bool any(bool b) { return b; }
 
 template <typename T>
 T popcount(T x) {
-  return T(__builtin_popcountll(static_cast<unsigned long long>(x)));
+  return T(__builtin_popcountll(static_cast<unsigned long long>(std::make_unsigned_t<T>(x))));
+}
+// Leading / trailing zero bits of the value's own width (the width for 0).
+template <typename T>
+T clz(T x) {
+  using U = std::make_unsigned_t<T>;
+  constexpr int bits = 8 * sizeof(T);
+  if (U(x) == 0) return T(bits);
+  return T(__builtin_clzll(static_cast<unsigned long long>(U(x))) - (64 - bits));
+}
+template <typename T>
+T ctz(T x) {
+  using U = std::make_unsigned_t<T>;
+  return U(x) == 0 ? T(8 * sizeof(T)) : T(__builtin_ctzll(static_cast<unsigned long long>(U(x))));
+}
+template <typename T>
+T median3(T a, T b, T c) {
+  return max(min(a, b), min(max(a, b), c));
+}
+template <typename T>
+T fmax3(T a, T b, T c) {
+  return fmax(fmax(a, b), c);
+}
+template <typename T>
+T fmin3(T a, T b, T c) {
+  return fmin(fmin(a, b), c);
+}
+template <typename T>
+T fmedian3(T a, T b, T c) {
+  return median3(a, b, c);
+}
+template <typename T>
+T step(T edge, T x) {
+  return x < edge ? T(0) : T(1);
 }
 
 // Apple's fast:: variants trade accuracy for speed; the emulation uses the

@@ -32,7 +32,8 @@ namespace emu {
 
 template <typename T>
 T slot(const unsigned char* slots, int lane) {
-  if (!lane_active(lane)) fail("SIMD operation reads lane %d, which is inactive or has returned", lane);
+  if (!lane_active(lane))
+    fail("SIMD operation reads lane %d, which is inactive or has returned", lane);
   T v;
   std::memcpy(&v, slots + lane * kSimdSlot, sizeof(T));
   return v;
@@ -277,7 +278,9 @@ void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst,
 }
 
 // Atomics: fibers run one at a time, so each operation is atomic; the thread
-// yields afterwards so that other threads interleave with it.
+// yields afterwards so that other threads interleave with it. The run builds
+// use the compiler's relaxed atomic builtins, which ThreadSanitizer knows as
+// atomic and unordered (Metal's atomics are relaxed).
 enum memory_order { memory_order_relaxed, memory_order_seq_cst };
 
 template <typename T>
@@ -289,45 +292,75 @@ typedef atomic<uint> atomic_uint;
 typedef atomic<float> atomic_float;
 typedef atomic<bool> atomic_bool;
 
+namespace emu_detail {
+#ifdef EMU_TYPECHECK
+template <typename P>
+auto load(P obj) {
+  return obj->value;
+}
+template <typename P, typename T>
+void store(P obj, T v) {
+  obj->value = v;
+}
+template <typename P, typename T>
+bool exchange_if(P obj, T& expected, T desired) {
+  return obj->value == expected ? (obj->value = desired, true) : (expected = obj->value, false);
+}
+#else
+template <typename P>
+auto load(P obj) {
+  std::remove_cv_t<decltype(obj->value)> v;
+  __atomic_load(&obj->value, &v, __ATOMIC_RELAXED);
+  return v;
+}
+template <typename P, typename T>
+void store(P obj, T v) {
+  __atomic_store(&obj->value, &v, __ATOMIC_RELAXED);
+}
+template <typename P, typename T>
+bool exchange_if(P obj, T& expected, T desired) {
+  return __atomic_compare_exchange(&obj->value, &expected, &desired, false, __ATOMIC_RELAXED,
+                                   __ATOMIC_RELAXED);
+}
+#endif
+}  // namespace emu_detail
+
 #define EMU_ATOMIC_RMW(name, expr)                                  \
   template <typename P, typename U>                                 \
   auto name(P obj, U arg, memory_order) {                           \
-    auto old = obj->value;                                          \
+    auto old = emu_detail::load(obj);                               \
     using T = decltype(old);                                        \
     T a = T(arg);                                                   \
-    obj->value = (expr);                                            \
+    while (!emu_detail::exchange_if(obj, old, T(expr))) {           \
+    }                                                               \
     emu::yield();                                                   \
     return old;                                                     \
   }
-EMU_ATOMIC_RMW(atomic_fetch_add_explicit, T(old + a))
-EMU_ATOMIC_RMW(atomic_fetch_sub_explicit, T(old - a))
+EMU_ATOMIC_RMW(atomic_fetch_add_explicit, old + a)
+EMU_ATOMIC_RMW(atomic_fetch_sub_explicit, old - a)
 EMU_ATOMIC_RMW(atomic_fetch_max_explicit, metal::max(old, a))
 EMU_ATOMIC_RMW(atomic_fetch_min_explicit, metal::min(old, a))
-EMU_ATOMIC_RMW(atomic_fetch_and_explicit, T(old & a))
-EMU_ATOMIC_RMW(atomic_fetch_or_explicit, T(old | a))
-EMU_ATOMIC_RMW(atomic_fetch_xor_explicit, T(old ^ a))
+EMU_ATOMIC_RMW(atomic_fetch_and_explicit, old & a)
+EMU_ATOMIC_RMW(atomic_fetch_or_explicit, old | a)
+EMU_ATOMIC_RMW(atomic_fetch_xor_explicit, old ^ a)
 EMU_ATOMIC_RMW(atomic_exchange_explicit, a)
 #undef EMU_ATOMIC_RMW
 
 template <typename P>
 auto atomic_load_explicit(P obj, memory_order) {
-  auto v = obj->value;
+  auto v = emu_detail::load(obj);
   emu::yield();
   return v;
 }
 template <typename P, typename U>
 void atomic_store_explicit(P obj, U v, memory_order) {
-  obj->value = decltype(obj->value)(v);
+  emu_detail::store(obj, std::remove_cv_t<decltype(obj->value)>(v));
   emu::yield();
 }
 template <typename P, typename E, typename U>
 bool atomic_compare_exchange_weak_explicit(P obj, E expected, U desired, memory_order,
                                            memory_order) {
-  bool ok = obj->value == *expected;
-  if (ok)
-    obj->value = decltype(obj->value)(desired);
-  else
-    *expected = obj->value;
+  bool ok = emu_detail::exchange_if(obj, *expected, decltype(*expected + 0)(desired));
   emu::yield();
   return ok;
 }

@@ -1,0 +1,35 @@
+// Metal evaluation of the flash-CCE primitives: encodes the launches of
+// plan.h with MLX's Metal command encoder (kernels in metal/*.metal).
+#pragma once
+
+#include <vector>
+
+#include "../head_kernels.h"
+#include "mlx/stream.h"
+
+namespace flash_cce::metal {
+
+// Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32),
+// and with three outputs also the gradient state gsum[M, H].
+void forward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+             std::vector<mx::array>& outputs);
+
+// Inputs h, w, targets, lse, g, g_lse (+ scales, biases); outputs dh (+ dw).
+void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs);
+
+// Inputs gsum, w, targets, logp, lse, g, g_lse (+ scales, biases); output dh.
+void fused_dh(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs);
+
+// The fused forward keeps its state in float32 for every dtype of h.
+inline bool supports_fused(mx::Dtype) {
+  return true;
+}
+
+// Loads the kernels' library once per process (the metallib installed beside
+// the module if it loads, else the embedded source compiled by Metal) and says
+// which one, or why neither.
+MetalLibraryStatus library_status();
+
+} // namespace flash_cce::metal

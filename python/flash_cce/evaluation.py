@@ -1,0 +1,73 @@
+"""`flash-cce eval`: a model, or a run's adapters, scored as the run computed its validation."""
+
+from pathlib import Path
+
+from . import settings
+from .checkpoint import find_checkpoint, run_dir_of
+from .preflight import RunError, adapter_settings, check_model, encode, load_model, model_ref, read_data
+from .rundir import CONFIG
+from .runner import objective_config, resolve_config
+
+def eval_settings(flags, config_path=None, path=None):
+    """Settings of `flash-cce eval`: a run's config.yaml when `path` is a run,
+    its adapters/best or a checkpoint; flags and YAML over it."""
+    flags = dict(flags)
+    base, adapters = None, None
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise RunError(f"adapter_path: no such directory {str(path)!r}")
+        try:
+            adapters = find_checkpoint(p)
+        except ValueError:
+            adapters = p.resolve()
+        run = run_dir_of(adapters)
+        if run is not None and (run / CONFIG).exists():
+            try:
+                base = settings.check(settings.load_yaml(run / CONFIG))
+            except settings.SettingsError as e:
+                raise RunError(f"adapter_path: {run / CONFIG}: {e}") from None
+        elif (p / "adapters.safetensors").exists():
+            base = adapter_settings(p)
+        else:
+            raise RunError(f"adapter_path: {str(path)!r} is neither a run, a checkpoint nor an adapter directory")
+    if flags.get("model") is not None:
+        flags["model"] = model_ref(flags["model"])
+    cfg = resolve_config(flags, config_path, base)
+    return dict(cfg, resume=None, init_adapters=None), adapters
+
+
+def run_eval(cfg, adapters, split, log=print):
+    """The objective's metrics of the model (with `adapters`) on `split`, as the run computed them."""
+    from .checkpoint import load_adapters
+    from .reference import with_reference
+    from .trainer import evaluate_pairs, prepare_model, quantize_model
+
+    objective = objective_config(cfg)
+    check_model(cfg["model"])
+    records = read_data(cfg, (split,))
+    model, tokenizer = load_model(cfg)
+    pairs = encode(cfg, tokenizer, records, lambda *a: None)[split]
+    try:
+        if adapters is not None:
+            prepare_model(model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
+            load_adapters(adapters, model, "adapter_path")
+        elif cfg["quantize"]:
+            quantize_model(model, cfg["quantize"])
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    objective = with_reference(cfg, objective, model, log)
+    r = evaluate_pairs(model, pairs, objective, cfg["batch_size"])
+    log(format_table(cfg, adapters, split, len(pairs), r))
+    return r
+
+
+def format_table(cfg, adapters, split, n, metrics):
+    rows = [("model", cfg["model"]), ("adapters", str(adapters) if adapters else "none"),
+            ("split", f"{split} ({n} pairs)"), ("objective", f"{cfg['objective']} (beta {cfg['beta']:g})")]
+    if cfg["quantize"]:
+        rows.append(("quantize", f"{cfg['quantize']['bits']} bits, group {cfg['quantize']['group_size']}"))
+    for k, v in sorted(metrics.items()):
+        rows.append((k, str(int(v)) if k == "tokens" else f"{v:.4f}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

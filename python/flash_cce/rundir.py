@@ -1,0 +1,187 @@
+"""A run directory's state before anything is written: writability, its lock,
+its checkpoints; and setting aside what a resume from an older checkpoint replaces.
+"""
+
+import errno
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from .checkpoint import TRAINER_STATE
+
+LOCK = "run.lock"
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUPERSEDED = "superseded"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked."""
+
+
+def checkpoints(run_dir):
+    """The complete checkpoints of `run_dir`, oldest first, as (step, path)."""
+    out = []
+    for p in sorted((Path(run_dir) / "checkpoints").glob("step-*")):
+        if (p / TRAINER_STATE).exists():
+            out.append((int(p.name.split("-")[1]), p))
+    return out
+
+
+RUN_FILES = {CONFIG, METRICS, LOCK, SUPERSEDED, "checkpoints", "adapters", "best", "plot.png",
+             CONFIG + ".tmp", METRICS + ".tmp",
+             "reference_logps.npz", "reference_logps.npz.tmp.npz"}  # reference.TABLE
+
+
+def foreign_files(run_dir):
+    """Names in `run_dir` that a run does not write (a fresh run will not mix with them)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES and not p.name.startswith("."))
+
+
+def has_checkpoints(run_dir):
+    return any((Path(run_dir) / "checkpoints").glob("step-*"))
+
+
+def check_writable(run_dir):
+    """RunDirError unless `run_dir` is (or can be made) a writable directory."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run_dir: {str(run_dir)!r} exists and is not a directory")
+    probe = run_dir
+    while not probe.exists():
+        if probe.is_symlink():
+            raise RunDirError(f"run_dir: {str(probe)!r} is a broken symbolic link")
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RunDirError(f"run_dir: cannot create {str(run_dir)!r}: {str(probe)!r} is not a directory")
+    try:  # a real write: permissions, read-only mounts, pseudo file systems, a full disk
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        what = "is not writable" if probe == run_dir else f"cannot be created in {str(probe)!r}"
+        raise RunDirError(f"run_dir: {str(run_dir)!r} {what} ({e.strerror})") from None
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_owner(run_dir):
+    """(pid, host, alive) of the lock in `run_dir`, or None without one."""
+    path = Path(run_dir) / LOCK
+    try:
+        info = json.loads(path.read_text())
+        pid, host = int(info["pid"]), str(info["host"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, OSError):
+        return (None, None, False)  # unreadable: left by a process killed while writing it
+    alive = _pid_alive(pid) if host == socket.gethostname() else True
+    return pid, host, alive
+
+
+def check_lock(run_dir):
+    """RunDirError when a live process holds `run_dir`'s lock; a message when a stale one is left."""
+    owner = lock_owner(run_dir)
+    if owner is None:
+        return None
+    pid, host, alive = owner
+    if alive:
+        raise RunDirError(f"run_dir: {run_dir} is in use by process {pid} on {host} "
+                          f"(its lock {Path(run_dir) / LOCK}); wait for it or use another run_dir")
+    return (f"run_dir: found a stale lock of process {pid} (no longer running) in {run_dir}; "
+            "taking it over")
+
+
+class Lock:
+    """An exclusive lock file holding this process's id; `acquire` takes over a stale one."""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / LOCK
+        self.held = False
+
+    def acquire(self):
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                check_lock(self.path.parent)  # raises while its owner lives
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(pid=os.getpid(), host=socket.gethostname(), started=time.time()), f)
+            self.held = True
+            return self
+        raise RunDirError(f"run_dir: could not take the lock {self.path}")
+
+    def release(self):
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def set_aside(run_dir, step, best_step, log=print):
+    """Moves checkpoints after `step`, and metric records after it, into
+    superseded/<stamp>/ (kept, not deleted); points `adapters` at `step` and
+    `best` at `best_step` (or removes it when that checkpoint is gone)."""
+    from .checkpoint import link, step_dir
+
+    run_dir = Path(run_dir)
+    later = [p for s, p in checkpoints(run_dir) if s > step]
+    later += [p for p in (run_dir / "checkpoints").glob(".tmp-step-*")]
+    metrics = run_dir / METRICS
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+    keep = [ln for ln in lines if ln.strip() and _step_of(ln) <= step]
+    drop = [ln for ln in lines if ln.strip() and _step_of(ln) > step]
+    if later or drop:
+        dest = run_dir / SUPERSEDED / f"after-step-{step:07d}-{time.strftime('%Y%m%d-%H%M%S')}"
+        (dest / "checkpoints").mkdir(parents=True, exist_ok=False)
+        for p in later:
+            shutil.move(str(p), str(dest / "checkpoints" / p.name))
+        if drop:
+            (dest / METRICS).write_text("".join(drop))
+            tmp = metrics.with_name(METRICS + ".tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, metrics)
+        log(f"Moved what came after step {step} ({len(later)} checkpoints, {len(drop)} metric records) to {dest}")
+    link(run_dir, "adapters", step_dir(run_dir, step))
+    best = run_dir / "best"
+    if best_step is not None and step_dir(run_dir, best_step).exists():
+        link(run_dir, "best", step_dir(run_dir, best_step))
+    elif best.is_symlink():
+        best.unlink()
+
+
+def _step_of(line):
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line: set aside with what follows the checkpoint
+
+
+def os_error_line(e, what="run_dir"):
+    """One line for an OSError (permissions, disk full, ...)."""
+    reason = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        reason = "no space left on the device"
+    name = f" {e.filename}" if e.filename else ""
+    return f"{what}:{name}: {reason}"

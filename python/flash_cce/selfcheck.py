@@ -1,0 +1,211 @@
+"""A native head checked against the pure-MLX fallback on a few small problems.
+
+Used once per process and head configuration before the Metal kernels are
+trusted (see metal.py): they were verified by CPU emulation, never on the
+hardware that runs them. Each problem runs the native forward (plain and with
+the fused-backward state), its backward (dh, and dW for a dense head) and the
+gradient through the fused state, and compares every output with the fallback
+computed on the CPU from the same inputs.
+
+The inputs lie on grids exact in float16, bfloat16 and float32 (at most 8
+significant bits; quantized heads get power-of-two scales and biases
+-scale * 2^(bits-1), so every dequantized weight is exact too): whatever type a
+kernel rounds its operands to, they stay exact. Bounds then follow from fp32
+arithmetic (both paths against exact arithmetic, added; u = 2^-24, as in the
+derivation at the top of tests/test_head.py):
+  - a logit is an fp32 dot product of length H: |ds| <= 2 (H + 2) u B, with
+    B = |h| @ |W|^T;
+  - lse and logp: |d| <= 2 max_v |ds| + 2 (V + 16) u (1 + |lse|);
+  - dh and dW sum V (or M) products whose coefficients carry relative error
+    <= 2 |d lse| (softmax and softcap derivative) and one rounding to the
+    operand type (u_op, the type of h), accumulate in fp32, then round once to
+    the output dtype:
+    |d dh| <= 2 u_out |dh| + (2 (V + 4) u + u_op + 4 |d lse|) (|dS| @ |W|).
+A wrong kernel (a lost tile, a wrong index, a missing barrier) misses these by
+orders of magnitude; rounding stays inside them.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from . import fallback
+
+U32 = 2.0**-24
+UNIT = {mx.float32: U32, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+# (M, V, softcap, ignored rows): tile edges in M and V, one row, softcap on/off;
+# 300 rows give vocabulary splits of several blocks, and 8230 vocabulary rows
+# two dW slabs for a half-precision head (the plan's choices in
+# csrc/metal/plan.cpp).
+PROBLEMS = ((37, 517, None, (3, 20)), (1, 131, 5.0, ()), (70, 300, 5.0, (0,)),
+            (300, 1733, 5.0, (7,)), (8, 8230, None, (2,)))
+HIDDEN = 256  # a multiple of every group size (32, 64, 128)
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What selects a kernel variant: the dtypes and the quantization."""
+
+    h_dtype: str
+    w_dtype: str  # "uint32" for a quantized head
+    bits: int | None = None
+    group_size: int | None = None
+    sb_dtype: str | None = None
+
+    @property
+    def key(self):
+        w = self.w_dtype if self.bits is None else (
+            f"{self.bits}-bit/{self.group_size} ({self.sb_dtype} scales)")
+        return f"h={self.h_dtype}, w={w}"
+
+    @staticmethod
+    def of(h, w, scales=None, bits=None, group_size=64):
+        if scales is None:
+            return HeadSpec(_name(h.dtype), _name(w.dtype))
+        return HeadSpec(_name(h.dtype), "uint32", bits, group_size, _name(scales.dtype))
+
+
+def _name(dtype):
+    return str(dtype).rsplit(".", 1)[-1]  # mlx.core.bfloat16 -> bfloat16
+
+
+@dataclass
+class CheckResult:
+    passed: bool
+    worst: float = float("nan")  # largest |native - fallback| / bound
+    detail: str = ""
+
+
+def _grid(rng, shape, scale):
+    """Normal values times `scale` (a power of two) with at most 7 significant
+    bits: exact in float16, bfloat16 and float32."""
+    return np.clip(np.round(rng.standard_normal(shape) * 32), -127, 127) * (scale / 32)
+
+
+def _inputs(spec, M, V, ignored, seed):
+    rng = np.random.default_rng(seed)
+    h = mx.array(_grid(rng, (M, HIDDEN), 1.0).astype(np.float32)).astype(DTYPES[spec.h_dtype])
+    w = _grid(rng, (V, HIDDEN), 1 / 8).astype(np.float32)
+    y = rng.integers(0, V, M).astype(np.int32)
+    y[list(ignored)] = IGNORE
+    g = mx.array(_grid(rng, M, 1.0).astype(np.float32))
+    g_lse = mx.array(_grid(rng, M, 1.0).astype(np.float32))
+    if spec.bits is None:
+        return h, mx.array(w).astype(DTYPES[spec.w_dtype]), None, None, mx.array(y), g, g_lse
+    # Random codes from mx.quantize, then exact scales and centred biases.
+    sb = DTYPES[spec.sb_dtype]
+    q, _, _ = mx.quantize(mx.array(w), group_size=spec.group_size, bits=spec.bits)
+    groups = (V, HIDDEN // spec.group_size)
+    scales = 2.0 ** -rng.integers(4, 7, groups).astype(np.float32) / 2 ** (spec.bits - 2)
+    biases = -scales * 2 ** (spec.bits - 1)
+    return h, q, mx.array(scales).astype(sb), mx.array(biases).astype(sb), mx.array(y), g, g_lse
+
+
+def _f64(a):
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap):
+    """fp64 |dS| @ |W|, |dS|^T @ |h| and B = |h| @ |W|^T of the problem."""
+    with mx.stream(mx.cpu):
+        W = _f64(w) if scales is None else _f64(fallback.dequantize_f32(
+            w, scales, biases, spec.group_size, spec.bits))
+    H = _f64(h)
+    raw = H @ W.T
+    s = raw if cap is None else cap * np.tanh(raw / cap)
+    dcap = np.ones_like(s) if cap is None else 1.0 - (s / cap) ** 2
+    top = s.max(axis=1, keepdims=True)
+    p = np.exp(s - top) / np.exp(s - top).sum(axis=1, keepdims=True)
+    yy = np.array(y)
+    keep = yy != IGNORE
+    gg = np.where(keep, _f64(g), 0.0)
+    onehot = np.zeros_like(s)
+    onehot[np.arange(len(yy))[keep], yy[keep]] = 1.0
+    ds = np.abs((gg[:, None] * onehot + (_f64(g_lse) - gg)[:, None] * p) * dcap)
+    return ds @ np.abs(W), ds.T @ np.abs(H), np.abs(H) @ np.abs(W).T
+
+
+class _Compare:
+    """Collects the worst ratio |native - reference| / bound over outputs."""
+
+    def __init__(self):
+        self.worst, self.where = 0.0, ""
+
+    def __call__(self, name, got, want, bound):
+        got, want = _f64(got), _f64(want)
+        if got.shape != want.shape:
+            self.worst, self.where = float("inf"), f"{name}: shape {got.shape} != {want.shape}"
+            return
+        nan_ok = np.isnan(got) == np.isnan(want)
+        err = np.where(np.isnan(want), 0.0, np.abs(got - want))
+        err = np.where(nan_ok, err, np.inf)
+        err = np.where(np.isnan(err), np.inf, err)  # NaN where the fallback is finite
+        ratio = err / np.maximum(bound, np.finfo(np.float64).tiny)
+        i = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
+        r = float(ratio[i]) if ratio.size else 0.0
+        if r > self.worst:
+            self.worst = r
+            self.where = (f"{name}{[int(k) for k in i]}: native {got[i]:.6g}, fallback {want[i]:.6g}, "
+                          f"bound {bound[i]:.3g}")
+
+
+def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
+    h, w, scales, biases, y, g, g_lse = _inputs(spec, M, V, ignored, seed)
+    dense = scales is None
+    q = dict(group_size=spec.group_size or 64, bits=spec.bits, softcap=cap,
+             ignore_index=IGNORE)
+    with mx.stream(mx.cpu):
+        logp_r, lse_r = fallback.forward(h, w, y, scales, biases, **q)
+        dh_r, dw_r = fallback.backward(h, w, y, lse_r, g, scales, biases, g_lse=g_lse,
+                                       compute_dw=dense, **q)
+        mx.eval(logp_r, lse_r, dh_r, dw_r)
+
+    u_op = UNIT[DTYPES[spec.h_dtype]]  # also the unit of dh's dtype
+    dsW, dsH, B = _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap)
+    ds = 2 * (HIDDEN + 2) * U32 * B
+    lse64 = _f64(lse_r)
+    row = 2 * ds.max(axis=1) + 2 * (V + 16) * U32 * (1 + np.abs(lse64))
+    grad_unit = 2 * (V + 4) * U32 + u_op
+    dh_bound = 2 * u_op * np.abs(_f64(dh_r)) + (grad_unit + 4 * row[:, None]) * dsW
+
+    for fused in (False, True):
+        logp, lse = native.forward(h, w, y, scales, biases, fused_backward=fused,
+                                   stream=stream, **q)
+        cmp(f"logp(fused={fused})", logp, logp_r, row)
+        cmp(f"lse(fused={fused})", lse, lse_r, row)
+
+    out = native.backward(h, w, y, lse_r, g, g_lse, scales, biases,
+                          compute_dw=dense, stream=stream, **q)
+    cmp("dh(backward)", out[0], dh_r, dh_bound)
+    if dense:
+        u_dw = UNIT[DTYPES[spec.w_dtype]]
+        grad_m = 2 * (M + 4) * U32 + u_op
+        dw_bound = 2 * u_dw * np.abs(_f64(dw_r)) + (grad_m + 4 * row.max()) * dsH
+        cmp("dW(backward)", out[1], dw_r, dw_bound)
+
+    # The gradient through the forward's fused state (where the backend keeps one).
+    def f(h_):
+        return native.forward(h_, w, y, scales, biases, fused_backward=True,
+                              stream=stream, **q)
+
+    _, (dh_v,) = mx.vjp(f, [h], [g, g_lse])
+    cmp("dh(vjp)", dh_v, dh_r, dh_bound)
+
+
+def self_check(spec, native, stream, problems=PROBLEMS):
+    """Runs `problems` for `spec` on `native` (an object with the signature of
+    flash_cce._ext's forward and backward) on `stream`. Never raises: an error
+    of the native path is a failed check."""
+    cmp = _Compare()
+    try:
+        for i, (M, V, cap, ignored) in enumerate(problems):
+            _check_problem(spec, native, stream, M, V, cap, ignored, seed=i, cmp=cmp)
+    except Exception as err:  # noqa: BLE001 - a failing kernel may raise anything
+        return CheckResult(False, float("inf"), f"{type(err).__name__}: {err}".strip())
+    if cmp.worst <= 1.0:
+        return CheckResult(True, cmp.worst, f"largest error {cmp.worst:.2g} of its bound")
+    return CheckResult(False, cmp.worst, cmp.where)

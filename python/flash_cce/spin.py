@@ -1,0 +1,159 @@
+"""Self-play preference pairs (SPIN): single-answer data -> TRL preference pairs
+whose rejected answer is the model's own generation.
+
+Input records (JSONL): `prompt` and `completion` (strings, or message lists as
+TRL's prompt-completion format), or `messages` (a conversation whose last turn,
+the assistant's, is the completion). Each output line is
+`{"prompt", "chosen": completion, "rejected": generation}` in the input's form,
+ready for `flash-cce train`. Prompts are tokenised as `flash-cce train` will
+tokenise them (`data.Encoder`), generated in batches by mlx-lm's
+`batch_generate`, and written a batch at a time. A progress file beside the
+output (`OUT.progress`) records how many records are done, so an interrupted
+run continues where it stopped and gives the same file: each batch samples from
+its own seed.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .data import DataError, Encoder, _check_texts, read_jsonl
+
+
+@dataclass
+class SpinSettings:
+    max_tokens: int = 256  # longest generation
+    temp: float = 0.7
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    batch_size: int = 8
+    seed: int = 0
+    chat_template: object = "auto"
+
+    def validate(self):
+        for name in ("max_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temp < 0:
+            raise ValueError(f"temp must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def check_sft_record(rec, where):
+    """Raises DataError unless `rec` is a prompt-completion or messages record;
+    returns it as {"prompt", "completion"}."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "messages" in rec and "prompt" not in rec:
+        msgs = rec["messages"]
+        _check_texts(rec, ("messages",), "messages, or prompt and completion", where)
+        if isinstance(msgs, str) or len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+            raise DataError(f"{where}: 'messages' must be a conversation ending with an assistant turn "
+                            "(the completion) after at least one other")
+        return {"prompt": msgs[:-1], "completion": msgs[-1:]}
+    _check_texts(rec, ("prompt", "completion"), "prompt and completion, or messages", where)
+    return {"prompt": rec["prompt"], "completion": rec["completion"]}
+
+
+def _sampler(s):
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(temp=s.temp, top_p=s.top_p if s.top_p < 1 else 0.0, min_p=s.min_p, top_k=s.top_k)
+
+
+def _file_hash(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _start(out, progress, data_hash, total, log):
+    """Records already done (0 for a new output); trims lines written after
+    the last recorded batch."""
+    if not out.exists():
+        return 0
+    if not progress.exists():
+        raise ValueError(f"out: {out} exists and has no {progress.name} beside it; "
+                         "pick a new --out (or delete it)")
+    state = json.loads(progress.read_text())
+    if state.get("data") != data_hash:
+        raise ValueError(f"out: {out} was made from other data (the progress file's hash differs); "
+                         "pick a new --out")
+    lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
+    if len(lines) < state["lines"]:
+        raise ValueError(f"out: {out} has {len(lines)} lines, fewer than the {state['lines']} recorded")
+    if len(lines) > state["lines"]:
+        out.write_text("".join(lines[:state["lines"]]), encoding="utf-8")
+    if state["records"] < total:
+        log(f"Continuing {out} after {state['records']} of {total} records")
+    return state["records"]
+
+
+def _rejected(completion, text):
+    return [{"role": "assistant", "content": text}] if isinstance(completion, list) else text
+
+
+def spin(model, tokenizer, data, out, settings=None, log=print, progress=True):
+    """Writes the self-play pairs of the records in `data` to `out`; returns
+    (records done, pairs written). Records whose generation is empty are skipped."""
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+
+    s = settings or SpinSettings()
+    s.validate()
+    data, out = Path(data), Path(out)
+    records = read_jsonl(data, check_sft_record)
+    if not records:
+        raise ValueError(f"data: {data} holds no records")
+    enc = Encoder(tokenizer, s.chat_template)
+    prompts = []
+    for rec, where in records:
+        tokens, n = enc.encode_one(rec["prompt"], rec["completion"], where)
+        prompts.append(tokens[:n])
+    prog = out.with_name(out.name + ".progress")
+    data_hash = _file_hash(data)
+    done = _start(out, prog, data_hash, len(records), log)
+    lines = len(out.read_text(encoding="utf-8").splitlines()) if out.exists() else 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(records), initial=done, desc="spin", unit="record", dynamic_ncols=True)
+    skipped = 0
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            for start in range(done, len(records), s.batch_size):
+                batch = range(start, min(start + s.batch_size, len(records)))
+                mx.random.seed(s.seed * 1_000_003 + start)  # one seed per batch: resumable
+                texts = batch_generate(model, tokenizer, [prompts[i] for i in batch],
+                                       max_tokens=s.max_tokens, sampler=_sampler(s)).texts
+                for i, text in zip(batch, texts):
+                    rec = records[i][0]
+                    if not text.strip():
+                        skipped += 1
+                        continue
+                    f.write(json.dumps({"prompt": rec["prompt"], "chosen": rec["completion"],
+                                        "rejected": _rejected(rec["completion"], text)}) + "\n")
+                    lines += 1
+                f.flush()
+                os.fsync(f.fileno())
+                tmp = prog.with_name(prog.name + ".tmp")
+                tmp.write_text(json.dumps({"records": batch.stop, "lines": lines, "data": data_hash}))
+                os.replace(tmp, prog)
+                if bar is not None:
+                    bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    if skipped:
+        log(f"{skipped} records skipped: the model generated nothing for them")
+    log(f"{out}: {lines} pairs from {len(records)} records")
+    return len(records), lines
