@@ -1,6 +1,7 @@
 #include "gemm.h"
 
 #include <algorithm>
+#include <cstring>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(FLASH_CCE_NO_SIMD)
 #include <immintrin.h>
@@ -25,21 +26,34 @@ constexpr int64_t NC = 512;
 using Kernel = void (*)(int64_t kc, const float* a, const float* b, float* c,
                         int64_t ldc, bool accumulate);
 
-// Portable kernel: the compiler vectorises the NR loop.
+// Portable kernel on the compilers' generic 4-wide vectors (SSE2, NEON, or
+// scalar code where there are none): rows of the tile as 4 vectors each, so
+// that the accumulators stay in registers rather than in a stack array.
+typedef float f32x4 __attribute__((vector_size(16)));
+constexpr int64_t NV = NR / 4;
+
 void kernel_generic(int64_t kc, const float* a, const float* b, float* c,
                     int64_t ldc, bool accumulate) {
-  float acc[MR][NR] = {};
+  f32x4 acc[MR][NV] = {};
   for (int64_t k = 0; k < kc; ++k) {
+    f32x4 bv[NV];
+    std::memcpy(bv, b + k * NR, sizeof(bv));
     for (int64_t r = 0; r < MR; ++r) {
-      const float ar = a[k * MR + r];
-      for (int64_t j = 0; j < NR; ++j) {
-        acc[r][j] += ar * b[k * NR + j];
+      const f32x4 ar = f32x4{} + a[k * MR + r];
+      for (int64_t j = 0; j < NV; ++j) {
+        acc[r][j] += ar * bv[j];
       }
     }
   }
   for (int64_t r = 0; r < MR; ++r) {
-    for (int64_t j = 0; j < NR; ++j) {
-      c[r * ldc + j] = accumulate ? c[r * ldc + j] + acc[r][j] : acc[r][j];
+    for (int64_t j = 0; j < NV; ++j) {
+      f32x4 v = acc[r][j];
+      if (accumulate) {
+        f32x4 old;
+        std::memcpy(&old, c + r * ldc + 4 * j, sizeof(old));
+        v += old;
+      }
+      std::memcpy(c + r * ldc + 4 * j, &v, sizeof(v));
     }
   }
 }
