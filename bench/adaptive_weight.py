@@ -1,14 +1,17 @@
-"""The adaptive preference weight on the demo task: a fixed weight against the
-controller, on the chosen response's NLL.
+"""The adaptive preference weight on the demo task: a fixed large weight against
+the PID controller, on the chosen response's NLL.
 
-The tiny demo model is first fine-tuned with SFT (150 steps), then trained with
-CPO's simpo loss and a small NLL weight (cpo_alpha 0.05) from those weights,
-once with a fixed preference weight of 1 and once with the PID controller
-(starting at 1). Writes a PNG (chosen NLL of both runs with the controller's
-target, and the controller's weight) and prints the NLL peaks and the steps
-above the target.
+The tiny demo model is fine-tuned with SFT (150 steps), then trained from those
+weights with CPO's simpo loss whose target margin (gamma 20) is never reached,
+so the preference term keeps pushing, and a small NLL weight (cpo_alpha 0.05):
+once with a fixed preference weight of 5, once with the PID controller starting
+at 5 (target: the mean NLL of the first 5 steps times 1.05). A 30-step warmup
+keeps the optimizer restart from moving the NLL. Per data seed, prints the NLL
+over steps 101 on (after a settling window) against the target and writes a
+JSON summary; the PNG shows the first seed (log10 of the chosen NLL with the
+target, and the weight).
 
-    python bench/adaptive_weight.py --out docs/adaptive_weight.png
+    python bench/adaptive_weight.py --out docs/adaptive_weight.png --json adaptive_weight.json
 """
 
 import argparse
@@ -28,12 +31,15 @@ from flash_cce.trainer import read_metrics
 
 COMMON = ["--fine-tune-type", "full", "--num-layers", "-1", "--batch-size", "8", "--max-seq-length", "64",
           "--no-progress", "--lr-schedule", "constant", "--weight-decay", "0", "--steps-per-eval", "1000",
-          "--save-every", "1000", "--learning-rate", "1e-3"]
-PREFERENCE = ["--objective", "cpo", "--loss-type", "simpo", "--beta", "2.5", "--gamma", "1.0",
-              "--cpo-alpha", "0.05", "--pref-weight", "1.0"]
-CONTROLLER = ["--adaptive-weight", "--controller-law", "pid", "--controller-kp", "20", "--controller-ki", "2",
-              "--controller-max-change", "0.5", "--controller-target-steps", "3",
-              "--controller-tolerance", "0.05"]
+          "--save-every", "1000"]
+WEIGHT = 5.0
+PREFERENCE = ["--objective", "cpo", "--loss-type", "simpo", "--beta", "2.5", "--gamma", "20",
+              "--cpo-alpha", "0.05", "--pref-weight", str(WEIGHT), "--learning-rate", "3e-4", "--warmup", "30"]
+TOLERANCE, TARGET_STEPS = 0.05, 5
+CONTROLLER = ["--adaptive-weight", "--controller-law", "pid", "--controller-kp", "100", "--controller-ki", "10",
+              "--controller-max-change", "0.5", "--controller-target-steps", str(TARGET_STEPS),
+              "--controller-tolerance", str(TOLERANCE)]
+SETTLE = 100  # steps left out of the summary
 
 
 def _train(root, name, iters, *extra):
@@ -45,47 +51,63 @@ def _train(root, name, iters, *extra):
 
 def _plot(path, fixed, adaptive, target):
     steps = [r["step"] for r in fixed]
-    img = np.full((520, 1000, 3), 255, np.uint8)
-    _text(img, 20, 12, "CPO SIMPO, CPO_ALPHA 0.05, FROM SFT   THIN: FIXED WEIGHT 1  THICK: PID", scale=2)
-    box = (50, 70, 430, 380)
-    series = [(TRAIN, steps, [r["nll_loss"] for r in fixed], 1),
-              (VALID, steps, [r["nll_loss"] for r in adaptive], 3),
-              (TEXT, [steps[0], steps[-1]], [target, target], 1)]
-    _panel(img, box, "CHOSEN NLL  (FLAT LINE: TARGET)", series)
-    _panel(img, (550, 70, 430, 380), "PREFERENCE WEIGHT",
-           [(TRAIN, steps, [1.0] * len(steps), 1), (VALID, steps, [r["pref_weight"] for r in adaptive], 3)])
+    log = lambda rec: [float(np.log10(r["nll_loss"])) for r in rec]  # noqa: E731
+    img = np.full((460, 1000, 3), 255, np.uint8)
+    _text(img, 20, 12, f"CPO SIMPO GAMMA 20, FROM SFT   THIN: FIXED WEIGHT {WEIGHT:g}  THICK: PID", scale=2)
+    series = [(TRAIN, steps, log(fixed), 1), (VALID, steps, log(adaptive), 3),
+              (TEXT, [steps[0], steps[-1]], [np.log10(target)] * 2, 1)]
+    _panel(img, (50, 70, 430, 340), "LOG10 CHOSEN NLL  (FLAT LINE: TARGET)", series)
+    _panel(img, (550, 70, 430, 340), "PREFERENCE WEIGHT",
+           [(TRAIN, steps, [WEIGHT] * len(steps), 1), (VALID, steps, [r["pref_weight"] for r in adaptive], 3)])
     write_png(path, img)
+
+
+def _summary(rec, target):
+    nll = np.array([r["nll_loss"] for r in rec])[SETTLE:]
+    return dict(median_nll=float(np.median(nll)), mean_nll=float(nll.mean()), max_nll=float(nll.max()),
+                steps=len(nll), above_target=int((nll > target).sum()),
+                above_twice_target=int((nll > 2 * target).sum()),
+                mean_weight=float(np.mean([r.get("pref_weight", WEIGHT) for r in rec[SETTLE:]])),
+                accuracy=float(np.mean([r["rewards/accuracies"] for r in rec[SETTLE:]])))
 
 
 def main_(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="adaptive_weight.png")
-    p.add_argument("--iters", type=int, default=150)
+    p.add_argument("--json", default="adaptive_weight.json")
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = p.parse_args(argv)
     tic = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="flash-cce-adaptive-"))
+    results = []
     try:
         build_tiny_model(root / "model", demo_words(), seed=0)
-        _train(root, "sft", 150, "--objective", "sft", "--warmup", "10")
+        _train(root, "sft", 150, "--objective", "sft", "--warmup", "10", "--learning-rate", "1e-3")
         init = ["--init-adapters", str(root / "sft" / "adapters")]
-        fixed = _train(root, "fixed", args.iters, *PREFERENCE, *init)
-        adaptive = _train(root, "adaptive", args.iters, *PREFERENCE, *CONTROLLER, *init)
+        for seed in args.seeds:
+            runs = {}
+            for name, extra in (("fixed", []), ("pid", CONTROLLER)):
+                runs[name] = _train(root, f"{name}{seed}", args.iters, *PREFERENCE, *extra, *init,
+                                    "--seed", str(seed))
+            # The controller's own target (the weight is the same in both runs until it is set).
+            target = float(np.mean([r["nll_loss"] for r in runs["pid"][:TARGET_STEPS]]) * (1 + TOLERANCE))
+            if seed == args.seeds[0]:
+                _plot(args.out, runs["fixed"], runs["pid"], target)
+            results.append(dict(seed=seed, target=target, **{k: _summary(v, target) for k, v in runs.items()}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    # The controller's target: the mean NLL of its first 3 steps (the weight is 1
-    # until then in both runs) times 1.05.
-    target = float(np.mean([r["nll_loss"] for r in adaptive[:3]]) * 1.05)
-    _plot(args.out, fixed, adaptive, target)
-    summary = {}
-    for name, rec in (("fixed", fixed), ("adaptive", adaptive)):
-        nll = np.array([r["nll_loss"] for r in rec])
-        summary[name] = dict(peak_nll=float(nll.max()), peak_step=int(nll.argmax()) + 1,
-                             steps_above_target=int((nll > target).sum()),
-                             final_nll=float(nll[-1]),
-                             final_accuracy=rec[-1]["rewards/accuracies"])
-    summary["target"] = target
-    summary["seconds"] = time.perf_counter() - tic
-    print(json.dumps(summary, indent=1))
+    print(f"steps {SETTLE + 1}-{args.iters}; NLL target = first {TARGET_STEPS} steps x {1 + TOLERANCE}")
+    print("seed  run    target  median  mean   max    >target  >2x target  mean weight  accuracy")
+    for r in results:
+        for name in ("fixed", "pid"):
+            s = r[name]
+            print(f"{r['seed']:4d}  {name:5s}  {r['target']:.4f}  {s['median_nll']:.3f}  {s['mean_nll']:.3f}  "
+                  f"{s['max_nll']:.3f}  {s['above_target']:3d}/{s['steps']}  {s['above_twice_target']:3d}/{s['steps']}"
+                  f"     {s['mean_weight']:.2f}         {s['accuracy']:.2f}")
+    seconds = time.perf_counter() - tic
+    print(f"{seconds:.0f} s")
+    Path(args.json).write_text(json.dumps(dict(results=results, seconds=seconds), indent=1))
 
 
 if __name__ == "__main__":
