@@ -6,7 +6,9 @@
 #   ptx F     the parity tests with the kernels of fatbin F (e.g. one holding
 #             only PTX), the loaded image and its kernels in the log
 #   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu, in
-#             FLASH_CCE_SUITE_WORKERS parallel processes (pytest-xdist; default 12)
+#             FLASH_CCE_SUITE_WORKERS parallel processes (pytest-xdist; default 15),
+#             each test's result streamed to $OUT/suite_times.txt and
+#             suite_failures.txt (bench/suite_log.py)
 #   sanitize  compute-sanitizer memcheck and racecheck on a small shape
 #   bench ARGS...  bench/bench_head.py ARGS (must come last)
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
@@ -54,8 +56,15 @@ while [ $# -gt 0 ]; do
       shift ;;
     suite)
       start=$SECONDS
-      FLASH_CCE_TEST_DEVICE=gpu timeout ${FLASH_CCE_SUITE_TIMEOUT:-400} python3 -m pytest -q -rfE \
-        -n "${FLASH_CCE_SUITE_WORKERS:-12}" --durations=25 tests 2>&1 | tee "$out/suite_gpu.log" | tail -45 || status=1
+      # One test at a time to each free worker, so that the long ones do not queue behind each other.
+      chunk=()
+      if python3 -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk; then
+        chunk=(--maxschedchunk 1)
+      fi
+      FLASH_CCE_TEST_DEVICE=gpu SUITE_LOG_DIR="$out" PYTHONPATH="$PWD/bench:$PYTHONPATH" \
+        timeout ${FLASH_CCE_SUITE_TIMEOUT:-470} python3 -m pytest -q -rfE -p suite_log \
+        -n "${FLASH_CCE_SUITE_WORKERS:-15}" "${chunk[@]}" --durations=25 tests 2>&1 |
+        grep -v -e PytestBenchmarkWarning -e 'warner(' | tee "$out/suite_gpu.log" | tail -45 || status=1
       echo "suite: $((SECONDS - start)) s" ;;
     sanitize)
       for tool in memcheck racecheck; do

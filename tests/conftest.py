@@ -66,6 +66,22 @@ def _fp32_head_for_training_tests(request):
         yield
 
 
+# On the GPU most of the suite's time is MLX compiling kernels at first use, and
+# these modules hold its longest tests: run first, they are spread over the
+# parallel workers (pytest-xdist) instead of ending the run on one of them.
+GPU_SLOW_FIRST = ("test_compiled", "test_cli_runs", "test_objectives", "test_trainer", "test_reference",
+                  "test_checkpoint", "test_attention", "test_controller")
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE == "gpu":
+        def rank(item):
+            name = item.module.__name__.split(".")[-1]
+            return GPU_SLOW_FIRST.index(name) if name in GPU_SLOW_FIRST else len(GPU_SLOW_FIRST)
+
+        items.sort(key=rank)
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-examples", type=int, default=None,
                      help="examples per property-based fuzz test of the CLI (default: the test's own, "

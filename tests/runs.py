@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,22 @@ def flash_cce(*argv, cwd=None, env=None, timeout=300):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "flash_cce.cli", *map(str, argv)], cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+# Console scripts the tests run, and the function each one calls.
+SCRIPTS = {"mlx_lm.generate": "mlx_lm.generate", "mlx.launch": "mlx._distributed_utils.launch"}
+
+
+def console_script(name):
+    """The command of console script `name`: the script beside this Python or on
+    PATH, else (packages put on PYTHONPATH without their scripts) its entry point
+    run through this Python."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if found:
+        return [found]
+    code = f"import sys; from {SCRIPTS[name]} import main; sys.argv[0] = {name!r}; sys.exit(main())"
+    return [sys.executable, "-c", code]
 
 
 def train_argv(model_dir, data_dir, run_dir, iters, *extra):

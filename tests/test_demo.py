@@ -2,12 +2,10 @@
 
 import json
 import shlex
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from runs import console_script
 
 from flash_cce.demo import (DATA_DIR, MARKER, SPLITS, UNPAIRED_DIR, demo_records, demo_words, run_demo,
                             unpaired_records)
@@ -63,8 +61,7 @@ def test_demo_learns_the_preference(tmp_path):
     # the color the prompt states.
     (cmd,) = [line.split("Try: ", 1)[1] for line in text.splitlines() if line.startswith("Try: ")]
     argv = shlex.split(cmd)
-    script = shutil.which(argv[0]) or str(Path(sys.executable).parent / argv[0])
-    proc = subprocess.run([script, *argv[1:]], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*console_script(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     answer = proc.stdout.split("==========")[1].strip()
     first = demo_records()["test"][0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from runs import console_script
 from test_trainer import tiny_setup
 
 STEPS = 4
@@ -22,18 +23,6 @@ STEPS = 4
 # gradients are near zero, so the learning rate is kept moderate (at 1e-2 the
 # runs part by 2e-4 within 3 steps); 1e-5 is far below a step's loss change (~1e-1).
 RTOL = 1e-5
-
-
-def launcher():
-    """mlx.launch: the script beside this Python, on PATH, or (an MLX installed
-    without its scripts) its module run through this Python."""
-    local = Path(sys.executable).parent / "mlx.launch"
-    found = str(local) if local.exists() else shutil.which("mlx.launch")
-    if found:
-        return [found]
-    code = ("import sys; from mlx._distributed_utils.launch import main; "
-            "sys.argv[0] = 'mlx.launch'; main()")
-    return [sys.executable, "-c", code]
 
 
 def vary_lengths(data_dir):
@@ -61,7 +50,7 @@ def train_cmd(model_dir, data_dir, run_dir, *extra):
 
 def run(cmd, ranks=1):
     if ranks > 1:
-        cmd = [*launcher(), "-n", str(ranks), "--backend", "ring", "--", *cmd]
+        cmd = [*console_script("mlx.launch"), "-n", str(ranks), "--backend", "ring", "--", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     # mlx.launch exits 0 even when a rank fails: require a clean report too.
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -127,7 +116,7 @@ def test_batch_must_divide_over_ranks(runs, tmp_path):
     model_dir, data_dir, _, _ = runs
     cmd = train_cmd(model_dir, data_dir, tmp_path / "odd")
     cmd[cmd.index("--batch-size") + 1] = "3"
-    proc = subprocess.run([*launcher(), "-n", "2", "--backend", "ring", "--", *cmd],
+    proc = subprocess.run([*console_script("mlx.launch"), "-n", "2", "--backend", "ring", "--", *cmd],
                           capture_output=True, text=True, timeout=300)
     # mlx.launch itself exits 0 here; each rank's own exit code is in its report.
     out = proc.stdout + proc.stderr

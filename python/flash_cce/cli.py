@@ -20,8 +20,10 @@ def _version():
 
     try:
         return version("mlx-flash-cce")
-    except PackageNotFoundError:
-        return "unknown"
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        from . import __version__
+
+        return __version__
 
 
 def build_parser():
