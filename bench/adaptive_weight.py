@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from flash_cce.cli import main
-from flash_cce.demo import DATA_DIR, demo_words
-from flash_cce.plot import TEXT, TRAIN, VALID, _panel, _text, write_png
-from flash_cce.tiny import build_tiny_model
-from flash_cce.trainer import read_metrics
+from flash_cce.train.cli import main
+from flash_cce.train.demo import DATA_DIR, demo_words
+from flash_cce.train.plot import TEXT, TRAIN, VALID, _panel, _text, write_png
+from flash_cce.train.tiny import build_tiny_model
+from flash_cce.train.trainer import read_metrics
 
 COMMON = ["--fine-tune-type", "full", "--num-layers", "-1", "--batch-size", "8", "--max-seq-length", "64",
           "--no-progress", "--lr-schedule", "constant", "--weight-decay", "0", "--steps-per-eval", "1000",

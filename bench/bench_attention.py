@@ -5,9 +5,9 @@
 
 Shape of models A and B's sliding layers: 8 query heads over 1 KV head, head_dim
 256, window 512; queries = keys (a prompt forward). Providers:
-  window      flash_cce.attention with the mask built as `window_mask` (each block
+  window      flash_cce.stack.attention with the mask built as `window_mask` (each block
               computes the scores of the keys inside its window only)
-  no_window   flash_cce.attention with the same mask as a plain array (each block
+  no_window   flash_cce.stack.attention with the same mask as a plain array (each block
               computes the scores of every key up to its last query)
   mlx         mx.fast.scaled_dot_product_attention with the plain mask,
               differentiated by MLX (the scores of the whole layer)
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 
-from flash_cce.attention import attention, window_mask
+from flash_cce.stack.attention import attention, window_mask
 
 PROVIDERS = ("window", "no_window", "mlx")
 

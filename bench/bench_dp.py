@@ -1,7 +1,7 @@
 """Data-parallel scaling of an ORPO training step: tokens/s and peak memory per rank.
 
 Each rank runs `--pairs-per-rank` pairs per optimizer step through
-`flash_cce.objectives.value_and_grad` (normalised by the whole batch), the
+`flash_cce.train.objectives.value_and_grad` (normalised by the whole batch), the
 gradients are all-reduced (`trainer.sum_over_ranks`) and AdamW updates the LoRA
 weights: the trainer's step, without data loading. Launch one process per GPU:
 
@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 
 from bench_orpo import FULL_MODELS, SMALL_MODELS, build, make_pair
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
-from flash_cce.trainer import sum_over_ranks
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.train.trainer import sum_over_ranks
 
 
 def run(args):

@@ -1,5 +1,5 @@
 """A 4-bit linear layer over many rows: MLX's quantized matmul against
-`flash_cce.layers` (dequantize, then a dense matmul), forward and forward +
+`flash_cce.stack.layers` (dequantize, then a dense matmul), forward and forward +
 backward (input gradient), as in a training step's frozen base layers.
 
     python bench/bench_layers.py --json bench_layers.json
@@ -12,7 +12,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from flash_cce.layers import training_layers
+from flash_cce.stack.layers import training_layers
 
 
 def _ms(fn, reps=5):

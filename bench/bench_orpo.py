@@ -1,4 +1,4 @@
-"""ORPO step time and peak memory: flash_cce.objectives against its own switches
+"""ORPO step time and peak memory: flash_cce.train.objectives against its own switches
 and mlx-lm-lora's ORPO, on one pair (prompt = half of each sequence), LoRA rank 16
 on every linear layer of every block, random weights.
 
@@ -28,7 +28,7 @@ Providers (each a full step: forward, backward, gradients evaluated):
                         key, as before they skipped those outside the window (not in the
                         default set)
   mlx_linears           flash_cce with quantized and LoRA layers computing as mlx-lm
-                        defines them, as before `flash_cce.layers` (not in the default set)
+                        defines them, as before `flash_cce.stack.layers` (not in the default set)
   split_windows         flash_cce with a packed sliding-window layer's rows in two calls
                         (the prompt's, the continuations'), as before one batched-window
                         call took them all (not in the default set)
@@ -58,10 +58,10 @@ from mlx_lm.models import gemma3_text, gemma4_text
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-import flash_cce.attention
-import flash_cce.objectives
-from flash_cce.batch import Pair
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
+import flash_cce.stack.attention
+import flash_cce.train.objectives
+from flash_cce.stack.batch import Pair
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
 
 FULL_MODELS = {
     # model A: gemma3_text, hidden 1536, 35 layers, tied V=262144
@@ -148,21 +148,21 @@ def _plain_window_mask(n, offset, window):
 def ours(model, pairs, no_window=False, mlx_linears=False, split_windows=False, **switches):
     cfg = ObjectiveConfig(name="orpo", **switches)
     pairs = cycling(pairs)
-    attn = flash_cce.attention
+    attn = flash_cce.stack.attention
 
     def step():
         pair = pairs()
-        saved = attn.window_mask, flash_cce.objectives.training_layers, attn.PACKED_WINDOWS
+        saved = attn.window_mask, flash_cce.train.objectives.training_layers, attn.PACKED_WINDOWS
         if no_window:
             attn.window_mask = _plain_window_mask
         if mlx_linears:
-            flash_cce.objectives.training_layers = contextlib.nullcontext
+            flash_cce.train.objectives.training_layers = contextlib.nullcontext
         attn.PACKED_WINDOWS = not split_windows
         try:
             loss, grads, metrics = value_and_grad(model, [pair], cfg)
             mx.eval(loss, grads, metrics)
         finally:
-            attn.window_mask, flash_cce.objectives.training_layers, attn.PACKED_WINDOWS = saved
+            attn.window_mask, flash_cce.train.objectives.training_layers, attn.PACKED_WINDOWS = saved
 
     return step
 

@@ -104,7 +104,7 @@ def tiny_model(arch, *, tied=None, seed=0, lora=False, quantize=False):
 
 def random_pair(rng, prompt_len, chosen_len, rejected_len, *, vocab=VOCAB, same_prompt=True):
     """A `Pair` with random tokens; responses of the given lengths."""
-    from flash_cce.batch import Pair
+    from flash_cce.stack.batch import Pair
 
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     other = prompt if same_prompt else rng.integers(0, vocab, prompt_len).tolist()

@@ -14,7 +14,7 @@ import numpy as np
 def flash_cce(*argv, cwd=None, env=None, timeout=300):
     """`flash-cce ARGV` in a fresh Python process; the CompletedProcess (text)."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "flash_cce.cli", *map(str, argv)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flash_cce.train.cli", *map(str, argv)], cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,9 +6,9 @@ import pytest
 from mlx_lm.models import base, gemma3_text
 from mlx_lm.models.base import create_causal_mask
 
-import flash_cce.attention as attn
-from flash_cce.attention import PackedMask, KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
+import flash_cce.stack.attention as attn
+from flash_cce.stack.attention import PackedMask, KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
 

@@ -12,8 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load
 
-from flash_cce import checkpoint
-from flash_cce.trainer import TrainingArgs, train
+from flash_cce.train import checkpoint
+from flash_cce.train.trainer import TrainingArgs, train
 from test_trainer import fresh, setup  # noqa: F401  (module fixture)
 
 PROMPT = "tom has a red ball . what color is the ball ?"

@@ -9,10 +9,10 @@ import pytest
 
 import mlx.core as mx
 
-from flash_cce import settings
-from flash_cce.cli import build_parser, main
-from flash_cce.runner import AUTO_PAD, objective_config, resolve_config
-from flash_cce.trainer import read_metrics
+from flash_cce.train import settings
+from flash_cce.train.cli import build_parser, main
+from flash_cce.train.runner import AUTO_PAD, objective_config, resolve_config
+from flash_cce.train.trainer import read_metrics
 from test_trainer import tiny_setup
 
 
@@ -90,7 +90,7 @@ def test_train_resume_eval_plot(tmp_path, capsys):
     assert main(["plot", str(cut)]) == 0
     w, h, raw = _png_size(cut / "plot.png")
     assert (w, h) == (1000, 700)
-    from flash_cce.plot import TRAIN, VALID
+    from flash_cce.train.plot import TRAIN, VALID
 
     assert bytes(VALID) in raw and bytes(TRAIN) in raw  # both kinds of curve were drawn
 
@@ -121,8 +121,8 @@ def test_bad_settings_are_named(tmp_path, capsys):
 
 
 def test_objective_names_are_the_registry():
-    from flash_cce.losses import OBJECTIVES
-    from flash_cce.settings import BY_NAME
+    from flash_cce.train.losses import OBJECTIVES
+    from flash_cce.train.settings import BY_NAME
 
     assert set(BY_NAME["objective"].choices) == set(OBJECTIVES)
 
@@ -164,7 +164,7 @@ def test_cuda_graph_limit_restart(monkeypatch, cuda, preset):
     unless it is set; elsewhere, or when set, nothing changes."""
     import mlx.core as mx
 
-    from flash_cce import cli
+    from flash_cce.train import cli
 
     # A copy of the environment: the restart sets the variable in it, which must
     # not outlive the test (delenv restores only a variable that was there).
@@ -187,7 +187,7 @@ def test_cuda_graph_limit_restart(monkeypatch, cuda, preset):
     if cuda and not preset:
         with pytest.raises(_Exec):
             cli.main(argv)
-        assert calls[0][1][1:] == ["-m", "flash_cce.cli"] + argv
+        assert calls[0][1][1:] == ["-m", "flash_cce.train.cli"] + argv
         assert calls[0][2] == cli.GRAPH_MB
     else:
         cli._restart_with_graph_limit(argv)

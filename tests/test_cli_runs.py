@@ -75,7 +75,7 @@ def test_fresh_run_into_a_finished_run_dir_touches_nothing(env):
 def test_lock_keeps_a_second_process_out_and_a_stale_lock_is_reported(env, tmp_path):
     _, model_dir, data_dir, _ = env
     run = tmp_path / "r"
-    first = subprocess.Popen([sys.executable, "-m", "flash_cce.cli",
+    first = subprocess.Popen([sys.executable, "-m", "flash_cce.train.cli",
                               *map(str, train_argv(model_dir, data_dir, run, 100000))],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -259,7 +259,7 @@ def test_ctrl_c_checkpoints_and_prints_a_resume_command_that_works(env, tmp_path
     _, model_dir, data_dir, ref = env
     run = tmp_path / "r"
     argv = train_argv(model_dir, data_dir, run, 6, "--keep-checkpoints", "5", "--save-every", "100")
-    proc = subprocess.Popen([sys.executable, "-m", "flash_cce.cli", *map(str, argv)],
+    proc = subprocess.Popen([sys.executable, "-m", "flash_cce.train.cli", *map(str, argv)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Until the first step is logged (its kernels may take a while to compile).
     deadline = time.monotonic() + 120
@@ -437,7 +437,7 @@ def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(env, st
     kills = []
     for _ in range(2):
         argv = ["train", "--resume", run] if (run / "adapters").exists() else _kill_argv(model_dir, data_dir, run)
-        proc = subprocess.Popen([sys.executable, "-m", "flash_cce.cli", *map(str, argv)],
+        proc = subprocess.Popen([sys.executable, "-m", "flash_cce.train.cli", *map(str, argv)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         metrics_file = run / "metrics.jsonl"
         while proc.poll() is None and not (metrics_file.exists() and metrics_file.stat().st_size):
@@ -462,8 +462,8 @@ def test_unwritable_run_dir_and_full_disk_are_one_line(env, tmp_path, monkeypatc
     import errno
     import tempfile
 
-    from flash_cce import checkpoint
-    from flash_cce.cli import main
+    from flash_cce.train import checkpoint
+    from flash_cce.train.cli import main
 
     _, model_dir, data_dir, _ = env
     argv = [str(a) for a in train_argv(model_dir, data_dir, tmp_path / "r", 4)]
@@ -499,7 +499,7 @@ def test_without_the_train_extra_the_cli_says_what_to_install():
         "import importlib.util, sys\n"
         "real = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda n, *a: None if n in ('mlx_lm', 'yaml') else real(n, *a)\n"
-        "from flash_cce.cli import main\n"
+        "from flash_cce.train.cli import main\n"
         "sys.exit(main(['train', '--model', 'm']))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

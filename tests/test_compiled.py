@@ -4,9 +4,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from flash_cce import compiled, layers, objectives
-from flash_cce.lm import LM, lora_modules
-from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
+from flash_cce.stack import compiled, layers
+
+from flash_cce.train import objectives
+from flash_cce.stack.lm import LM, lora_modules
+from flash_cce.train.objectives import ObjectiveConfig, evaluate, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 
 # The compiled layers run the same float32 operations, fused: on the CPU the

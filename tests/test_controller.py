@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from flash_cce.cli import main
-from flash_cce.controller import Controller, ControllerConfig, for_objective
-from flash_cce.objectives import ObjectiveConfig
-from flash_cce.trainer import read_metrics
+from flash_cce.train.cli import main
+from flash_cce.train.controller import Controller, ControllerConfig, for_objective
+from flash_cce.train.objectives import ObjectiveConfig
+from flash_cce.train.trainer import read_metrics
 from test_cli import _train_argv
 from test_trainer import tiny_setup
 

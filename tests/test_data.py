@@ -5,10 +5,10 @@ import json
 import pytest
 from mlx_lm.utils import load
 
-from flash_cce.batch import Pair
-from flash_cce.data import DataError, format_summary, length_summary, load_pairs, load_splits, truncate
-from flash_cce.demo import demo_words
-from flash_cce.tiny import build_tiny_model
+from flash_cce.stack.batch import Pair
+from flash_cce.train.data import DataError, format_summary, length_summary, load_pairs, load_splits, truncate
+from flash_cce.train.demo import demo_words
+from flash_cce.train.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

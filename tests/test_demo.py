@@ -7,9 +7,9 @@ import subprocess
 import pytest
 from runs import console_script
 
-from flash_cce.demo import (DATA_DIR, MARKER, SPLITS, UNPAIRED_DIR, demo_records, demo_words, run_demo,
+from flash_cce.train.demo import (DATA_DIR, MARKER, SPLITS, UNPAIRED_DIR, demo_records, demo_words, run_demo,
                             unpaired_records)
-from flash_cce.tiny import build_tiny_model
+from flash_cce.train.tiny import build_tiny_model
 
 
 def test_bundled_data_is_the_generator_output():

@@ -40,7 +40,7 @@ def vary_lengths(data_dir):
 
 def train_cmd(model_dir, data_dir, run_dir, *extra):
     return [
-        sys.executable, "-m", "flash_cce.cli", "train", "--model", str(model_dir),
+        sys.executable, "-m", "flash_cce.train.cli", "train", "--model", str(model_dir),
         "--data", str(data_dir), "--run-dir", str(run_dir), "--iters", str(STEPS),
         "--batch-size", "4", "--grad-accumulation-steps", "2", "--learning-rate", "1e-3",
         "--num-layers", "-1", "--steps-per-eval", "0", "--save-every", "2",

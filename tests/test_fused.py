@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flash_cce import attention as attn
-from flash_cce import fused as ak
-from flash_cce.attention import attention, window_mask
+from flash_cce.stack import attention as attn
+from flash_cce.stack import fused as ak
+from flash_cce.stack.attention import attention, window_mask
 
 pytestmark = pytest.mark.skipif(not ak.available(), reason="needs MLX's CUDA backend")
 

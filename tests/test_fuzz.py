@@ -4,7 +4,7 @@ no traceback) and leave the run directory as it was.
 
 The bad values are bad by construction (a type the setting does not take, a
 number below its range, a name that is not a setting), not picked by the code
-under test. Most cases call `flash_cce.cli.main` in this process (the function
+under test. Most cases call `flash_cce.train.cli.main` in this process (the function
 the `flash-cce` script runs); a few go through a subprocess too.
 `--fuzz-examples N` sets the examples per in-process test (default 1100 in
 all, plus 8 through the script; N / 25 through the script).
@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from runs import flash_cce, one_line_error, snapshot, train_argv
 from test_trainer import tiny_setup
 
-from flash_cce import settings
-from flash_cce.cli import main
+from flash_cce.train import settings
+from flash_cce.train.cli import main
 
 DEFAULT_EXAMPLES = {"yaml": 500, "flags": 300, "records": 300, "subprocess": 8}
 

@@ -1,4 +1,4 @@
-"""The layers of a training step (`flash_cce.layers`) compute mlx-lm's functions."""
+"""The layers of a training step (`flash_cce.stack.layers`) compute mlx-lm's functions."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mlx_lm.tuner.lora import LoRALinear
 
-from flash_cce import layers
-from flash_cce.layers import DENSE_FROM_ROWS, training_layers
+from flash_cce.stack import layers
+from flash_cce.stack.layers import DENSE_FROM_ROWS, training_layers
 
 
 def _quantized(d_in, d_out, bits, group_size, dtype=mx.float32, bias=True, seed=0):

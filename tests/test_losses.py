@@ -1,4 +1,4 @@
-"""The objectives of flash_cce.losses against numpy transcriptions of their formulas."""
+"""The objectives of flash_cce.train.losses against numpy transcriptions of their formulas."""
 
 import math
 
@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flash_cce import losses
-from flash_cce.objectives import ObjectiveConfig
+from flash_cce.train import losses
+from flash_cce.train.objectives import ObjectiveConfig
 
 # Inputs are O(1) and each formula is a handful of float32 ops: 1e-6 relative is
 # ~10 float32 roundings, far below any formula mistake (>= 1e-2 here).

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from flash_cce.batch import Example, Pair
-from flash_cce.lm import lora_modules
-from flash_cce.objectives import ObjectiveConfig, evaluate, value_and_grad
+from flash_cce.stack.batch import Example, Pair
+from flash_cce.stack.lm import lora_modules
+from flash_cce.train.objectives import ObjectiveConfig, evaluate, value_and_grad
 from models import ARCHS, max_diff, random_pair, tiny_model
 from test_losses import trl_orpo
 
@@ -209,7 +209,7 @@ def test_kto_matches_reference(loss_type, frozen):
     model without adapters (or a frozen base for full fine-tuning), the KL
     estimate the mean log-ratio of each prompt with the previous example's
     completion, clamped at 0, held constant."""
-    from flash_cce.reference import FrozenModel
+    from flash_cce.train.reference import FrozenModel
     from mlx.utils import tree_map
 
     examples = _examples(10)
@@ -257,7 +257,7 @@ def test_kto_matches_reference(loss_type, frozen):
 def test_kto_batch_of_one_raises():
     with pytest.raises(ValueError, match="at least 2 examples"):
         value_and_grad(tiny_model("llama", lora=True), _examples(1)[:1], ObjectiveConfig(name="kto"))
-    with pytest.raises(ValueError, match=r"examples\[0\] must be a flash_cce.batch.Example"):
+    with pytest.raises(ValueError, match=r"examples\[0\] must be a flash_cce.stack.batch.Example"):
         value_and_grad(tiny_model("llama", lora=True), _pairs(), ObjectiveConfig(name="kto"))
 
 
@@ -330,7 +330,7 @@ def test_malformed_batch_and_config_raise():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="non-empty list"):
         value_and_grad(model, [], ObjectiveConfig())
-    with pytest.raises(ValueError, match=r"pairs\[0\] must be a flash_cce.batch.Pair"):
+    with pytest.raises(ValueError, match=r"pairs\[0\] must be a flash_cce.stack.batch.Pair"):
         value_and_grad(model, [([1, 2], [1, 3])], ObjectiveConfig())
     with pytest.raises(ValueError, match="max_length=8"):
         value_and_grad(model, [Pair(list(range(9)), [1, 2], 1, 1)],

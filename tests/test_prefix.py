@@ -5,12 +5,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flash_cce import caches, prefix
-from flash_cce.attention import routed
-from flash_cce.batch import Pair
-from flash_cce.lm import LM
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
-from flash_cce.prefix import sequence_hidden
+from flash_cce.stack import caches, prefix
+from flash_cce.stack.attention import routed
+from flash_cce.stack.batch import Pair
+from flash_cce.stack.lm import LM
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.stack.prefix import sequence_hidden
 from models import ARCHS, max_diff, random_pair, tiny_model
 
 # float32 rounding: the continuation's attention sums the same terms as the

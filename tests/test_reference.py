@@ -7,10 +7,10 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from flash_cce import losses
-from flash_cce.lm import LM
-from flash_cce.objectives import ObjectiveConfig, value_and_grad
-from flash_cce.reference import (AdaptersOff, FrozenModel, Precomputed, fingerprint, load_table,
+from flash_cce.train import losses
+from flash_cce.stack.lm import LM
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
+from flash_cce.train.reference import (AdaptersOff, FrozenModel, Precomputed, fingerprint, load_table,
                                  pair_key, precompute, save_table)
 from models import tiny_model
 from test_objectives import _close, _grads_close, _pairs, _ref_stats, _ref_value_and_grad
@@ -26,7 +26,7 @@ def _moved(model, seed=1):
 
 @pytest.mark.parametrize("loss_type, quantized", [("sigmoid", False), ("ipo", False), ("sigmoid", True)])
 def test_frozen_model_is_the_reference_of_full_fine_tuning(loss_type, quantized):
-    from flash_cce.trainer import quantize_model
+    from flash_cce.train.trainer import quantize_model
 
     policy = _moved(tiny_model("llama"))
     base = tiny_model("llama")
@@ -85,9 +85,9 @@ def test_fingerprint_follows_model_settings_and_tokens(tmp_path):
 def test_full_fine_tuning_dpo_through_the_cli(tmp_path, capsys):
     """dpo with fine_tune_type full: a frozen copy of the base is the reference;
     with precompute_ref_log_probs a table of every pair, reused on resume."""
-    from flash_cce.cli import main
-    from flash_cce.reference import TABLE
-    from flash_cce.trainer import read_metrics
+    from flash_cce.train.cli import main
+    from flash_cce.train.reference import TABLE
+    from flash_cce.train.trainer import read_metrics
     from test_cli import _train_argv
     from test_trainer import tiny_setup
 
@@ -131,7 +131,7 @@ def test_full_fine_tuning_dpo_through_the_cli(tmp_path, capsys):
 
 
 def test_reference_settings_are_checked(tmp_path, capsys):
-    from flash_cce.cli import main
+    from flash_cce.train.cli import main
     from test_cli import _train_argv
     from test_trainer import tiny_setup
 
@@ -147,8 +147,8 @@ def test_reference_settings_are_checked(tmp_path, capsys):
 
 def test_a_fresh_run_accepts_a_directory_holding_only_its_reference_table(tmp_path):
     """A run stopped after the precompute, before its first checkpoint, starts again."""
-    from flash_cce.cli import main
-    from flash_cce.reference import TABLE
+    from flash_cce.train.cli import main
+    from flash_cce.train.reference import TABLE
     from test_cli import _train_argv
     from test_trainer import tiny_setup
 

@@ -5,9 +5,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from flash_cce.lm import LM
-from flash_cce.objectives import ObjectiveConfig, _segment_size, value_and_grad
-from flash_cce.segmented import run_stack
+from flash_cce.stack.lm import LM
+from flash_cce.train.objectives import ObjectiveConfig, _segment_size, value_and_grad
+from flash_cce.stack.segmented import run_stack
 from models import ARCHS, max_diff, random_pair, tiny_model
 
 # The recomputed forward repeats the same float32 ops, so segmenting alone gives

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flash_cce import settings
-from flash_cce.cli import build_parser
-from flash_cce.trainer import TrainingArgs
+from flash_cce.train import settings
+from flash_cce.train.cli import build_parser
+from flash_cce.train.trainer import TrainingArgs
 
 NUMBERS = ["1e-4", "1E5", "-2e-3", "+3e2", "1.5e-5", "2.0", "10", "-7", ".5", "1_000", "0x1f", "1e", "e5", "1.2.3"]
 

@@ -7,11 +7,11 @@ import shutil
 import pytest
 from mlx_lm import generate, load
 
-from flash_cce.cli import main
-from flash_cce.data import load_pairs
-from flash_cce.demo import demo_records, demo_words
-from flash_cce.tiny import build_tiny_model
-from flash_cce.trainer import read_metrics
+from flash_cce.train.cli import main
+from flash_cce.train.data import load_pairs
+from flash_cce.train.demo import demo_records, demo_words
+from flash_cce.train.tiny import build_tiny_model
+from flash_cce.train.trainer import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load
 
-from flash_cce.demo import demo_records, demo_words, write_demo_data
-from flash_cce.objectives import ObjectiveConfig
-from flash_cce.objectives import value_and_grad as real_value_and_grad
-from flash_cce.tiny import build_tiny_model
-from flash_cce.trainer import (MemoryCanary, TrainingArgs, batch_indices, build_schedule,
+from flash_cce.train.demo import demo_records, demo_words, write_demo_data
+from flash_cce.train.objectives import ObjectiveConfig
+from flash_cce.train.objectives import value_and_grad as real_value_and_grad
+from flash_cce.train.tiny import build_tiny_model
+from flash_cce.train.trainer import (MemoryCanary, TrainingArgs, batch_indices, build_schedule,
                                prepare_model, read_metrics, train)
 
 
@@ -28,7 +28,7 @@ def tiny_setup(tmp_path, n_train=32, n_valid=8):
 
 
 def tiny_pairs(tok, split, n):
-    from flash_cce.data import Encoder
+    from flash_cce.train.data import Encoder
 
     enc = Encoder(tok)
     return [enc.encode(r) for r in demo_records()[split][:n]]

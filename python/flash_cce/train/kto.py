@@ -14,8 +14,8 @@ pass encodes the prompt once for both (see `prefix`).
 import mlx.core as mx
 
 from . import losses
-from .attention import routed
-from .batch import Example
+from ..stack.attention import routed
+from ..stack.batch import Example
 
 # The objective whose statistics give a pair's two sides (c_sum, r_sum) without NLL.
 _PAIRED = losses.get("dpo")
@@ -28,10 +28,10 @@ def mismatched(examples):
 
 def _check(examples, training):
     if not isinstance(examples, (list, tuple)) or not examples:
-        raise ValueError("examples must be a non-empty list of flash_cce.batch.Example")
+        raise ValueError("examples must be a non-empty list of flash_cce.stack.batch.Example")
     for i, e in enumerate(examples):
         if not isinstance(e, Example):
-            raise ValueError(f"examples[{i}] must be a flash_cce.batch.Example, got {type(e).__name__}")
+            raise ValueError(f"examples[{i}] must be a flash_cce.stack.batch.Example, got {type(e).__name__}")
         e.validate(f"examples[{i}]")
     if training and len(examples) < 2:
         raise ValueError("kto needs at least 2 examples per batch: the KL estimate pairs each "

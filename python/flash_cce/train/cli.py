@@ -1,7 +1,7 @@
 """`flash-cce`: train, eval, plot and demo sub-commands.
 
 Settings come from flags > `--config` YAML > defaults, as in `mlx_lm.lora`; YAML
-keys are the flags' names with underscores (see `flash_cce.settings`). Errors
+keys are the flags' names with underscores (see `flash_cce.train.settings`). Errors
 are one line on stderr with exit status 2; an interrupted run exits with 130.
 """
 
@@ -21,7 +21,7 @@ def _version():
     try:
         return version("mlx-flash-cce")
     except PackageNotFoundError:  # a source tree on PYTHONPATH
-        from . import __version__
+        from .. import __version__
 
         return __version__
 
@@ -117,7 +117,7 @@ def _restart_with_graph_limit(argv):
     if "MLX_MAX_MB_PER_BUFFER" in os.environ or not on_cuda():
         return
     os.environ["MLX_MAX_MB_PER_BUFFER"] = GRAPH_MB
-    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.cli", *argv])
+    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.train.cli", *argv])
 
 
 def _restart_with_capture_enabled(argv):
@@ -128,7 +128,7 @@ def _restart_with_capture_enabled(argv):
     if os.environ.get("MTL_CAPTURE_ENABLED") == "1" or not mx.metal.is_available():
         return
     os.environ["MTL_CAPTURE_ENABLED"] = "1"
-    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.cli", *argv])
+    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.train.cli", *argv])
 
 
 def _settings_flags(args):

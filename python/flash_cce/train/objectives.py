@@ -21,13 +21,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from . import compiled, losses
-from .attention import DEFAULT_BLOCK, routed
-from .batch import Pair
-from .head import linear_logprobs
-from .layers import training_layers
-from .lm import LM
-from .prefix import sequence_hidden
+from ..stack import compiled
+
+from . import losses
+from ..stack.attention import DEFAULT_BLOCK, routed
+from ..stack.batch import Pair
+from ..head import linear_logprobs
+from ..stack.layers import training_layers
+from ..stack.lm import LM
+from ..stack.prefix import sequence_hidden
 
 # Tokens per pair (chosen + rejected) from which the default checkpoints the
 # stack, one layer per segment: of 1, 2 and 3 layers per segment, 1 kept the
@@ -80,11 +82,11 @@ class ObjectiveConfig:
 
 def _check(pairs, cfg, vocab):
     if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise ValueError("pairs must be a non-empty list of flash_cce.batch.Pair")
+        raise ValueError("pairs must be a non-empty list of flash_cce.stack.batch.Pair")
     for i, p in enumerate(pairs):
         where = f"pairs[{i}]"
         if not isinstance(p, Pair):
-            raise ValueError(f"{where} must be a flash_cce.batch.Pair, got {type(p).__name__}")
+            raise ValueError(f"{where} must be a flash_cce.stack.batch.Pair, got {type(p).__name__}")
         p.validate(where)
         for name, seq, n in (("chosen", p.chosen, p.chosen_prompt_len),
                              ("rejected", p.rejected, p.rejected_prompt_len)):

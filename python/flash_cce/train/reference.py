@@ -22,13 +22,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .lm import LM, adapters_off
+from ..stack.lm import LM, adapters_off
 
 TABLE = "reference_logps.npz"  # in the run directory
 
 
 def _sums(lm, pairs, cfg, obj):
-    from .attention import routed
+    from ..stack.attention import routed
     from .objectives import _attention_block, _forward_stack, pair_stats
 
     out = []

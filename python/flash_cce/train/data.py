@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import Example, Pair
+from ..stack.batch import Example, Pair
 
 TRUNCATION_MODES = ("keep_end", "keep_start", "drop", "error")
 

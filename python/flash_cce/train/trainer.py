@@ -3,7 +3,7 @@ clipping, JSONL metrics, periodic evaluation, atomic checkpoints, exact resume.
 
 Shaped like mlx-lm's `tuner.trainer`: `TrainingArgs` holds the loop's settings and
 `train` takes the model, optimizer and data; the objective comes from
-`flash_cce.objectives` and can be swapped through `train`'s arguments.
+`flash_cce.train.objectives` and can be swapped through `train`'s arguments.
 """
 
 import json
@@ -28,7 +28,7 @@ GB = 1e9
 
 @dataclass
 class TrainingArgs:
-    """The loop's settings; defaults and help come from `flash_cce.settings`."""
+    """The loop's settings; defaults and help come from `flash_cce.train.settings`."""
 
     batch_size: int = settings.field("batch_size")
     iters: int = settings.field("iters")

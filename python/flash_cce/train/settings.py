@@ -105,7 +105,7 @@ QUANTIZE_FIELDS = (
     S("group_size", "int", 64, "Weights per scale.", choices=(32, 64, 128)),
 )
 
-# TRL's loss types of dpo, cpo and kto (flash_cce.losses checks which objective takes which).
+# TRL's loss types of dpo, cpo and kto (flash_cce.train.losses checks which objective takes which).
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
               "simpo", "kto", "apo_zero_unpaired")
 CONTROLLER_FIELDS = (
