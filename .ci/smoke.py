@@ -2,7 +2,7 @@
 
 The native CPU kernel's log-probabilities against log_softmax of the full
 logits in float64 (numpy), its gradient against central differences of the
-same, and the `flash-cce` console script.
+same, the `flash-cce` console script and a two-step demo.
 """
 
 import subprocess
@@ -41,7 +41,12 @@ f = lambda x: ((x @ w64.T)[np.arange(M), y64.astype(int)] - np.log(np.exp(x @ w6
 fd = (f(hp) - f(hm)) / (2 * eps)
 assert abs(float(g[i, j]) - fd) < 1e-3, (float(g[i, j]), fd)
 
-# The console script the package installs beside the interpreter.
-cli = subprocess.run([str(Path(sys.executable).parent / "flash-cce"), "--help"], capture_output=True, text=True)
+# The console script the package installs beside the interpreter, and the demo
+# (its bundled data is package data of flash_cce.train).
+script = str(Path(sys.executable).parent / "flash-cce")
+cli = subprocess.run([script, "--help"], capture_output=True, text=True)
 assert cli.returncode == 0 and "usage" in cli.stdout.lower(), cli.stderr[-2000:]
+demo = subprocess.run([script, "demo", "--iters", "2", "--run-dir", str(here / "smoke-demo")],
+                      capture_output=True, text=True)
+assert demo.returncode == 0 and (here / "smoke-demo" / "metrics.jsonl").exists(), demo.stderr[-2000:]
 print("smoke test: ok")

@@ -24,15 +24,7 @@ Providers (each a full step: forward, backward, gradients evaluated):
   compiled              flash_cce with the compiled layers (not in the default set)
   pad=N                 flash_cce with `pad_to=N`: widths rounded up, the shared prompt
                         down, to multiples of N (not in the default set)
-  no_window             flash_cce with sliding-window layers computing the scores of every
-                        key, as before they skipped those outside the window (not in the
-                        default set)
-  mlx_linears           flash_cce with quantized and LoRA layers computing as mlx-lm
-                        defines them, as before `flash_cce.stack.layers` (not in the default set)
-  split_windows         flash_cce with a packed sliding-window layer's rows in two calls
-                        (the prompt's, the continuations'), as before one batched-window
-                        call took them all (not in the default set)
-  X+Y                   switches combined, e.g. block=64+no_window
+  X+Y                   switches combined, e.g. block=64+no_prefix
 A provider that fails (e.g. out of memory) is reported with its error; `no_flash_head`
 runs last in each row (see LAST). `--vary-prompt K` gives every step of a row its own
 pair, the prompt K tokens shorter each time (the sequence length kept), as real batches
@@ -41,7 +33,6 @@ redo for a new shape.
 """
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
@@ -55,12 +46,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import gemma3_text, gemma4_text
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-import flash_cce.stack.attention
-import flash_cce.train.objectives
-from flash_cce.stack.batch import Pair
+from flash_cce.stack import Pair, StackConfig
 from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
 
 FULL_MODELS = {
@@ -140,29 +128,13 @@ def cycling(pairs):
     return lambda: next(it)
 
 
-def _plain_window_mask(n, offset, window):
-    # The mask as an ordinary array: the blocked attention computes every key.
-    return create_causal_mask(n, offset, window_size=window)
-
-
-def ours(model, pairs, no_window=False, mlx_linears=False, split_windows=False, **switches):
-    cfg = ObjectiveConfig(name="orpo", **switches)
+def ours(model, pairs, **switches):
+    cfg = ObjectiveConfig(name="orpo", stack=StackConfig(**switches))
     pairs = cycling(pairs)
-    attn = flash_cce.stack.attention
 
     def step():
-        pair = pairs()
-        saved = attn.window_mask, flash_cce.train.objectives.training_layers, attn.PACKED_WINDOWS
-        if no_window:
-            attn.window_mask = _plain_window_mask
-        if mlx_linears:
-            flash_cce.train.objectives.training_layers = contextlib.nullcontext
-        attn.PACKED_WINDOWS = not split_windows
-        try:
-            loss, grads, metrics = value_and_grad(model, [pair], cfg)
-            mx.eval(loss, grads, metrics)
-        finally:
-            attn.window_mask, flash_cce.train.objectives.training_layers, attn.PACKED_WINDOWS = saved
+        loss, grads, metrics = value_and_grad(model, [pairs()], cfg)
+        mx.eval(loss, grads, metrics)
 
     return step
 
@@ -208,9 +180,6 @@ SWITCHES = {
     "no_segments": dict(segment_size=0),
     "compiled": dict(compiled_layers=True),
     "no_block_attn": dict(attention_block=0),
-    "no_window": dict(no_window=True),
-    "mlx_linears": dict(mlx_linears=True),
-    "split_windows": dict(split_windows=True),
 }
 
 

@@ -12,6 +12,9 @@ from mlx.utils import tree_map
 from mlx_lm.models import gemma3_text, gemma4_text, llama, minicpm, qwen3
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
+from flash_cce.stack import StackConfig
+from flash_cce.train.objectives import ObjectiveConfig
+
 VOCAB = 97  # odd on purpose: not a multiple of any block or group size
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "gemma4_text", "minicpm")
@@ -122,3 +125,8 @@ def max_diff(a, b):
     diff = max(float(mx.abs(fa[k] - fb[k]).max()) for k in fa)
     scale = max(float(mx.abs(fb[k]).max()) for k in fb)
     return diff, scale
+
+
+def objective(name="orpo", **stack):
+    """The ObjectiveConfig of objective `name` whose stack takes the other arguments."""
+    return ObjectiveConfig(name=name, stack=StackConfig(**stack))

@@ -8,8 +8,9 @@ from mlx_lm.models.base import create_causal_mask
 
 import flash_cce.stack.attention as attn
 from flash_cce.stack.attention import PackedMask, KEY_ALIGN, WindowMask, attention, routed, spans, window_mask
-from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
-from models import ARCHS, max_diff, random_pair, tiny_model
+from flash_cce.stack import StackConfig
+from flash_cce.train.objectives import value_and_grad
+from models import ARCHS, max_diff, objective, random_pair, tiny_model
 
 
 def composed(q, k, v, scale, mask):
@@ -105,7 +106,7 @@ def test_block_larger_than_queries_and_errors():
     with pytest.raises(ValueError, match="block"):
         attention(q, k, v, scale=0.3, block=0)
     with pytest.raises(ValueError, match="attention_block"):
-        ObjectiveConfig(attention_block=-1).validate()
+        StackConfig(attention_block=-1).validate()
 
 
 # (batch, query heads, KV heads, queries, keys, window, block): sliding windows.
@@ -430,10 +431,10 @@ def test_objective_with_blocked_attention_equals_mlx_attention(arch, monkeypatch
     for share in (True, False):
         for seg in (0, 1):
             kw = dict(prefix_sharing=share, segment_size=seg)
-            plain = value_and_grad(model, pairs, ObjectiveConfig(attention_block=0, **kw))
+            plain = value_and_grad(model, pairs, objective(attention_block=0, **kw))
             assert not calls
             # Block 3 < every query count here (>= 4): every layer is routed.
-            got = value_and_grad(model, pairs, ObjectiveConfig(attention_block=3, **kw))
+            got = value_and_grad(model, pairs, objective(attention_block=3, **kw))
             assert len(calls) >= len(model.layers), kw
             # Sliding layers (window 4, prompts longer) skip keys outside it.
             assert any(calls) == (arch in ("gemma3_text", "gemma4_text")), kw

@@ -1,8 +1,11 @@
 """`flash-cce` end to end on the tiny model: train, resume, eval, plot; config precedence."""
 
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -33,7 +36,7 @@ def test_precedence_flags_over_yaml_over_defaults(tmp_path):
 def test_pad_to_settings(tmp_path):
     def pad_to(*argv):
         args = build_parser().parse_args(["train", *argv])
-        return objective_config(resolve_config(vars(args), None)).pad_to
+        return objective_config(resolve_config(vars(args), None)).stack.pad_to
 
     on_cuda = hasattr(mx, "cuda") and mx.cuda.is_available()
     assert pad_to() == (AUTO_PAD if on_cuda else None)  # auto by default
@@ -154,42 +157,44 @@ def test_train_and_eval_kto_on_the_unpaired_demo_split(tmp_path, capsys):
     assert f"{data_dir / 'train.jsonl'}:1: a paired record" in capsys.readouterr().err
 
 
-class _Exec(Exception):
-    pass
+# The command's process with the command replaced: prints MLX_MAX_MB_PER_BUFFER as
+# it stood when MLX was first imported (MLX reads it then) and after.
+GRAPH_LIMIT_PROBE = """
+import builtins, os, sys
+from flash_cce.train import cli
+
+assert "mlx.core" not in sys.modules, "importing the CLI imported MLX"
+seen = {}
+real_import = builtins.__import__
 
 
-@pytest.mark.parametrize("cuda, preset", [(True, None), (True, "50"), (False, None)])
-def test_cuda_graph_limit_restart(monkeypatch, cuda, preset):
-    """On a CUDA GPU, train/eval restart once with MLX_MAX_MB_PER_BUFFER=GRAPH_MB
-    unless it is set; elsewhere, or when set, nothing changes."""
-    import mlx.core as mx
+def watch(name, *args, **kwargs):
+    if name.split(".")[0] == "mlx":
+        seen.setdefault("at import", os.environ.get("MLX_MAX_MB_PER_BUFFER"))
+    return real_import(name, *args, **kwargs)
 
+
+builtins.__import__ = watch
+cli._run = lambda args, argv: None
+cli.main(sys.argv[1:])
+print(seen["at import"], os.environ.get("MLX_MAX_MB_PER_BUFFER"))
+"""
+
+
+@pytest.mark.parametrize("command, preset", [("train", None), ("eval", "50"), ("plot", None)])
+def test_graph_limit_is_set_before_mlx_is_imported(command, preset):
+    """train and eval on Linux run with MLX_MAX_MB_PER_BUFFER=GRAPH_MB unless it is
+    set, in place before MLX is imported (MLX reads it then), in the same process."""
     from flash_cce.train import cli
 
-    # A copy of the environment: the restart sets the variable in it, which must
-    # not outlive the test (delenv restores only a variable that was there).
-    monkeypatch.setattr(cli.os, "environ", dict(cli.os.environ))
-    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "MLX_MAX_MB_PER_BUFFER"}
     if preset:
-        monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", preset)
-    if hasattr(mx, "cuda"):
-        monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
-    elif cuda:
-        pytest.skip("this MLX has no mx.cuda module to stand in for")
-    calls = []
-
-    def fake_exec(path, args):
-        calls.append((path, args, cli.os.environ.get("MLX_MAX_MB_PER_BUFFER")))
-        raise _Exec
-
-    monkeypatch.setattr(cli.os, "execv", fake_exec)
-    argv = ["eval", "--model", "nowhere"]
-    if cuda and not preset:
-        with pytest.raises(_Exec):
-            cli.main(argv)
-        assert calls[0][1][1:] == ["-m", "flash_cce.train.cli"] + argv
-        assert calls[0][2] == cli.GRAPH_MB
-    else:
-        cli._restart_with_graph_limit(argv)
-        assert not calls
-        assert cli.os.environ.get("MLX_MAX_MB_PER_BUFFER") == preset
+        env["MLX_MAX_MB_PER_BUFFER"] = preset
+    argv = {"train": ["train", "--model", "nowhere"], "eval": ["eval", "--model", "nowhere"],
+            "plot": ["plot", "nowhere"]}[command]
+    proc = subprocess.run([sys.executable, "-c", GRAPH_LIMIT_PROBE, *argv], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    at_import, value = proc.stdout.split()
+    want = preset or (cli.GRAPH_MB if command != "plot" and sys.platform.startswith("linux") else "None")
+    assert at_import == value == want, proc.stdout

@@ -6,10 +6,10 @@ import pytest
 
 from flash_cce.stack import compiled, layers
 
-from flash_cce.train import objectives
+from flash_cce.stack import stats
 from flash_cce.stack.lm import LM, lora_modules
-from flash_cce.train.objectives import ObjectiveConfig, evaluate, value_and_grad
-from models import ARCHS, max_diff, random_pair, tiny_model
+from flash_cce.train.objectives import evaluate, value_and_grad
+from models import ARCHS, max_diff, objective, random_pair, tiny_model
 
 # The compiled layers run the same float32 operations, fused: on the CPU the
 # results are equal bit for bit except where quantized layers dequantize (about
@@ -55,8 +55,8 @@ def test_compiled_equals_autodiff(arch, share, pack, quantize):
     model = tiny_model(arch, lora=True, quantize=quantize)
     pairs = _pairs(0)
     cfg = dict(prefix_sharing=share, prefix_packing=pack, segment_size=0)
-    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
-    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    want = value_and_grad(model, pairs, objective(**cfg))
+    got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
     _close(got, want)
     assert compiled.supported(LM(model))
 
@@ -71,8 +71,8 @@ def test_dequantized_layers(arch, share, monkeypatch):
     model = tiny_model(arch, lora=True, quantize=True)
     pairs = _pairs(5)
     cfg = dict(prefix_sharing=share, segment_size=0)
-    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
-    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    want = value_and_grad(model, pairs, objective(**cfg))
+    got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
     _close(got, want)
 
 
@@ -83,8 +83,8 @@ def test_frozen_layer(arch, frozen):
     model = tiny_model(arch, lora=True)
     model.layers[frozen].freeze()
     pairs = _pairs(4)
-    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
-    got = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False, compiled_layers=True))
+    want = value_and_grad(model, pairs, objective(prefix_sharing=False))
+    got = value_and_grad(model, pairs, objective(prefix_sharing=False, compiled_layers=True))
     _close(got, want)
     assert abs(got[1]["model"]["layers"][0]["self_attn"]["q_proj"]["lora_a"]).max() > 0
 
@@ -94,7 +94,7 @@ def test_traced_once_per_shape(monkeypatch):
     a second step with the same shapes runs no layer code in Python."""
     model = tiny_model("gemma3_text", lora=True)
     pairs = _pairs(2)
-    cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True)
+    cfg = objective(prefix_sharing=False, compiled_layers=True)
     value_and_grad(model, pairs, cfg)
     calls = _layer_calls(monkeypatch, model)
     value_and_grad(model, pairs, cfg)
@@ -111,9 +111,9 @@ def test_trace_keyed_by_attention_routing(monkeypatch):
     calls = _layer_calls(monkeypatch, model)
     for block, traces in ((0, True), (4, True), (0, False)):
         cfg = dict(prefix_sharing=False, attention_block=block)
-        want = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, **cfg))
+        want = value_and_grad(model, pairs, objective(segment_size=0, **cfg))
         calls.clear()
-        got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
         assert bool(calls) == traces, block
         _close(got, want)
 
@@ -124,8 +124,8 @@ def test_full_fine_tuning_takes_autodiff():
     model = tiny_model("gemma3_text")
     assert not compiled.supported(LM(model))
     pairs = _pairs(6)
-    want = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0))
-    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, segment_size=0))
+    want = value_and_grad(model, pairs, objective(segment_size=0))
+    got = value_and_grad(model, pairs, objective(compiled_layers=True, segment_size=0))
     _close(got, want)
 
 
@@ -137,8 +137,8 @@ def test_prompt_without_continuation(arch):
     rng = np.random.default_rng(7)
     pairs = [random_pair(rng, 6, 1, 1)]
     cfg = dict(prefix_packing=False, segment_size=0)
-    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
-    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    want = value_and_grad(model, pairs, objective(**cfg))
+    got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
     _close(got, want)
 
 
@@ -147,14 +147,14 @@ def test_failed_step_leaves_nothing(monkeypatch):
     into the next step's backward."""
     model = tiny_model("llama", lora=True)
     pairs = _pairs(8)
-    cfg = ObjectiveConfig(compiled_layers=True)
+    cfg = objective(compiled_layers=True)
     want = value_and_grad(model, pairs, cfg)
 
     def fail(*a, **k):
         raise RuntimeError("loss failed")
 
     with monkeypatch.context() as m:
-        m.setattr(objectives, "hidden_stats", fail)
+        m.setattr(stats, "_from_hidden", fail)
         with pytest.raises(RuntimeError):
             value_and_grad(model, pairs, cfg)
     _close(value_and_grad(model, pairs, cfg), want)
@@ -166,11 +166,11 @@ def test_settings_are_part_of_the_trace():
     model = tiny_model("gemma3_text", lora=True)
     pairs = _pairs(9)
     cfg = dict(prefix_sharing=False, segment_size=0)
-    value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
     for m in lora_modules(model):
         m.scale = 0.5
-    want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
-    got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+    want = value_and_grad(model, pairs, objective(**cfg))
+    got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
     _close(got, want)
 
 
@@ -192,11 +192,11 @@ def test_evaluate_and_dpo_reference(arch):
     pairs = _pairs(10)
     for name in ("orpo", "dpo"):
         cfg = dict(name=name, segment_size=0)
-        loss, metrics = evaluate(model, pairs, ObjectiveConfig(**cfg))
-        got_loss, got_metrics = evaluate(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        loss, metrics = evaluate(model, pairs, objective(**cfg))
+        got_loss, got_metrics = evaluate(model, pairs, objective(compiled_layers=True, **cfg))
         _close((got_loss, None, got_metrics), (loss, None, metrics))
-        want = value_and_grad(model, pairs, ObjectiveConfig(**cfg))
-        got = value_and_grad(model, pairs, ObjectiveConfig(compiled_layers=True, **cfg))
+        want = value_and_grad(model, pairs, objective(**cfg))
+        got = value_and_grad(model, pairs, objective(compiled_layers=True, **cfg))
         _close(got, want)
 
 
@@ -207,9 +207,9 @@ def test_padded_widths_are_exact(arch, pack):
     loss, metrics and gradients, through autodiff and the compiled layers."""
     model = tiny_model(arch, lora=True)
     pairs = _pairs(11)
-    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_packing=pack, segment_size=0))
+    want = value_and_grad(model, pairs, objective(prefix_packing=pack, segment_size=0))
     for compiled_layers in (False, True):
-        got = value_and_grad(model, pairs, ObjectiveConfig(
+        got = value_and_grad(model, pairs, objective(
             prefix_packing=pack, segment_size=0, pad_to=8, compiled_layers=compiled_layers))
         _close(got, want)
 
@@ -221,21 +221,21 @@ def test_prompt_lengths_in_one_multiple_share_traces(monkeypatch, pack):
     one multiple take the same shapes, and reuse one trace."""
     model = tiny_model("llama", lora=True)
     rng = np.random.default_rng(13)
-    cfg = ObjectiveConfig(compiled_layers=True, pad_to=8, prefix_packing=pack)
+    cfg = objective(compiled_layers=True, pad_to=8, prefix_packing=pack)
     first = random_pair(rng, 17, 5, 6)
     value_and_grad(model, [first], cfg)
     calls = _layer_calls(monkeypatch, model)
     second = random_pair(rng, 21, 2, 3)
     got = value_and_grad(model, [second], cfg)
     assert calls == []
-    _close(got, value_and_grad(model, [second], ObjectiveConfig(prefix_packing=pack)))
+    _close(got, value_and_grad(model, [second], objective(prefix_packing=pack)))
 
 
 def test_padded_widths_share_traces(monkeypatch):
     """Pairs whose widths round to the same multiple reuse one trace."""
     model = tiny_model("llama", lora=True)
     rng = np.random.default_rng(12)
-    cfg = ObjectiveConfig(prefix_sharing=False, compiled_layers=True, pad_to=16)
+    cfg = objective(prefix_sharing=False, compiled_layers=True, pad_to=16)
     value_and_grad(model, [random_pair(rng, 5, 4, 3)], cfg)
     calls = _layer_calls(monkeypatch, model)
     value_and_grad(model, [random_pair(rng, 6, 7, 2)], cfg)
@@ -249,8 +249,8 @@ def test_layers_start_evaluating_as_built(monkeypatch):
 
     model = tiny_model("gemma3_text", lora=True)
     pairs = _pairs(10)
-    cfg = ObjectiveConfig(compiled_layers=True, prefix_sharing=False, segment_size=0)
-    want = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False, segment_size=0))
+    cfg = objective(compiled_layers=True, prefix_sharing=False, segment_size=0)
+    want = value_and_grad(model, pairs, objective(prefix_sharing=False, segment_size=0))
     started = []
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(len(a)) or real(*a))

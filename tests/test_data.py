@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.utils import load
 
 from flash_cce.stack.batch import Pair
-from flash_cce.train.data import DataError, format_summary, length_summary, load_pairs, load_splits, truncate
+from flash_cce.train.data import format_summary, length_summary, load_pairs, load_splits, truncate
 from flash_cce.train.demo import demo_words
 from flash_cce.train.tiny import build_tiny_model
 

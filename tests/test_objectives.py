@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from flash_cce.stack import StackConfig
 from flash_cce.stack.batch import Example, Pair
 from flash_cce.stack.lm import lora_modules
 from flash_cce.train.objectives import ObjectiveConfig, evaluate, value_and_grad
@@ -270,8 +271,8 @@ def test_dpo_without_adapters_raises():
 def test_flash_head_matches_full_logits(arch):
     model = tiny_model(arch, lora=True)
     pairs = _pairs(4)
-    flash = value_and_grad(model, pairs, ObjectiveConfig(flash_head=True))
-    full = value_and_grad(model, pairs, ObjectiveConfig(flash_head=False))
+    flash = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(flash_head=True)))
+    full = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(flash_head=False)))
     _close(flash[0], full[0])
     _grads_close(flash[1], full[1])
 
@@ -280,7 +281,7 @@ def test_flash_head_matches_full_logits(arch):
 def test_quantized_base_with_lora(arch):
     model = tiny_model(arch, lora=True, quantize=True)
     pairs = _pairs(5)
-    cfg = ObjectiveConfig(segment_size=1)
+    cfg = ObjectiveConfig(stack=StackConfig(segment_size=1))
     _matches_reference(model, pairs, cfg)
 
 
@@ -334,10 +335,10 @@ def test_malformed_batch_and_config_raise():
         value_and_grad(model, [([1, 2], [1, 3])], ObjectiveConfig())
     with pytest.raises(ValueError, match="max_length=8"):
         value_and_grad(model, [Pair(list(range(9)), [1, 2], 1, 1)],
-                       ObjectiveConfig(max_length=8))
+                       ObjectiveConfig(stack=StackConfig(max_length=8)))
     with pytest.raises(ValueError, match="objective name"):
         value_and_grad(model, _pairs(), ObjectiveConfig(name="ipo"))
     with pytest.raises(ValueError, match="loss_type for dpo"):
         value_and_grad(model, _pairs(), ObjectiveConfig(name="dpo", loss_type="ipo2"))
     with pytest.raises(ValueError, match="segment_size"):
-        value_and_grad(model, _pairs(), ObjectiveConfig(segment_size=-1))
+        value_and_grad(model, _pairs(), ObjectiveConfig(stack=StackConfig(segment_size=-1)))

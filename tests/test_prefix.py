@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from flash_cce.stack import StackConfig
 from flash_cce.stack import caches, prefix
 from flash_cce.stack.attention import routed
 from flash_cce.stack.batch import Pair
@@ -60,7 +61,7 @@ def test_packed_layout_needs_routed_attention():
     with pytest.raises(ValueError, match="pack=True needs"):
         sequence_hidden(LM(model), [pair.chosen, pair.rejected], 4, pack=True)
     with pytest.raises(ValueError, match="prefix_packing"):
-        value_and_grad(model, [pair], ObjectiveConfig(prefix_packing="yes"))
+        value_and_grad(model, [pair], ObjectiveConfig(stack=StackConfig(prefix_packing="yes")))
 
 
 def test_packing_pays():
@@ -81,10 +82,10 @@ def test_packed_loss_and_grads_equal_two_forwards(arch, monkeypatch):
     packed = []
     monkeypatch.setattr(caches.PackedCache, "__init__",
                         lambda self, offsets: packed.append(1) or setattr(self, "offset", offsets))
-    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    two = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(prefix_sharing=False)))
     assert not packed
     for seg in (0, 1):
-        shared = value_and_grad(model, pairs, ObjectiveConfig(segment_size=seg))
+        shared = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=seg)))
         assert abs(shared[0].item() - two[0].item()) <= REL * abs(two[0].item()) + ABS
         diff, scale = max_diff(shared[1], two[1])
         assert diff <= REL * max(1.0, scale) + ABS, (seg, diff)
@@ -96,8 +97,8 @@ def test_prefix_loss_and_grads_equal_two_forwards(arch):
     model = tiny_model(arch, lora=True)
     rng = np.random.default_rng(1)
     pairs = [random_pair(rng, 9, 5, 3), random_pair(rng, 6, 1, 4), random_pair(rng, 5, 1, 1)]
-    shared = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=True))
-    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    shared = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(prefix_sharing=True)))
+    two = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(prefix_sharing=False)))
     assert abs(shared[0].item() - two[0].item()) <= REL * abs(two[0].item()) + ABS
     diff, scale = max_diff(shared[1], two[1])
     assert diff <= REL * max(1.0, scale) + ABS, diff
@@ -111,7 +112,7 @@ def test_fallback_is_per_pair_and_counted():
     longer = Pair(p.chosen, p.chosen[:6] + [1] + p.rejected[6:], 6, 7)  # prompts differ in length
     pairs = [p, longer, random_pair(np.random.default_rng(3), 6, 2, 2, same_prompt=False)]
     shared = value_and_grad(model, pairs, ObjectiveConfig())
-    two = value_and_grad(model, pairs, ObjectiveConfig(prefix_sharing=False))
+    two = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(prefix_sharing=False)))
     assert shared[2]["prefix_fallbacks"].item() == 2
     diff, scale = max_diff(shared[1], two[1])
     assert diff <= REL * max(1.0, scale) + ABS

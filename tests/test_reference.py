@@ -8,7 +8,6 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from flash_cce.train import losses
-from flash_cce.stack.lm import LM
 from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
 from flash_cce.train.reference import (AdaptersOff, FrozenModel, Precomputed, fingerprint, load_table,
                                  pair_key, precompute, save_table)
@@ -47,7 +46,7 @@ def test_precomputed_table_equals_adapters_off():
     model = tiny_model("qwen3", lora=True)
     pairs = _pairs(12)
     cfg = ObjectiveConfig(name="dpo", beta=0.2, loss_type="robust", label_smoothing=0.1)
-    table = precompute(AdaptersOff(), LM(model), pairs, cfg, losses.get("dpo"), log=lambda *a: None)
+    table = precompute(AdaptersOff(), model, pairs, cfg, losses.get("dpo"), log=lambda *a: None)
     assert set(table) == {pair_key(p) for p in pairs}
     live = value_and_grad(model, pairs, cfg)
     stored = value_and_grad(model, pairs, ObjectiveConfig(**{**cfg.__dict__, "reference": Precomputed(table)}))

@@ -5,8 +5,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from flash_cce.stack import StackConfig
 from flash_cce.stack.lm import LM
-from flash_cce.train.objectives import ObjectiveConfig, _segment_size, value_and_grad
+from flash_cce.stack.plan import Scoring, plan
+from flash_cce.train.objectives import ObjectiveConfig, value_and_grad
 from flash_cce.stack.segmented import run_stack
 from models import ARCHS, max_diff, random_pair, tiny_model
 
@@ -26,9 +28,9 @@ def _pairs(seed):
 def test_segmented_equals_plain(arch, share):
     model = tiny_model(arch, lora=True)
     pairs = _pairs(0)
-    plain = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, prefix_sharing=share))
+    plain = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=0, prefix_sharing=share)))
     for seg in (1, 2, 4):
-        got = value_and_grad(model, pairs, ObjectiveConfig(segment_size=seg, prefix_sharing=share))
+        got = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=seg, prefix_sharing=share)))
         assert abs(got[0].item() - plain[0].item()) <= REL * abs(plain[0].item()) + ABS
         diff, scale = max_diff(got[1], plain[1])
         assert diff <= REL * max(1.0, scale) + ABS, (seg, diff)
@@ -43,8 +45,8 @@ def test_segment_without_trainable_parameters(arch):
     model.layers[1].freeze()
     pairs = _pairs(4)
     for share in (True, False):
-        plain = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0, prefix_sharing=share))
-        seg = value_and_grad(model, pairs, ObjectiveConfig(segment_size=1, prefix_sharing=share))
+        plain = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=0, prefix_sharing=share)))
+        seg = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=1, prefix_sharing=share)))
         diff, scale = max_diff(seg[1], plain[1])
         assert diff <= REL * max(1.0, scale) + ABS, (share, diff)
         assert abs(seg[1]["model"]["layers"][0]["self_attn"]["q_proj"]["lora_a"]).max() > 0
@@ -54,8 +56,8 @@ def test_segmented_full_fine_tuning():
     """Without adapters the layers' own weights must get their gradients too."""
     model = tiny_model("gemma4_text")
     pairs = _pairs(1)
-    plain = value_and_grad(model, pairs, ObjectiveConfig(segment_size=0))
-    seg = value_and_grad(model, pairs, ObjectiveConfig(segment_size=2))
+    plain = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=0)))
+    seg = value_and_grad(model, pairs, ObjectiveConfig(stack=StackConfig(segment_size=2)))
     diff, scale = max_diff(seg[1], plain[1])
     assert diff <= REL * max(1.0, scale) + ABS
     assert scale > 0
@@ -83,9 +85,13 @@ def test_segmented_forward_keeps_less():
 
 
 def test_default_segment_size():
-    cfg = ObjectiveConfig()
+    lm = LM(tiny_model("llama"))
+
+    def segment_size(config, pair):
+        return plan(lm, config, pair, Scoring(), compiles=False).segment_size
+
     short = random_pair(np.random.default_rng(3), 10, 10, 10)
     long = random_pair(np.random.default_rng(3), 1024, 512, 512)
-    assert _segment_size(cfg, short) == 0
-    assert _segment_size(cfg, long) >= 1
-    assert _segment_size(ObjectiveConfig(segment_size=3), short) == 3
+    assert segment_size(StackConfig(), short) == 0
+    assert segment_size(StackConfig(), long) >= 1
+    assert segment_size(StackConfig(segment_size=3), short) == 3

@@ -1,16 +1,20 @@
-"""mlx-flash-cce: a fused linear cross-entropy head and preference fine-tuning for MLX."""
+"""mlx-flash-cce: a fused linear cross-entropy head and preference fine-tuning for MLX.
 
-from .ops import flash_cce_backward, flash_cce_forward, has_native_kernel
-from .head import linear_cross_entropy, linear_logprobs, unpack_head
-from .metal import metal_status
+The head's API below loads on first use, so that `flash-cce` (flash_cce.train.cli)
+can set MLX's environment before MLX is imported.
+"""
 
-__all__ = [
-    "flash_cce_forward",
-    "flash_cce_backward",
-    "has_native_kernel",
-    "metal_status",
-    "linear_logprobs",
-    "linear_cross_entropy",
-    "unpack_head",
-]
+from ._lazy import attributes
+
+_API = {
+    "flash_cce_forward": "ops",
+    "flash_cce_backward": "ops",
+    "has_native_kernel": "ops",
+    "metal_status": "metal",
+    "linear_logprobs": "head",
+    "linear_cross_entropy": "head",
+    "unpack_head": "head",
+}
+__all__ = list(_API)
 __version__ = "0.1.0"
+__getattr__, __dir__ = attributes(__name__, _API)

@@ -2,5 +2,22 @@
 with the prompt encoded once for both responses (`prefix`), checkpointed layer
 segments (`segmented`) or compiled layers (`compiled`), the blocked training
 attention (`attention`) and the flash head, turned into the log-probability
-statistics that the objectives are losses of. Needs the `train` extra (mlx-lm).
+statistics that the objectives are losses of (`stats`, driven by the `plan` of
+each pair shape). Needs the `train` extra (mlx-lm). The names below load on
+first use (see `flash_cce`).
 """
+
+from .._lazy import attributes
+
+_API = {
+    "Example": "batch",
+    "Pair": "batch",
+    "Plan": "plan",
+    "Scoring": "plan",
+    "StackConfig": "plan",
+    "check_pairs": "stats",
+    "statistics": "stats",
+    "value_and_grad": "stats",
+}
+__all__ = list(_API)
+__getattr__, __dir__ = attributes(__name__, _API)

@@ -19,7 +19,7 @@ gradient) run as one kernel each (`fused`) when the mask is causal, windowed
 or absent.
 
 `routed(model, block)` sends a model's attention calls through `attention` while
-it is active (see `objectives.value_and_grad`).
+it is active (see `stats`).
 """
 
 import sys
@@ -223,7 +223,6 @@ def _backward(q, k, v, mask, window, scale, block, o, lse, do, kernels):
 # Blocks whose scores one batched call computes at most (elements of the
 # `[B, Hq, blocks x block, keys]` scores): bounds the extra memory at long lengths.
 MAX_WINDOW_SCORES = 1 << 26
-PACKED_WINDOWS = True  # False: packed sliding-window rows take two calls (benchmarks)
 
 
 def _reach(window, block):
@@ -544,7 +543,7 @@ class PackedMask:
         (or, unless `batch_windows` is False, the batched windows, with `block`
         queries a block)."""
         p, n = self.prompt_len, q.shape[2]
-        if PACKED_WINDOWS and batch_windows and block and self.window and n > block:
+        if batch_windows and block and self.window and n > block:
             return self._packed_windows(q, k, v, scale, block)
         head_mask, rest_mask = self._masks(n)
         head = sdpa(q[:1], k[:1], v[:1], None, scale, head_mask)

@@ -1,6 +1,6 @@
 """How mlx-lm's layers compute during a training step over many tokens.
 
-While `training_layers()` is active (see `objectives.value_and_grad`):
+While `training_layers()` is active (see `stats.value_and_grad`):
 
 - A quantized layer (`nn.QuantizedLinear`) given at least `DENSE_FROM_ROWS` rows
   dequantizes its weight to the activation dtype and runs a dense matmul. Over

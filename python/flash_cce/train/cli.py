@@ -102,22 +102,18 @@ def _spin(args, log=print):
 
 
 # MLX_MAX_MB_PER_BUFFER for training on NVIDIA GPUs: MLX frees a kernel's inputs
-# only once its CUDA graph has run, so smaller graphs lower the peak. One H200,
-# bench/bench_orpo.py, 8k-token pair: model B 18.5 -> 11.8 GB and 1495 -> 1360 ms,
-# model A 14.9 -> 8.2 GB and 1136 -> 1212 ms (README).
+# only once its CUDA graph has run, so smaller graphs lower the step's peak
+# memory (docs/stack.md).
 GRAPH_MB = "300"
 
 
-def _restart_with_graph_limit(argv):
-    """Runs this command again with `GRAPH_MB` unless MLX_MAX_MB_PER_BUFFER is set
-    or there is no CUDA GPU. MLX reads it when it creates its GPU stream, at
-    import, hence the restart (once: the new process has it set)."""
-    from .runner import on_cuda
-
-    if "MLX_MAX_MB_PER_BUFFER" in os.environ or not on_cuda():
-        return
-    os.environ["MLX_MAX_MB_PER_BUFFER"] = GRAPH_MB
-    os.execv(sys.executable, [sys.executable, "-m", "flash_cce.train.cli", *argv])
+def _set_graph_limit(command):
+    """`GRAPH_MB` for train and eval on Linux (MLX's GPU backend there is CUDA;
+    its CPU backend does not read the variable) unless MLX_MAX_MB_PER_BUFFER is
+    set. MLX reads it when it creates its GPU stream, at import, so this runs
+    before anything imports MLX; where MLX is already imported it changes nothing."""
+    if command in ("train", "eval") and sys.platform.startswith("linux") and "mlx.core" not in sys.modules:
+        os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", GRAPH_MB)
 
 
 def _restart_with_capture_enabled(argv):
@@ -185,8 +181,7 @@ def main(argv=None):
     if missing:
         return _error(args.command, f"needs the train extra ({', '.join(missing)} missing): "
                                     "pip install 'mlx-flash-cce[train]'")
-    if args.command in ("train", "eval"):
-        _restart_with_graph_limit(argv)
+    _set_graph_limit(args.command)
     from .checkpoint import Interrupted
 
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -13,9 +13,8 @@ pass encodes the prompt once for both (see `prefix`).
 
 import mlx.core as mx
 
+from ..stack import Example, check_pairs, statistics
 from . import losses
-from ..stack.attention import routed
-from ..stack.batch import Example
 
 # The objective whose statistics give a pair's two sides (c_sum, r_sum) without NLL.
 _PAIRED = losses.get("dpo")
@@ -38,7 +37,7 @@ def _check(examples, training):
                          "prompt with another example's completion")
 
 
-def prepare(lm, examples, cfg, group=None, training=True):
+def prepare(model, examples, cfg, group=None, training=True):
     """(pairs, extras) for `objectives`: each example as a one-sided Pair, and
     per example its reference log-prob `ref_c`, `label` and the batch's `kl`.
 
@@ -46,19 +45,15 @@ def prepare(lm, examples, cfg, group=None, training=True):
     examples. A training batch needs two examples (a single one would be its own
     mismatched pair); an evaluation batch, as TRL's last one, may have one.
     """
-    from .objectives import _attention_block, _check as check_pairs, _forward_stack, _reference, pair_stats
+    from .objectives import _reference, scoring
 
     _check(examples, training)
     pairs = [e.as_pair() for e in examples]
     kl_pairs = mismatched(examples)
-    check_pairs(kl_pairs, cfg, lm.model.args.vocab_size)
-    obj = losses.get("kto")
-    ref = _reference(lm, kl_pairs, cfg, _PAIRED)
-    with routed(lm.model, _attention_block(cfg)):
-        stack = _forward_stack(lm, cfg)
-        policy_kl = [pair_stats(lm, Example(p.rejected, p.rejected_prompt_len, True).as_pair(),
-                                cfg, obj, stack=stack)["c_sum"] for p in kl_pairs]
-        mx.eval(policy_kl)
+    check_pairs(kl_pairs, model.args.vocab_size, cfg.stack.max_length)
+    ref = _reference(model, kl_pairs, cfg, _PAIRED)
+    kl_sides = [Example(p.rejected, p.rejected_prompt_len, True).as_pair() for p in kl_pairs]
+    policy_kl = [s["c_sum"] for s in statistics(model, kl_sides, scoring(cfg), cfg.stack)]
     ratio = mx.stack([k - r["ref_r"] for k, r in zip(policy_kl, ref)])
     total = mx.stack([ratio.sum(), mx.array(float(len(examples)))])
     if group is not None and group.size() > 1:

@@ -22,30 +22,25 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..stack.lm import LM, adapters_off
+from ..stack import statistics
+from ..stack.lm import adapters_off
 
 TABLE = "reference_logps.npz"  # in the run directory
 
 
-def _sums(lm, pairs, cfg, obj):
-    from ..stack.attention import routed
-    from .objectives import _attention_block, _forward_stack, pair_stats
+def _sums(model, pairs, cfg, obj):
+    from .objectives import scoring
 
-    out = []
-    with routed(lm.model, _attention_block(cfg)):
-        for p in pairs:
-            s = pair_stats(lm, p, cfg, obj, stack=_forward_stack(lm, cfg))
-            mx.eval(s["c_sum"], s["r_sum"])
-            out.append({"ref_c": s["c_sum"], "ref_r": s["r_sum"]})
-    return out
+    return [{"ref_c": s["c_sum"], "ref_r": s["r_sum"]}
+            for s in statistics(model, pairs, scoring(cfg, obj), cfg.stack)]
 
 
 class AdaptersOff:
     """The trained model with its adapters off."""
 
-    def stats(self, lm, pairs, cfg, obj):
-        with adapters_off(lm.model):
-            return _sums(lm, pairs, cfg, obj)
+    def stats(self, model, pairs, cfg, obj):
+        with adapters_off(model):
+            return _sums(model, pairs, cfg, obj)
 
 
 class FrozenModel:
@@ -54,10 +49,10 @@ class FrozenModel:
     def __init__(self, model):
         model.freeze()
         model.eval()
-        self.lm = LM(model)
+        self.model = model
 
-    def stats(self, lm, pairs, cfg, obj):
-        return _sums(self.lm, pairs, cfg, obj)
+    def stats(self, model, pairs, cfg, obj):
+        return _sums(self.model, pairs, cfg, obj)
 
 
 def pair_key(pair):
@@ -75,7 +70,7 @@ class Precomputed:
     def __init__(self, table):
         self.table = table  # key -> (ref_c, ref_r)
 
-    def stats(self, lm, pairs, cfg, obj):
+    def stats(self, model, pairs, cfg, obj):
         out = []
         for i, p in enumerate(pairs):
             got = self.table.get(pair_key(p))
@@ -86,12 +81,12 @@ class Precomputed:
         return out
 
 
-def precompute(source, lm, pairs, cfg, obj, log=print):
+def precompute(source, model, pairs, cfg, obj, log=print):
     """{pair_key: (ref_c, ref_r)} of `pairs` from `source`, in one pass."""
     table = {}
     for start in range(0, len(pairs), 16):
         chunk = pairs[start:start + 16]
-        for p, s in zip(chunk, source.stats(lm, chunk, cfg, obj)):
+        for p, s in zip(chunk, source.stats(model, chunk, cfg, obj)):
             table[pair_key(p)] = (s["ref_c"].item(), s["ref_r"].item())
     log(f"Reference log-probs of {len(pairs)} pairs computed")
     return table
@@ -168,7 +163,7 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     path = Path(run_dir) / TABLE
     table = load_table(path, print_)
     if table is None:
-        table = precompute(source, LM(model), pairs, objective, get(objective.name), log)
+        table = precompute(source, model, pairs, objective, get(objective.name), log)
         if mx.distributed.init().rank() == 0:
             save_table(path, table, print_)
     else:

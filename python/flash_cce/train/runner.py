@@ -44,15 +44,15 @@ def pad_to(value):
 
 
 def objective_config(cfg):
+    from ..stack import StackConfig
     from .objectives import ObjectiveConfig
 
-    obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"],
-                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "cpo_alpha",
-                                                 "desirable_weight", "undesirable_weight", "pref_weight")},
-                          nll_on_prompt=cfg["nll_on_prompt"], prefix_sharing=cfg["prefix_sharing"],
-                          flash_head=cfg["flash_head"], segment_size=cfg["segment_size"],
-                          compiled_layers=cfg["compiled_layers"], pad_to=pad_to(cfg["pad_to"]),
-                          attention_block=cfg["attention_block"])
+    stack = StackConfig(pad_to=pad_to(cfg["pad_to"]),
+                        **{k: cfg[k] for k in ("prefix_sharing", "flash_head", "segment_size",
+                                               "compiled_layers", "attention_block")})
+    obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"], stack=stack,
+                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "cpo_alpha", "desirable_weight",
+                                                 "undesirable_weight", "pref_weight", "nll_on_prompt")})
     obj.validate()
     return obj
 

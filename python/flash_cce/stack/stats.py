@@ -1,0 +1,171 @@
+"""The stack's entry point: preference pairs in, log-probability statistics out.
+
+`statistics(model, pairs, scoring, config)` runs each pair through the model as
+its `Plan` says and returns, per pair, float32 scalars:
+
+- `c_sum`, `c_n`: summed log-probs and count of the chosen response's tokens,
+- `r_sum`, `r_n`: the same of the rejected response (0 unless `scoring.rejected`),
+- `nll_sum`, `nll_n`: the chosen sequence's summed negative log-likelihood and
+  its token count (0 unless `scoring.nll`).
+
+`value_and_grad(model, pairs, scoring, loss, config)` also differentiates
+`loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
+gradients of `model.trainable_parameters()`. Pairs run one at a time, so the
+step holds one pair's activations; a loss over the whole batch is a sum of
+per-pair shares when each share knows the batch totals (pair count, NLL tokens).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map
+
+from ..head import linear_logprobs
+from . import compiled
+from .attention import routed
+from .batch import Pair
+from .layers import training_layers
+from .lm import LM
+from .plan import StackConfig, attention_block, plan, sequences
+from .prefix import sequence_hidden
+
+def check_pairs(pairs, vocab, max_length=None):
+    """ValueError naming the pair and the problem, before anything runs."""
+    if not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError("pairs must be a non-empty list of flash_cce.stack.batch.Pair")
+    for i, p in enumerate(pairs):
+        where = f"pairs[{i}]"
+        if not isinstance(p, Pair):
+            raise ValueError(f"{where} must be a flash_cce.stack.batch.Pair, got {type(p).__name__}")
+        p.validate(where)
+        for name, seq, n in (("chosen", p.chosen, p.chosen_prompt_len),
+                             ("rejected", p.rejected, p.rejected_prompt_len)):
+            if max_length is not None and len(seq) > max_length:
+                raise ValueError(f"{where}: {name} has {len(seq)} tokens, more than max_length={max_length}")
+            if n == 0 and len(seq) < 2:
+                raise ValueError(
+                    f"{where}: the {name} response has no predicted token (a sequence's "
+                    "first token is never predicted; give a prompt or a longer response)"
+                )
+            bad = [t for t in seq if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"{where}: {name} tokens must be ints in [0, {vocab}), got {bad[0]!r}")
+
+
+class _Run:
+    """One call's view of the model, with its plans (one per pair shape), inside
+    the routed attention (and, for gradients, the training layers)."""
+
+    def __init__(self, model, config, scoring, training):
+        config.validate()
+        self.lm, self.config, self.scoring = LM(model), config, scoring
+        self.compiles = config.compiled_layers and compiled.supported(self.lm)
+        self.contexts = [routed(model, attention_block(config))] + ([training_layers()] if training else [])
+        self.plans = {}
+
+    def __enter__(self):
+        for c in self.contexts:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
+        return False
+
+    def plan(self, pair):
+        key = (len(pair.chosen), len(pair.rejected), pair.chosen_prompt_len, pair.rejected_prompt_len,
+               pair.shares_prompt())
+        if key not in self.plans:
+            self.plans[key] = plan(self.lm, self.config, pair, self.scoring, self.compiles)
+        return self.plans[key]
+
+    def hidden(self, pair, plan, stack=None):
+        """`sequence_hidden` of the pair's sequences as `plan` lays them out."""
+        return sequence_hidden(self.lm, sequences(pair, self.scoring), plan.prompt_len,
+                               segment_size=plan.segment_size, pack=plan.packed, stack=stack,
+                               pad_to=plan.pad_to)
+
+    def stats(self, pair, plan, h, rows):
+        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring)
+
+
+def statistics(model, pairs, scoring, config=StackConfig()):
+    """Per pair, its statistics (see the module), evaluated, without gradients."""
+    out = []
+    with _Run(model, config, scoring, training=False) as run:
+        for pair in pairs:
+            plan = run.plan(pair)
+            stack = compiled.stack_for(run.lm, backward=False) if plan.compiled else None
+            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack))
+            mx.eval(stats)
+            out.append(stats)
+    return out
+
+
+def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
+    """(statistics per pair, gradients): the gradients of the sum over the pairs
+    of `loss(i, stats)` with respect to `model.trainable_parameters()` (a tree of
+    theirs). Each pair's statistics and the running sum are evaluated before the
+    next pair runs."""
+    grads, out = None, []
+    with _Run(model, config, scoring, training=True) as run:
+        for i, pair in enumerate(pairs):
+            plan = run.plan(pair)
+            if plan.compiled:
+                # The loss's autodiff reaches the last hidden states; the compiled
+                # layers take their cotangent through the stack.
+                stack = compiled.stack_for(run.lm)
+                h, rows = run.hidden(pair, plan, stack)
+
+                def of_hidden(h):
+                    stats = run.stats(pair, plan, h, rows)
+                    return loss(i, stats), stats
+
+                (_, stats), ct = mx.value_and_grad(of_hidden)(h)
+                g = stack.backward(ct)
+            else:
+                def of_model():
+                    # The backward (and a segment's recomputed forward) is built here.
+                    stats = run.stats(pair, plan, *run.hidden(pair, plan))
+                    return loss(i, stats), stats
+
+                (_, stats), g = nn.value_and_grad(model, of_model)()
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            out.append(tree_map(mx.stop_gradient, stats))
+            mx.eval(grads, out[-1])
+    return out, grads
+
+
+def _from_hidden(lm, h, rows, pair, plan, scoring):
+    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and its rows."""
+    seqs = sequences(pair, scoring)
+    plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
+    idx, tgt, groups = [], [], []
+    for b, seq in enumerate(seqs):
+        for j in range(len(seq) - 1):
+            resp = j + 1 >= plens[b]
+            nll = b == 0 and scoring.nll and (resp or scoring.nll_on_prompt)
+            if resp or nll:
+                idx.append(rows[b][j])
+                tgt.append(seq[j + 1])
+                groups.append((b == 0 and resp, b == 1 and resp, nll))
+    g = np.array(groups, np.float32)
+    lp = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head)
+    stats = {}
+    for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
+        stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
+        stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+    return stats
+
+
+def _logprobs(lm, h, targets, flash):
+    h = lm.norm(h)
+    if flash:
+        # The targets are the pair's tokens, range-checked on the host
+        # (`check_pairs`); the head's own check would evaluate them mid-step.
+        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
+                               validate_targets=False)
+    logits = lm.logits(h).astype(mx.float32)
+    picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return picked - mx.logsumexp(logits, axis=-1)
