@@ -18,4 +18,4 @@ cmake --build "$tmp/cpp" -j "$(nproc)" --target flash_cce_cpp_tests >"$tmp/build
 
 pip install -q --no-deps --force-reinstall --config-settings=cmake.define.FLASH_CCE_SIMD=OFF .
 (cd "$tmp" && python -c "from flash_cce import _ext; k = _ext.cpu_gemm_kernel(); print('GEMM kernel:', k); assert k == 'generic', k")
-python -m pytest -q tests/test_head.py tests/test_head_errors.py
+python -m pytest -q tests/head/test_head.py tests/head/test_head_errors.py

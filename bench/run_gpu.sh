@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the extension with its CUDA kernels against the MLX found on
 # PYTHONPATH, then runs the requested stages on the GPU:
-#   test      GPU-vs-CPU parity tests (tests/test_gpu_*.py)
+#   test      GPU-vs-CPU parity tests (tests/head/test_gpu_*.py)
 #   select K  the parity tests whose names match pytest's -k expression K
 #   ptx F     the parity tests with the kernels of fatbin F (e.g. one holding
 #             only PTX), the loaded image and its kernels in the log
@@ -45,13 +45,13 @@ while [ $# -gt 0 ]; do
   shift
   case $stage in
     test)
-      timeout 150 python3 -m pytest -q tests/test_gpu_head.py 2>&1 | tee "$out/test_gpu.log" | tail -15 || status=1 ;;
+      timeout 150 python3 -m pytest -q tests/head/test_gpu_head.py 2>&1 | tee "$out/test_gpu.log" | tail -15 || status=1 ;;
     select)
-      timeout ${FLASH_CCE_TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/test_gpu_head.py -k "$1" 2>&1 |
+      timeout ${FLASH_CCE_TEST_TIMEOUT:-300} python3 -m pytest -q -x tests/head/test_gpu_head.py -k "$1" 2>&1 |
         tee "$out/select_gpu.log" | tail -15 || status=1
       shift ;;
     ptx)
-      FLASH_CCE_FATBIN="$(realpath "$1")" timeout 150 python3 -m pytest -q -rA tests/test_gpu_head.py 2>&1 |
+      FLASH_CCE_FATBIN="$(realpath "$1")" timeout 150 python3 -m pytest -q -rA tests/head/test_gpu_head.py 2>&1 |
         tee "$out/ptx_gpu.log" | grep -E "flash_cce CUDA kernels|passed|failed|error" | tail -5 || status=1
       shift ;;
     suite)

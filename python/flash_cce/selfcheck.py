@@ -12,7 +12,7 @@ significant bits; quantized heads get power-of-two scales and biases
 -scale * 2^(bits-1), so every dequantized weight is exact too): whatever type a
 kernel rounds its operands to, they stay exact. Bounds then follow from fp32
 arithmetic (both paths against exact arithmetic, added; u = 2^-24, as in the
-derivation at the top of tests/test_head.py):
+derivation at the top of tests/head/test_head.py):
   - a logit is an fp32 dot product of length H: |ds| <= 2 (H + 2) u B, with
     B = |h| @ |W|^T;
   - lse and logp: |d| <= 2 max_v |ds| + 2 (V + 16) u (1 + |lse|);

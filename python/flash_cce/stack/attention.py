@@ -31,7 +31,7 @@ from . import fused
 
 # Queries per block. Larger blocks mean fewer, larger matmuls; the gradient's
 # extra memory is that of about 8 float32 block-score arrays [B, heads, block, Lk]
-# (q/k/v-sized arrays included; tests/test_attention.py bounds it).
+# (q/k/v-sized arrays included; tests/stack/test_attention.py bounds it).
 DEFAULT_BLOCK = 512
 
 _NEG = -3.0e38  # masked score: finite, so a fully masked row stays a number

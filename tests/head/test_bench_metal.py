@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_metal.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_metal.py"
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="this machine has a Metal GPU")

@@ -1,6 +1,6 @@
 """The Metal head's launch plans, run on the emulator.
 
-plan() asks csrc/metal/plan.cpp (through tests/metal/plan_dump.cpp) for the
+plan() asks csrc/metal/plan.cpp (through tests/head/metal/plan_dump.cpp) for the
 launches the Metal host encodes; run_plan() runs exactly those launches on
 the emulated kernels of metal/flash_cce.metal, with the plan's scratch buffers
 filled with NaN so that a kernel reading scratch nobody wrote shows up.
@@ -21,11 +21,11 @@ import numpy as np
 import emu_env
 import metal_emu
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 METAL = ROOT / "metal"
 SOURCE = METAL / "flash_cce.metal"
 CACHE = ROOT / "build" / "metal-emu"
-PLAN_SOURCES = [ROOT / "tests/metal/plan_dump.cpp", ROOT / "csrc/metal/plan.cpp",
+PLAN_SOURCES = [ROOT / "tests/head/metal/plan_dump.cpp", ROOT / "csrc/metal/plan.cpp",
                 ROOT / "csrc/metal/plan.h", METAL / "params.h"]
 # Storage of each dtype in the host arrays: bfloat16 as its 16 bits.
 STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}

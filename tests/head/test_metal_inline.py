@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("metal_inline", ROOT / "cmake" / "metal_inline.py")
 metal_inline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(metal_inline)
@@ -185,10 +185,10 @@ def test_project_kernels_inline_like_the_preprocessor(tmp_path):
 
 def test_inlined_source_is_what_the_emulation_compiles(tmp_path):
     """The shipped source, inlined with the emulation's shadow headers in front
-    (tests/metal/emu/shadow replaces four MLX headers that do not compile as
+    (tests/head/metal/emu/shadow replaces four MLX headers that do not compile as
     C++), preprocesses exactly as the emulation preprocesses metal/*.metal: the
     kernels Metal compiles are the ones the emulation tests ran."""
-    sys.path.insert(0, str(ROOT / "tests" / "metal"))
+    sys.path.insert(0, str(ROOT / "tests" / "head" / "metal"))
     try:
         import metal_emu
     finally:

@@ -5,7 +5,7 @@
     prog.run(metal_emu.Dispatch("head_fwd_float", {0: x, 1: out, 2: np.int32(n)},
                                 threadgroups=(g, 1, 1), threads=(256, 1, 1)))
 
-See tests/metal/README.md for how entry points are bound and what each build
+See tests/head/metal/README.md for how entry points are bound and what each build
 mode catches.
 """
 
@@ -33,7 +33,7 @@ __all__ = ["CompileError", "Dispatch", "EmulationError", "Program", "build", "fi
 
 HERE = Path(__file__).resolve().parent
 EMU = HERE / "emu"
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 CACHE = ROOT / "build" / "metal-emu"
 MODES = ("run", "asan", "tsan", "typecheck")
 

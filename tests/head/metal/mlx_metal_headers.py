@@ -12,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 MLX_VERSION = "0.32.4"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CACHE = ROOT / "build" / "mlx-metal-wheel"
 
 

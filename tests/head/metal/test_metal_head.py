@@ -1,7 +1,7 @@
 """The Metal head's kernels, emulated on the CPU through the launch plan the
 Metal host encodes, against the float64 reference (tests/reference.py).
 
-Tolerances, as in tests/test_head.py: inputs are rounded to their dtype first
+Tolerances, as in tests/head/test_head.py: inputs are rounded to their dtype first
 and the reference uses the rounded values, so the differences are the
 kernels' float32 arithmetic and the rounding of outputs. With u = 2^-24 and
 B = |h| @ |W|^T:

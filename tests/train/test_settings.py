@@ -106,5 +106,5 @@ def test_flags_override_yaml_over_base():
 
 def test_docs_reference_is_the_schema():
     """docs/training.md carries the table `reference_markdown` makes."""
-    doc = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     assert settings.reference_markdown() in doc
