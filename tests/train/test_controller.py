@@ -2,6 +2,7 @@
 simulated drift it must hold, and exact resume through `flash-cce train`."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -14,8 +15,12 @@ from test_cli import _train_argv
 from test_trainer import tiny_setup
 
 
+# The additive law on each step's own NLL (scale linear, no smoothing).
+LINEAR = dict(scale="linear", smoothing=0.0)
+
+
 def test_p_law_is_rate_limited_and_bounded():
-    c = Controller(ControllerConfig(law="p", kp=2.0, target=3.0, max_change=0.05, max_weight=1.12,
+    c = Controller(ControllerConfig(**LINEAR, law="p", kp=2.0, target=3.0, max_change=0.05, max_weight=1.12,
                                     target_steps=1), 1.0)
     # e = 0.5: the law asks for 1 + 2 * 0.5 = 2; the weight climbs 0.05 a step to the bound.
     assert [c.update(2.5) for _ in range(4)] == pytest.approx([1.05, 1.10, 1.12, 1.12], abs=1e-12)
@@ -25,7 +30,7 @@ def test_p_law_is_rate_limited_and_bounded():
 
 
 def test_target_is_the_initial_nll_times_one_plus_tolerance():
-    c = Controller(ControllerConfig(law="pd", kp=1.0, kd=0.5, tolerance=0.1, target_steps=3,
+    c = Controller(ControllerConfig(**LINEAR, law="pd", kp=1.0, kd=0.5, tolerance=0.1, target_steps=3,
                                     max_change=10.0), 1.0)
     assert c.update(2.0) == 1.0 and c.update(4.0) == 1.0 and c.target is None
     w = c.update(3.0)  # the third NLL sets the target and gives the first error
@@ -49,8 +54,9 @@ def _drift(controller, weight=2.0, steps=400, seed=0):
 
 @pytest.mark.parametrize("law", ["p", "pd", "pid"])
 def test_controller_holds_a_drifting_nll_in_its_band(law):
-    cfg = ControllerConfig(law=law, kp=2.0, ki=0.1 if law == "pid" else 0.0,
-                           kd=0.5 if law != "p" else 0.0, tolerance=0.05, target_steps=5)
+    cfg = ControllerConfig(**LINEAR, law=law, kp=2.0, ki=0.1 if law == "pid" else 0.0,
+                           kd=0.5 if law != "p" else 0.0, tolerance=0.05, target_steps=5, max_change=0.05,
+                           min_weight=0.0)
     c = Controller(cfg, 2.0)
     held = _drift(c)
     fixed = _drift(None)
@@ -64,8 +70,80 @@ def test_controller_holds_a_drifting_nll_in_its_band(law):
     assert abs(c.weight - 0.5) < 0.05
 
 
+def test_log_law_moves_the_weight_by_ratios():
+    # target 2, w0 1, kp 2, rate limit e^0.2 a step, the step's own NLL.
+    c = Controller(ControllerConfig(law="p", kp=2.0, target=2.0, smoothing=0.0, max_change=0.2,
+                                    min_weight=0.01), 1.0)
+    # NLL = 2 e^-0.05: e = 0.05, the law asks w0 e^0.1.
+    assert c.update(2.0 * math.exp(-0.05)) == pytest.approx(math.exp(0.1), rel=1e-12)
+    # NLL = 2 e^0.5: e = -0.5, the law asks e^-1, reached by factors of e^-0.2 and held.
+    got = [c.update(2.0 * math.exp(0.5)) for _ in range(8)]
+    want = [math.exp(x) for x in (-0.1, -0.3, -0.5, -0.7, -0.9, -1.0, -1.0, -1.0)]
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_smoothing_is_an_exponential_average_of_the_nll():
+    c = Controller(ControllerConfig(law="p", kp=1.0, target=1.0, smoothing=0.75, max_change=10.0,
+                                    min_weight=1e-6, max_weight=1e6), 1.0)
+    m = None
+    for nll in (1.0, 3.0, 0.5, 2.0):
+        m = nll if m is None else 0.75 * m + 0.25 * nll
+        assert c.update(nll) == pytest.approx(1.0 / m, rel=1e-12)  # w0 exp(log(target / m))
+        assert c.measured == pytest.approx(m, rel=1e-12)
+
+
+def _ratio_drift(controller, steps=600, seed=0):
+    """A chosen NLL whose logarithm rises while the weight is above 0.01 and falls
+    below it, drifts a little, and is measured with one batch's noise (20 %); a
+    fixed weight of 5 lets it grow without bound. Returns (measured, smoothed as
+    the controller smooths)."""
+    rng = np.random.default_rng(seed)
+    log_nll, measured = math.log(0.05), []
+    for _ in range(steps):
+        w = controller.weight if controller is not None else 5.0
+        log_nll += 0.01 * math.log(w / 0.01) + 0.01 * rng.standard_normal()
+        measured.append(math.exp(log_nll + 0.2 * rng.standard_normal()))
+        if controller is not None:
+            controller.update(measured[-1])
+    a, m, smooth = ControllerConfig().smoothing, None, []
+    for x in measured:
+        m = x if m is None else a * m + (1 - a) * x
+        smooth.append(m)
+    return np.array(measured), np.array(smooth)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_log_pid_holds_a_drift_whose_weight_is_far_below_the_start(seed):
+    """The weight that stops the drift is 500 times below w0: the default ratio
+    law gets there and keeps the NLL within a factor 2 of its target, where the
+    fixed weight lets it grow a hundredfold."""
+    c = Controller(ControllerConfig(), 5.0)
+    _, held = _ratio_drift(c, seed=seed)
+    assert np.abs(np.log(held[300:] / c.target)).max() < math.log(2)
+    assert 0.002 < c.weight < 0.05
+    _, fixed = _ratio_drift(None, seed=seed)
+    assert fixed[-50:].min() > 100 * c.target
+
+
+def test_state_saved_before_scales_resumes_the_linear_law():
+    """A state from before `scale` and `smoothing` existed continues as it ran."""
+    keys = ("law", "kp", "ki", "kd", "target", "tolerance", "target_steps", "min_weight", "max_weight",
+            "max_change")
+    old = dict(law="pid", kp=1.0, ki=0.3, kd=0.2, target=None, tolerance=0.05, target_steps=2,
+               min_weight=0.0, max_weight=10.0, max_change=0.05)
+    a = Controller(ControllerConfig(**old, **LINEAR), 1.0)
+    nlls = np.random.default_rng(4).uniform(1.0, 3.0, 20)
+    for x in nlls[:7]:
+        a.update(x)
+    saved = a.state()
+    saved = dict(saved, config={k: saved["config"][k] for k in keys})
+    del saved["measured"]
+    b = Controller.from_state(json.loads(json.dumps(saved)))
+    assert [a.update(x) for x in nlls[7:]] == [b.update(x) for x in nlls[7:]]
+
+
 def test_weights_stay_in_bounds_and_rate_limits():
-    cfg = ControllerConfig(law="pid", kp=5.0, ki=1.0, kd=1.0, target=2.0, min_weight=0.2,
+    cfg = ControllerConfig(**LINEAR, law="pid", kp=5.0, ki=1.0, kd=1.0, target=2.0, min_weight=0.2,
                            max_weight=1.5, max_change=0.1)
     c = Controller(cfg, 1.0)
     rng = np.random.default_rng(1)
@@ -77,7 +155,7 @@ def test_weights_stay_in_bounds_and_rate_limits():
 
 
 def test_integral_does_not_wind_up_at_a_bound():
-    c = Controller(ControllerConfig(law="pid", kp=0.0, ki=1.0, target=2.0, max_weight=1.2,
+    c = Controller(ControllerConfig(**LINEAR, law="pid", kp=0.0, ki=1.0, target=2.0, max_weight=1.2,
                                     max_change=5.0), 1.0)
     assert [c.update(1.0) for _ in range(10)] == [1.2] * 10  # the law asks 2, 3, ...: held at 1.2
     # Had the integral kept the ten errors of +1 it would ask 10.5 now; it kept none.
@@ -101,6 +179,9 @@ def test_state_round_trips_through_json():
     (dict(target=0.0), "controller target must be > 0"),
     (dict(min_weight=2.0, max_weight=1.0), "controller max_weight must be >= min_weight"),
     (dict(max_change=0.0), "controller max_change must be > 0"),
+    (dict(scale="ln"), r"controller scale must be one of \['log', 'linear'\], got 'ln'"),
+    (dict(smoothing=1.0), r"controller smoothing must be in \[0, 1\)"),
+    (dict(min_weight=0.0), "controller min_weight must be > 0 with scale log"),
 ])
 def test_bad_controller_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -131,4 +212,5 @@ def test_pref_weight_is_logged_and_resumed_exactly(tmp_path):
     assert trace(cut) == trace(straight)
     weights = [w for _, w, _ in trace(straight)]
     assert weights[0] == 2.0 and len(set(weights)) > 2  # the controller moved it
-    assert all(abs(b - a) <= 0.3 + 1e-12 for a, b in zip(weights, weights[1:]))
+    # The default scale is log: each step moves the weight by a factor of at most e^0.3.
+    assert all(abs(math.log(b / a)) <= 0.3 + 1e-12 for a, b in zip(weights, weights[1:]))

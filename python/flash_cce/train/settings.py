@@ -110,16 +110,21 @@ LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo
               "simpo", "kto", "apo_zero_unpaired")
 CONTROLLER_FIELDS = (
     S("law", "str", "pid", "Control law.", choices=("p", "pd", "pid")),
-    S("kp", "float", 2.0, "Proportional gain (weight per nat of NLL error).", low=0),
+    S("scale", "str", "log", "Errors and weights as ratios (log: w = w0 exp(u), e = log(target / NLL)) "
+      "or differences (linear: w = w0 + u, e = target - NLL).", choices=("log", "linear")),
+    S("kp", "float", 2.0, "Proportional gain (log: log-weight per log-ratio of NLL; linear: weight per nat).", low=0),
     S("ki", "float", 0.2, "Integral gain.", low=0),
     S("kd", "float", 0.0, "Derivative gain.", low=0),
+    S("smoothing", "float", 0.9, "Smoothing of the measured NLL over steps (0: each step's own).", low=0,
+      high=1, high_open=True),
     S("target", "float", None, "NLL to hold (null: the initial NLL times 1 + tolerance).", low=0,
       low_open=True, optional=True),
     S("tolerance", "float", 0.05, "Target above the initial NLL, as a fraction.", low=0),
     S("target_steps", "int", 5, "Steps whose mean NLL is the initial NLL.", low=1),
-    S("min_weight", "float", 0.0, "Lowest preference weight.", low=0),
+    S("min_weight", "float", 0.001, "Lowest preference weight (> 0 with scale log).", low=0),
     S("max_weight", "float", 10.0, "Highest preference weight.", low=0),
-    S("max_change", "float", 0.05, "The most the weight moves in one step.", low=0, low_open=True),
+    S("max_change", "float", 0.2, "The most the weight moves in one step (log: its log).", low=0,
+      low_open=True),
 )
 
 SETTINGS = (
