@@ -148,6 +148,10 @@ def test_unpaired_record_layout_and_truncation(tok, tmp_path):
     assert cut[0].tokens == examples[0].tokens[4:] and cut[0].prompt_len == len(prompt) - 4
     assert report == dict(records=2, truncated=2, dropped=0)
     assert "2 examples (1 desirable)" in format_summary("train", examples, report)
+    # KTO's KL completions, fixed at loading: each the completion of the example before it.
+    assert examples[1].kl_completion == examples[0].completion()
+    assert examples[0].kl_completion == examples[1].completion()
+    assert cut[0].kl_completion == cut[1].completion()
 
 
 def test_unpaired_chat_messages(tok, tmp_path):

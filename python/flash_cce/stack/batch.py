@@ -2,6 +2,7 @@
 types the data layer, the objectives and the trainer share."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Example:
     tokens: list
     prompt_len: int
     label: bool
+    # The completion KTO's KL estimate pairs this prompt with (another example's,
+    # fixed when the data is loaded); None: the batch's rotation (see `kto`).
+    kl_completion: Optional[list] = None
 
     def completion(self):
         return self.tokens[self.prompt_len:]
@@ -58,3 +62,5 @@ class Example:
         if not isinstance(self.label, bool):
             raise ValueError(f"{where}: label must be true or false, got {self.label!r}")
         self.as_pair().validate(where)
+        if self.kl_completion is not None and not (isinstance(self.kl_completion, list) and self.kl_completion):
+            raise ValueError(f"{where}: kl_completion must be None or a non-empty list of tokens")

@@ -10,6 +10,7 @@ with the tokenizer's special tokens on the prompt and EOS after each response.
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -259,7 +260,17 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
         else:
             truncated += fitted is not pair
             pairs.append(fitted)
+    if unpaired:
+        pairs = with_kl_completions(pairs)
     return pairs, dict(records=len(records), truncated=truncated, dropped=dropped)
+
+
+def with_kl_completions(examples):
+    """`examples`, each with the completion of the one before it (the last one's
+    for the first) as its fixed KL completion (see `kto`), as TRL pairs them when
+    it prepares its data: the mismatched pairs, and so their reference
+    log-probs, are known before training."""
+    return [replace(e, kl_completion=examples[i - 1].completion()) for i, e in enumerate(examples)]
 
 
 def load_pairs(path, tokenizer, unpaired=False, **kwargs):

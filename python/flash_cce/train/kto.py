@@ -2,9 +2,11 @@
 
 TRL's KTOTrainer compares each example's log-ratio (policy against reference)
 with an estimate of the batch's KL divergence: the mean log-ratio of mismatched
-prompt-completion pairs, the completions of the batch rotated by one
-((x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})), clamped at 0 and held constant
-in the gradient. This module computes, before the gradient pass, the reference
+prompt-completion pairs, clamped at 0 and held constant in the gradient. The
+mismatched pairs rotate the completions by one ((x_1, y_n), (x_2, y_1), ...,
+(x_n, y_{n-1})): over a data split when it is loaded (each example's
+`kl_completion`, as TRL prepares its data), so that their reference log-probs
+can be computed before training, or else over the batch. This module computes, before the gradient pass, the reference
 log-probs of the examples and that KL estimate; the loss is `losses.kto`.
 
 Each example and its mismatched sequence share the prompt, so the reference
@@ -17,11 +19,15 @@ from ..stack import Example, check_pairs, statistics
 from . import losses
 
 # The objective whose statistics give a pair's two sides (c_sum, r_sum) without NLL.
-_PAIRED = losses.get("dpo")
+PAIRED = losses.get("dpo")
 
 
 def mismatched(examples):
-    """Each example's prompt with the previous example's completion (TRL's rotation)."""
+    """Each example's prompt with another example's completion: its own
+    `kl_completion` where the data loader fixed one (`data.with_kl_completions`), else
+    the previous example's in the batch (TRL's rotation)."""
+    if all(e.kl_completion is not None for e in examples):
+        return [e.as_pair(e.kl_completion) for e in examples]
     return [e.as_pair(examples[i - 1].completion()) for i, e in enumerate(examples)]
 
 
@@ -32,7 +38,8 @@ def _check(examples, training):
         if not isinstance(e, Example):
             raise ValueError(f"examples[{i}] must be a flash_cce.stack.batch.Example, got {type(e).__name__}")
         e.validate(f"examples[{i}]")
-    if training and len(examples) < 2:
+    fixed = all(e.kl_completion is not None for e in examples)
+    if training and len(examples) < 2 and not fixed:
         raise ValueError("kto needs at least 2 examples per batch: the KL estimate pairs each "
                          "prompt with another example's completion")
 
@@ -51,7 +58,7 @@ def prepare(model, examples, cfg, group=None, training=True):
     pairs = [e.as_pair() for e in examples]
     kl_pairs = mismatched(examples)
     check_pairs(kl_pairs, model.args.vocab_size, cfg.stack.max_length)
-    ref = _reference(model, kl_pairs, cfg, _PAIRED)
+    ref = _reference(model, kl_pairs, cfg, PAIRED)
     kl_sides = [Example(p.rejected, p.rejected_prompt_len, True).as_pair() for p in kl_pairs]
     policy_kl = [s["c_sum"] for s in statistics(model, kl_sides, scoring(cfg), cfg.stack)]
     ratio = mx.stack([k - r["ref_r"] for k, r in zip(policy_kl, ref)])

@@ -135,8 +135,8 @@ def _kind(cfg):
 
 def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     """`objective` with the source of its reference log-probs as the settings
-    `cfg` ask (for dpo and kto); with `pairs`, a precomputed table of theirs,
-    kept in `run_dir`."""
+    `cfg` ask (for dpo and kto); with `pairs` (kto: examples with their KL
+    completions), a precomputed table of theirs, kept in `run_dir`."""
     from dataclasses import replace
 
     from .losses import get
@@ -158,12 +158,19 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
         source = AdaptersOff()
     if pairs is None:
         return replace(objective, reference=source)
+    obj = get(objective.name)
+    if objective.name == "kto":
+        # KTO looks up its examples' mismatched pairs (each example and its KL
+        # completion, fixed when the data was loaded), both sides at once.
+        from .kto import PAIRED, mismatched
+
+        pairs, obj = mismatched(pairs), PAIRED
     print_ = fingerprint(ref_path, {"reference": kind, "quantize": cfg["reference_quantize"],
                                     "model": ref_path}, pairs)
     path = Path(run_dir) / TABLE
     table = load_table(path, print_)
     if table is None:
-        table = precompute(source, model, pairs, objective, get(objective.name), log)
+        table = precompute(source, model, pairs, objective, obj, log)
         if mx.distributed.init().rank() == 0:
             save_table(path, table, print_)
     else:

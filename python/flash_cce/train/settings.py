@@ -356,9 +356,6 @@ def _check_together(cfg):
     if cfg["reference"] == "adapters_off" and cfg["fine_tune_type"] != "lora":
         raise SettingsError(f"reference: adapters_off needs fine_tune_type lora (DoRA and full fine-tuning "
                             f"cannot switch their changes off), got {cfg['fine_tune_type']}; use model")
-    if cfg["precompute_ref_log_probs"] and cfg["objective"] == "kto":
-        raise SettingsError("precompute_ref_log_probs: kto's mismatched pairs change with every batch; "
-                            "its reference runs live")
     if cfg["resume"] is not None and cfg["init_adapters"] is not None:
         raise SettingsError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
 
