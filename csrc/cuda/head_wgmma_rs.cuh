@@ -319,6 +319,58 @@ __device__ __forceinline__ void fwd_rs_pairs(const FwdParams& p, float (&acc)[12
     }
 }
 
+// The forward's producer warpgroup: thread 0 streams h and the packed words
+// with TMA; thread r copies the scales and biases of row r of the W tile,
+// loaded a k-step ahead.
+template <int QB>
+__device__ __forceinline__ void fwd_rs_produce(const WgFwdParams& P, const WgPipe& pipe, int m0, int t_begin,
+                                               int t_end, int kt_count, int lg) {
+  const FwdParams& p = P.p;
+  uint32_t cur[2], next[2] = {0, 0};
+  rs_fetch_sb(p.w, int64_t(t_begin) * RBV + pipe.tid, 0, lg, cur);
+  int s = 0, phase = 0;
+  for (int vt = t_begin; vt < t_end; ++vt)
+    for (int kt = 0; kt < kt_count; ++kt) {
+      const bool last = kt + 1 == kt_count;
+      if (!(last && vt + 1 == t_end)) {
+        rs_fetch_sb(p.w, int64_t(last ? vt + 1 : vt) * RBV + pipe.tid, last ? 0 : kt + 1, lg, next);
+      }
+      rs_produce<QB>(pipe, &P.h_map, &P.w_map, pipe.base, m0, vt, kt, cur, next, s, phase);
+    }
+}
+
+// One tile's column (max, sum) from `fwd_rs_pairs` into the warp's running
+// (max, sum) per column of h. Butterfly: at each level a lane keeps the half of
+// its columns that its bit selects and merges in the partner's copy; slot i
+// (0..7) then holds column c = 8 g + i: h row 32 g + 8 (i / 2) + 2 t + i % 2.
+__device__ __forceinline__ void fwd_rs_tile_stats(float (&acc)[128], float2* stats, int warp, int lane, int t,
+                                                  int g) {
+  rs_butterflies<true>(acc, lane);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int col = 32 * g + 8 * (i / 2) + 2 * t + i % 2;
+    float2& st = stats[warp * RBN + col];
+    float m = st.x, sum = st.y;
+    rs_merge(m, sum, acc[(i / 2) * 4 + i % 2], acc[(i / 2) * 4 + 2 + i % 2]);
+    st = make_float2(m, sum);
+  }
+}
+
+// One column per thread: the 8 warps' partials merged into part_max / part_sum.
+__device__ __forceinline__ void fwd_rs_put_stats(const FwdParams& p, const float2* stats, int m0, int split,
+                                                 int col) {
+  float m = kRsFloor, sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    const float2 st = stats[w * RBN + col];
+    rs_merge(m, sum, st.x, st.y);
+  }
+  if (m0 + col < p.M) {
+    p.part_max[int64_t(split) * p.M + m0 + col] = m;
+    p.part_sum[int64_t(split) * p.M + m0 + col] = sum;
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -337,21 +389,8 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   const int kt_count = static_cast<int>((p.H + WBK - 1) / WBK);
   const int lg = __ffs(p.w.group_size) - 1;
   if (pipe.wg == 0) {
-    // Thread 0 streams h and the packed words with TMA; producer thread r
-    // copies the scales and biases of row r of the W tile, loaded a k-step ahead.
     wg_producer_regs<0>();
-    uint32_t cur[2], next[2] = {0, 0};
-    rs_fetch_sb(p.w, int64_t(t_begin) * RBV + pipe.tid, 0, lg, cur);
-    int s = 0, phase = 0;
-    for (int vt = t_begin; vt < t_end; ++vt)
-      for (int kt = 0; kt < kt_count; ++kt) {
-        const bool last = kt + 1 == kt_count;
-        if (!(last && vt + 1 == t_end)) {
-          rs_fetch_sb(p.w, int64_t(last ? vt + 1 : vt) * RBV + pipe.tid, last ? 0 : kt + 1, lg,
-                      next);
-        }
-        rs_produce<QB>(pipe, &P.h_map, &P.w_map, stages, m0, vt, kt, cur, next, s, phase);
-      }
+    fwd_rs_produce<QB>(P, pipe, m0, t_begin, t_end, kt_count, lg);
     return;
   }
   wg_consumer_regs<0>();
@@ -376,7 +415,6 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
   for (int vt = t_begin; vt < t_end; ++vt) {
     rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
                         [&](int st) { return stage(st).h(); });
-
     // Epilogue. acc[j * 4 + ri * 2 + e]: W row trow[ri], h row 8 j + 2 t + e.
     // Rows of W in 32 bits (V fits in int).
     const int vrow0 = vt * RBV + trow[0];
@@ -385,32 +423,10 @@ __device__ __forceinline__ void fwd_rs_body(const WgFwdParams& P) {
     } else {
       fwd_rs_pairs<false>(p, acc, vrow0);
     }
-    // Butterfly: at each level a lane keeps the half of its columns that its
-    // bit selects and merges in the partner's copy.
-    rs_butterflies<true>(acc, lane);
-    // Slot i (0..7) now holds column c = 8 g + i: h row 32 g + 8 (i / 2) + 2 t + i % 2.
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int col = 32 * g + 8 * (i / 2) + 2 * t + i % 2;
-      float2& st = stats[warp * RBN + col];
-      float m = st.x, sum = st.y;
-      rs_merge(m, sum, acc[(i / 2) * 4 + i % 2], acc[(i / 2) * 4 + 2 + i % 2]);
-      st = make_float2(m, sum);
-    }
+    fwd_rs_tile_stats(acc, stats, warp, lane, t, g);
   }
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  // One column per thread: merge the 8 warps' partials.
-  const int col = ct;
-  float m = kRsFloor, sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    const float2 st = stats[w * RBN + col];
-    rs_merge(m, sum, st.x, st.y);
-  }
-  if (m0 + col < p.M) {
-    p.part_max[int64_t(split) * p.M + m0 + col] = m;
-    p.part_sum[int64_t(split) * p.M + m0 + col] = sum;
-  }
+  fwd_rs_put_stats(p, stats, m0, split, ct);
 }
 
 // dh (+)= dS[:, chunk] . W[chunk] with W as the register operand: dh^T =
@@ -531,6 +547,121 @@ __device__ __forceinline__ int dh_piece_word(int r, int c) {
   return dh_piece_unit(r, c) + ((c & 3) ^ (r & 2));
 }
 
+__device__ __forceinline__ RsDhStage rs_dh_stage(const WgPipe& pipe, int s) {
+  return RsDhStage{pipe.base + s * kRsDhStageBytes};
+}
+
+// The dh kernels' producer warpgroup: thread v < WBK copies row v's scales and
+// biases of each k-step (loaded a k-step ahead) into the stage and, thread 0,
+// starts the TMA copies of dS and W; the others fold the row sums.
+template <int QB>
+__device__ __forceinline__ void dh_rs_produce(const WgDhParams& P, const WgPipe& pipe, int m_tiles,
+                                              int units, int kt_count, int lg) {
+  const DhParams& p = P.p;
+  constexpr int kWBytes = WBK * RBV * QB / 8;
+  if (pipe.tid >= WBK) {
+    fold_row_sums(p, m_tiles, RBN, pipe.tid - WBK, 128 - WBK);
+    return;
+  }
+  const int64_t groups = p.w.cols >> lg;
+  const int block_groups = max(1, RBV >> lg);
+  auto fetch = [&](int t, int kt, uint32_t (&v)[2][4]) {
+    const int64_t row = P.v0 + int64_t(kt) * WBK + pipe.tid;
+    const int64_t g0 = int64_t(t / m_tiles) * RBV >> lg;
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      const uint16_t* src = static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales);
+#pragma unroll
+      for (int gi = 0; gi < 4; ++gi) {
+        const bool ok = gi < block_groups && row < p.w.rows && g0 + gi < groups;
+        v[a][gi] = ok ? __ldg(src + row * groups + g0 + gi) : 0;
+      }
+    }
+  };
+  uint32_t cur[2][4], next[2][4] = {};
+  int s = 0, phase = 0;
+  if (int(blockIdx.x) < units) {
+    const DhUnit u = dh_unit(P.split, blockIdx.x, kt_count);
+    fetch(u.tile, u.kt0, cur);
+  }
+  for (int i = blockIdx.x; i < units; i += gridDim.x) {
+    const DhUnit u = dh_unit(P.split, i, kt_count);
+    const int m0 = (u.tile % m_tiles) * RBN, n0 = (u.tile / m_tiles) * RBV;
+    for (int kt = u.kt0; kt < u.kt1; ++kt) {
+      const bool last = kt + 1 == u.kt1;
+      if (!last) {
+        fetch(u.tile, kt + 1, next);
+      } else if (i + int(gridDim.x) < units) {
+        const DhUnit n = dh_unit(P.split, i + gridDim.x, kt_count);
+        fetch(n.tile, n.kt0, next);
+      }
+      mbar_wait(&pipe.empty[s], phase ^ 1);
+      const RsDhStage st = rs_dh_stage(pipe, s);
+      if (pipe.tid == 0) {
+        mbar_expect_tx(&pipe.full[s], RsDhStage::kDs + kWBytes);
+        tma_load(st.ds(), &P.a_map, &pipe.full[s], kt * WBK, m0);
+        tma_load(st.w(), &P.b_map, &pipe.full[s], n0 * QB / 32,
+                 static_cast<int>(P.v0 + int64_t(kt) * WBK));
+      }
+#pragma unroll
+      for (int gi = 0; gi < 4; ++gi) {
+        st.scales()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[0][gi]);
+        st.biases()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[1][gi]);
+      }
+      mbar_arrive(&pipe.full[s]);
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) {
+          cur[a][gi] = next[a][gi];
+        }
+      if (++s == WST) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// The dh epilogue of one tile: acc[j * 4 + ri * 2 + e] is column wg_col +
+// dh_col(ri) of the tile, row 8 j + 2 t + e. Through shared memory in pieces of
+// 32 rows, so that each thread adds 4 adjacent columns of one row and a warp's
+// updates cover whole 32-byte sectors (4-bit columns leave every other 8 bytes
+// of a warp's row to the neighbouring warp, which doubled the L2's reductions).
+template <int QB>
+__device__ __forceinline__ void dh_rs_epilogue(const DhParams& p, const float (&acc)[128], const WgPipe& pipe,
+                                               float* out_buf, const float* scales, const PieceUpdate& up,
+                                               int m0, int n0, int wg_col, int ct, int warp, int t4, int g) {
+  const int wgi = pipe.wg - 1, wct = ct & 127;
+  const int col = dh_col<QB>(warp, g, 0);
+#pragma unroll
+  for (int piece = 0; piece < RBN / 32; ++piece) {
+    float* buf = out_buf + (2 * wgi + (piece & 1)) * kDhPieceFloats;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 4 * piece + jj;
+        *reinterpret_cast<float2*>(buf + dh_piece_word(8 * jj + 2 * t4 + e, col)) =
+            make_float2(acc[j * 4 + e], acc[j * 4 + 2 + e]);
+      }
+    // Two buffers: a thread writes this one again two pieces later, after
+    // the next piece's barrier, which every reader of this piece passes.
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wgi) : "memory");
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = (128 * i + wct) >> 4, chunk = wct & 15;
+      const float4 w = *reinterpret_cast<const float4*>(buf + dh_piece_unit(r, 4 * chunk));
+      const bool swap = (r >> 1) & 1;
+      const float4 v = swap ? make_float4(w.z, w.w, w.x, w.y) : w;
+      const int64_t gm = m0 + 32 * piece + r, c = n0 + wg_col + 4 * chunk;
+      if (gm < p.M && c < p.H) {
+        dh_update4(p, gm, c, v, scales[32 * piece + r], up.first, up.last);
+      }
+    }
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -541,77 +672,13 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   }
   // Full: the TMA thread's expect_tx and one arrival per scale-copying thread.
   const WgPipe pipe = wg_setup(smem_raw, full, empty, 1 + WBK);
-  auto stage = [&](int s) { return RsDhStage{pipe.base + s * kRsDhStageBytes}; };
   const int m_tiles = static_cast<int>((p.M + RBN - 1) / RBN);
   const int units = dh_units(P.split);
   const int kt_count = static_cast<int>((P.width + WBK - 1) / WBK);
   const int lg = __ffs(p.w.group_size) - 1;
-  constexpr int kWBytes = WBK * RBV * QB / 8;
   if (pipe.wg == 0) {
     wg_producer_regs<0>();
-    if (pipe.tid >= WBK) {
-      fold_row_sums(p, m_tiles, RBN, pipe.tid - WBK, 128 - WBK);
-      return;
-    }
-    // Thread v: row v of each k-step, its groups loaded a k-step ahead.
-    const int64_t groups = p.w.cols >> lg;
-    const int block_groups = max(1, RBV >> lg);
-    auto fetch = [&](int t, int kt, uint32_t (&v)[2][4]) {
-      const int64_t row = P.v0 + int64_t(kt) * WBK + pipe.tid;
-      const int64_t g0 = int64_t(t / m_tiles) * RBV >> lg;
-#pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const uint16_t* src = static_cast<const uint16_t*>(a ? p.w.biases : p.w.scales);
-#pragma unroll
-        for (int gi = 0; gi < 4; ++gi) {
-          const bool ok = gi < block_groups && row < p.w.rows && g0 + gi < groups;
-          v[a][gi] = ok ? __ldg(src + row * groups + g0 + gi) : 0;
-        }
-      }
-    };
-    uint32_t cur[2][4], next[2][4] = {};
-    int s = 0, phase = 0;
-    if (int(blockIdx.x) < units) {
-      const DhUnit u = dh_unit(P.split, blockIdx.x, kt_count);
-      fetch(u.tile, u.kt0, cur);
-    }
-    for (int i = blockIdx.x; i < units; i += gridDim.x) {
-      const DhUnit u = dh_unit(P.split, i, kt_count);
-      const int m0 = (u.tile % m_tiles) * RBN, n0 = (u.tile / m_tiles) * RBV;
-      for (int kt = u.kt0; kt < u.kt1; ++kt) {
-        const bool last = kt + 1 == u.kt1;
-        if (!last) {
-          fetch(u.tile, kt + 1, next);
-        } else if (i + int(gridDim.x) < units) {
-          const DhUnit n = dh_unit(P.split, i + gridDim.x, kt_count);
-          fetch(n.tile, n.kt0, next);
-        }
-        mbar_wait(&pipe.empty[s], phase ^ 1);
-        const RsDhStage st = stage(s);
-        if (pipe.tid == 0) {
-          mbar_expect_tx(&pipe.full[s], RsDhStage::kDs + kWBytes);
-          tma_load(st.ds(), &P.a_map, &pipe.full[s], kt * WBK, m0);
-          tma_load(st.w(), &P.b_map, &pipe.full[s], n0 * QB / 32,
-                   static_cast<int>(P.v0 + int64_t(kt) * WBK));
-        }
-#pragma unroll
-        for (int gi = 0; gi < 4; ++gi) {
-          st.scales()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[0][gi]);
-          st.biases()[gi * WBK + dh_sb_slot(pipe.tid)] = static_cast<uint16_t>(cur[1][gi]);
-        }
-        mbar_arrive(&pipe.full[s]);
-#pragma unroll
-        for (int a = 0; a < 2; ++a)
-#pragma unroll
-          for (int gi = 0; gi < 4; ++gi) {
-            cur[a][gi] = next[a][gi];
-          }
-        if (++s == WST) {
-          s = 0;
-          phase ^= 1;
-        }
-      }
-    }
+    dh_rs_produce<QB>(P, pipe, m_tiles, units, kt_count, lg);
     return;
   }
   wg_consumer_regs<0>();
@@ -628,7 +695,7 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
   uint32_t frag[2][4][4];
   int s = 0, phase = 0, parity = 0;
   auto build = [&](uint32_t(&f)[4][4], int st) {
-    rs_dh_dequant<T, QB>(f, stage(st), wg_col, warp, lane, group, p.w.sb_kind);
+    rs_dh_dequant<T, QB>(f, rs_dh_stage(pipe, st), wg_col, warp, lane, group, p.w.sb_kind);
   };
   for (int i = blockIdx.x; i < units; i += gridDim.x, parity ^= 1) {
     const DhUnit u = dh_unit(P.split, i, kt_count);
@@ -636,46 +703,14 @@ __device__ __forceinline__ void dh_rs_body(const WgDhParams& P) {
     const PieceUpdate up = piece_update(p, u);
     const float my_scale = m0 + ct < p.M ? up.scale(p, u, m0 + ct) : 0.0f;
     rs_tile_mainloop<T>(pipe, acc, frag, u.kt1 - u.kt0, lane, s, phase, build,
-                        [&](int st) { return stage(st).ds(); });
+                        [&](int st) { return rs_dh_stage(pipe, st).ds(); });
     dh_piece_wait(P.split, u, ct);
     // Double-buffered by tile parity: a thread writes this buffer again only
     // after the next tile's barrier, which every reader of this tile passes.
     float* scales = scale_buf + parity * RBN;
     scales[ct] = my_scale;
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    // acc[j * 4 + ri * 2 + e]: column wg_col + dh_col(ri) of the tile, row 8 j
-    // + 2 t + e. Through shared memory in pieces of 32 rows, so that each
-    // thread adds 4 adjacent columns of one row and a warp's updates cover
-    // whole 32-byte sectors (4-bit columns leave every other 8 bytes of a warp's
-    // row to the neighbouring warp, which doubled the L2's reductions).
-    const int wgi = pipe.wg - 1, wct = ct & 127;
-    const int col = dh_col<QB>(warp, g, 0);
-#pragma unroll
-    for (int piece = 0; piece < RBN / 32; ++piece) {
-      float* buf = out_buf + (2 * wgi + (piece & 1)) * kDhPieceFloats;
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 4 * piece + jj;
-          *reinterpret_cast<float2*>(buf + dh_piece_word(8 * jj + 2 * t4 + e, col)) =
-              make_float2(acc[j * 4 + e], acc[j * 4 + 2 + e]);
-        }
-      // Two buffers: a thread writes this one again two pieces later, after
-      // the next piece's barrier, which every reader of this piece passes.
-      asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wgi) : "memory");
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = (128 * i + wct) >> 4, chunk = wct & 15;
-        const float4 w = *reinterpret_cast<const float4*>(buf + dh_piece_unit(r, 4 * chunk));
-        const bool swap = (r >> 1) & 1;
-        const float4 v = swap ? make_float4(w.z, w.w, w.x, w.y) : w;
-        const int64_t gm = m0 + 32 * piece + r, c = n0 + wg_col + 4 * chunk;
-        if (gm < p.M && c < p.H) {
-          dh_update4(p, gm, c, v, scales[32 * piece + r], up.first, up.last);
-        }
-      }
-    }
+    dh_rs_epilogue<QB>(p, acc, pipe, out_buf, scales, up, m0, n0, wg_col, ct, warp, t4, g);
     dh_piece_done(P.split, u, ct);
   }
 }
@@ -700,6 +735,115 @@ __device__ __forceinline__ float2 row_refs2(const DsParams& p, int gm, bool ok0,
 // column statistics over the tile's 128 rows of W (sum of exp(s - r), max of
 // s) reach part_sum / part_max[tile, m] through the butterfly and a per-warp
 // table in shared memory. Stats tiles are 128 rows of W wide.
+// The P kernel's producer warpgroup: thread v fetches the scales and biases of
+// W row v a k-step ahead; `rs_produce` fills the stages.
+template <int QB>
+__device__ __forceinline__ void p_rs_produce(const WgDsParams& P, const WgPipe& pipe, int tiles, int v_tiles,
+                                             int vt0, int kt_count, int lg) {
+  const DsParams& p = P.p;
+  auto fetch = [&](int tile, int kt, uint32_t (&v)[2]) {
+    rs_fetch_sb(p.w, int64_t(vt0 + tile % v_tiles) * RBV + pipe.tid, kt, lg, v);
+  };
+  uint32_t cur[2], next[2] = {0, 0};
+  if (int(blockIdx.x) < tiles) {
+    fetch(blockIdx.x, 0, cur);
+  }
+  int s = 0, phase = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile / v_tiles) * RBN, vt = vt0 + tile % v_tiles;
+    for (int kt = 0; kt < kt_count; ++kt) {
+      if (kt + 1 < kt_count) {
+        fetch(tile, kt + 1, next);
+      } else if (tile + int(gridDim.x) < tiles) {
+        fetch(tile + gridDim.x, 0, next);
+      }
+      rs_produce<QB>(pipe, &P.h_map, &P.w_map, pipe.base, m0, vt, kt, cur, next, s, phase);
+    }
+  }
+}
+
+// The P epilogue of one tile. acc[j * 4 + ri * 2 + e]: W row v = vrow + 8 ri, h
+// row 8 j + 2 t + e. Stores P = exp(s - r) dcap in T, transposed: even lanes
+// rows (v, v + 1) of column e = 0, odd lanes rows (v - 1, v) of column e = 1, at
+// prow + 8 j ld + 8 ri; leaves each column's (max, sum) over the thread's two
+// rows in place of its logits. Indices in 32 bits: M, V and the chunk buffer's
+// elements fit in int.
+template <class T>
+__device__ __forceinline__ void p_rs_store(const DsParams& p, float (&acc)[128], int m0, int vrow, int t,
+                                           int g, bool capped, float inv_cap) {
+  const int M = static_cast<int>(p.M), V = static_cast<int>(p.V);
+  const bool even = (g & 1) == 0;
+  const int odd = even ? 0 : 1;
+  const int pc = vrow - static_cast<int>(p.v0) - odd;
+  T* prow = static_cast<T*>(p.ds) + int64_t(m0 + 2 * t + odd) * p.ld_ds + pc;
+  const int ld8 = 8 * static_cast<int>(p.ld_ds);
+  const int rows_left = M - (m0 + 2 * t); // row 8 j + e exists iff 8 j + e < rows_left
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    // Running references (no softcap) of rows 8 j + 2 t + {0, 1}: one 8-byte load.
+    const float2 refs =
+        row_refs2(p, m0 + 8 * j + 2 * t, 8 * j < rows_left, 8 * j + 1 < rows_left);
+    float pv[2][2]; // [ri][e]
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float ref = e == 0 ? refs.x : refs.y;
+      float sum = 0.0f, tmax = -INFINITY;
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        float x = acc[j * 4 + ri * 2 + e];
+        float dcap = 1.0f;
+        if (capped) {
+          const float th = tanh_fast(x * inv_cap);
+          x = p.cap * th;
+          dcap = 1.0f - th * th;
+        }
+        const bool in = vrow + 8 * ri < V;
+        const float ex = in ? exp_ftz(x - ref) : 0.0f;
+        sum += ex;
+        tmax = in ? fmaxf(tmax, x) : tmax;
+        pv[ri][e] = ex * dcap;
+      }
+      // Column (sum, max) of this thread's two rows, in place of the logits.
+      acc[j * 4 + e] = tmax;
+      acc[j * 4 + 2 + e] = sum;
+    }
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const float mine = even ? pv[ri][0] : pv[ri][1];
+      const float other = __shfl_xor_sync(0xffffffff, even ? pv[ri][1] : pv[ri][0], 4);
+      if (8 * j + odd < rows_left && pc + 8 * ri < p.width) {
+        *reinterpret_cast<uint32_t*>(prow + j * ld8 + 8 * ri) =
+            even ? pack2<T>(mine, other) : pack2<T>(other, mine);
+      }
+    }
+  }
+}
+
+// The tile's column (max, sum) from `p_rs_store` through the butterfly (sums
+// add, maxima take the max) and the per-warp table of this tile parity, to
+// part_sum / part_max of row m0 + ct.
+__device__ __forceinline__ void p_rs_column_stats(const DsParams& p, float (&acc)[128], float2* table,
+                                                  int m0, int vl, int ct, int warp, int lane, int t, int g) {
+  rs_butterflies<false>(acc, lane);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int col = 32 * g + 8 * (i / 2) + 2 * t + i % 2;
+    table[warp * RBN + col] = make_float2(acc[(i / 2) * 4 + 2 + i % 2], acc[(i / 2) * 4 + i % 2]);
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  const int64_t gm = m0 + ct;
+  if (gm < p.M) {
+    float sum = 0.0f, tmax = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      const float2 st = table[w * RBN + ct];
+      sum += st.x;
+      tmax = fmaxf(tmax, st.y);
+    }
+    put_row_stats(p, vl, gm, sum, tmax);
+  }
+}
+
 template <class T, int QB>
 __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -723,25 +867,7 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   const int lg = __ffs(p.w.group_size) - 1;
   if (pipe.wg == 0) {
     wg_producer_regs<0>();
-    auto fetch = [&](int tile, int kt, uint32_t (&v)[2]) {
-      rs_fetch_sb(p.w, int64_t(vt0 + tile % v_tiles) * RBV + pipe.tid, kt, lg, v);
-    };
-    uint32_t cur[2], next[2] = {0, 0};
-    if (int(blockIdx.x) < tiles) {
-      fetch(blockIdx.x, 0, cur);
-    }
-    int s = 0, phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int m0 = (tile / v_tiles) * RBN, vt = vt0 + tile % v_tiles;
-      for (int kt = 0; kt < kt_count; ++kt) {
-        if (kt + 1 < kt_count) {
-          fetch(tile, kt + 1, next);
-        } else if (tile + int(gridDim.x) < tiles) {
-          fetch(tile + gridDim.x, 0, next);
-        }
-        rs_produce<QB>(pipe, &P.h_map, &P.w_map, stages, m0, vt, kt, cur, next, s, phase);
-      }
-    }
+    p_rs_produce<QB>(P, pipe, tiles, v_tiles, vt0, kt_count, lg);
     return;
   }
   wg_consumer_regs<0>();
@@ -751,7 +877,6 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
   const bool capped = p.cap > 0.0f;
   const int trow[2] = {(pipe.wg - 1) * 64 + g + (warp & 3) * 16,
                        (pipe.wg - 1) * 64 + g + (warp & 3) * 16 + 8};
-  T* ds = static_cast<T*>(p.ds);
   float acc[128];
   uint32_t frag[2][4][4];
   int s = 0, phase = 0, parity = 0;
@@ -762,78 +887,8 @@ __device__ __forceinline__ void p_rs_body(const WgDsParams& P) {
     const int m0 = (tile / v_tiles) * RBN, vl = tile % v_tiles;
     rs_tile_mainloop<T>(pipe, acc, frag, kt_count, lane, s, phase, build,
                         [&](int st) { return stage(st).h(); });
-
-    // Epilogue. acc[j * 4 + ri * 2 + e]: W row v = vrow + 8 ri, h row 8 j + 2 t + e.
-    // Indices in 32 bits: M, V and the chunk buffer's elements fit in int.
-    const int M = static_cast<int>(p.M), V = static_cast<int>(p.V);
-    const int vrow = (vt0 + vl) * RBV + trow[0];
-    const bool even = (g & 1) == 0;
-    // P, transposed: even lanes store rows (v, v + 1) of column e = 0, odd
-    // lanes rows (v - 1, v) of column e = 1, at prow + 8 j ld + 8 ri.
-    const int odd = even ? 0 : 1;
-    const int pc = vrow - static_cast<int>(p.v0) - odd;
-    T* prow = ds + int64_t(m0 + 2 * t + odd) * p.ld_ds + pc;
-    const int ld8 = 8 * static_cast<int>(p.ld_ds);
-    const int rows_left = M - (m0 + 2 * t); // row 8 j + e exists iff 8 j + e < rows_left
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      // Running references (no softcap) of rows 8 j + 2 t + {0, 1}: one 8-byte load.
-      const float2 refs =
-          row_refs2(p, m0 + 8 * j + 2 * t, 8 * j < rows_left, 8 * j + 1 < rows_left);
-      float pv[2][2]; // [ri][e]
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float ref = e == 0 ? refs.x : refs.y;
-        float sum = 0.0f, tmax = -INFINITY;
-#pragma unroll
-        for (int ri = 0; ri < 2; ++ri) {
-          float x = acc[j * 4 + ri * 2 + e];
-          float dcap = 1.0f;
-          if (capped) {
-            const float th = tanh_fast(x * inv_cap);
-            x = p.cap * th;
-            dcap = 1.0f - th * th;
-          }
-          const bool in = vrow + 8 * ri < V;
-          const float ex = in ? exp_ftz(x - ref) : 0.0f;
-          sum += ex;
-          tmax = in ? fmaxf(tmax, x) : tmax;
-          pv[ri][e] = ex * dcap;
-        }
-        // Column (sum, max) of this thread's two rows, in place of the logits.
-        acc[j * 4 + e] = tmax;
-        acc[j * 4 + 2 + e] = sum;
-      }
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        const float mine = even ? pv[ri][0] : pv[ri][1];
-        const float other = __shfl_xor_sync(0xffffffff, even ? pv[ri][1] : pv[ri][0], 4);
-        if (8 * j + odd < rows_left && pc + 8 * ri < p.width) {
-          *reinterpret_cast<uint32_t*>(prow + j * ld8 + 8 * ri) =
-              even ? pack2<T>(mine, other) : pack2<T>(other, mine);
-        }
-      }
-    }
-    // (max, sum) columns through the butterfly: sums add, maxima take the max.
-    rs_butterflies<false>(acc, lane);
-    float2* table = red + parity * 8 * RBN;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int col = 32 * g + 8 * (i / 2) + 2 * t + i % 2;
-      table[warp * RBN + col] = make_float2(acc[(i / 2) * 4 + 2 + i % 2], acc[(i / 2) * 4 + i % 2]);
-    }
-    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const int64_t gm = m0 + ct;
-    if (gm < p.M) {
-      float sum = 0.0f, tmax = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        const float2 st = table[w * RBN + ct];
-        sum += st.x;
-        tmax = fmaxf(tmax, st.y);
-      }
-      put_row_stats(p, vl, gm, sum, tmax);
-    }
+    p_rs_store<T>(p, acc, m0, (vt0 + vl) * RBV + trow[0], t, g, capped, inv_cap);
+    p_rs_column_stats(p, acc, red + parity * 8 * RBN, m0, vl, ct, warp, lane, t, g);
   }
 }
 
