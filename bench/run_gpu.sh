@@ -57,13 +57,21 @@ while [ $# -gt 0 ]; do
     suite)
       start=$SECONDS
       # One test at a time to each free worker, so that the long ones do not queue behind each other.
-      chunk=()
-      if python3 -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk; then
-        chunk=(--maxschedchunk 1)
+      # A test that hangs fails after FLASH_CCE_PER_TEST_TIMEOUT s with its stack
+      # (pytest-timeout, where installed) instead of holding its worker's queue.
+      opts=()
+      help=$(python3 -m pytest --help 2>/dev/null)
+      if grep -q -- --maxschedchunk <<<"$help"; then
+        opts+=(--maxschedchunk 1)
       fi
+      if grep -q -- "--timeout=" <<<"$help"; then
+        opts+=(--timeout "${FLASH_CCE_PER_TEST_TIMEOUT:-240}")
+      fi
+      # One BLAS / OpenMP thread per worker: the workers share the cores.
       FLASH_CCE_TEST_DEVICE=gpu SUITE_LOG_DIR="$out" PYTHONPATH="$PWD/bench:$PYTHONPATH" \
+        OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \
         timeout ${FLASH_CCE_SUITE_TIMEOUT:-470} python3 -m pytest -q -rfE -p suite_log \
-        -n "${FLASH_CCE_SUITE_WORKERS:-15}" "${chunk[@]}" --durations=25 tests 2>&1 |
+        -n "${FLASH_CCE_SUITE_WORKERS:-15}" "${opts[@]}" --durations=25 tests 2>&1 |
         grep -v -e PytestBenchmarkWarning -e 'warner(' | tee "$out/suite_gpu.log" | tail -45 || status=1
       echo "suite: $((SECONDS - start)) s" ;;
     sanitize)

@@ -10,6 +10,14 @@ fp32-rounding tolerances keep their meaning. That is the default backend
 
 import os
 
+# Parallel workers (pytest-xdist) share the cores: each takes its share for the
+# thread pools of numpy's BLAS and OpenMP, which otherwise start a thread a core
+# in every worker and spin on each other. Set before numpy or MLX is imported.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _threads)
+
 # Set before MLX is imported: it reads the graph limits when it creates its GPU
 # stream, at import (TF32 at the first matmul).
 DEVICE = os.environ.get("FLASH_CCE_TEST_DEVICE", "cpu")

@@ -374,7 +374,11 @@ def test_gradient_memory_grows_linearly():
     assert p2 / p1 > 3.0, (p1, p2)  # the measurement can tell the two apart
     block_scores = 4 * 128 * 2048 * 4  # bytes of one block's float32 scores at 2048
     assert b2 < 16 * block_scores, (b2, block_scores)  # measured ~8 (4 q-sized ~ 0.5)
-    assert p2 > 4 * b2, (p2, b2)
+    # The composed gradient keeps at least the scores, the probabilities and their
+    # gradient, [1, 4, L, L] each (measured 3.4 of them, CPU and H200), which is
+    # more than 3x the blocked bound above (16 block scores = one full score tensor).
+    full_scores = 4 * 2048 * 2048 * 4
+    assert p2 > 3 * full_scores, (p2, full_scores)
 
 
 @pytest.mark.parametrize("batched", (False, True))
