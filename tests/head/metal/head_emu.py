@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -41,7 +42,7 @@ def _plan_tool() -> Path:
     if not exe.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         cxx = shutil.which("c++") or metal_emu.find_compiler()
-        tmp = exe.with_suffix(".tmp")
+        tmp = exe.with_suffix(f".{os.getpid()}.tmp")  # parallel workers build it too
         subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"), str(PLAN_SOURCES[0]),
                         str(PLAN_SOURCES[1]), "-o", str(tmp)], check=True)
         tmp.rename(exe)
