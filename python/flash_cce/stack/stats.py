@@ -15,6 +15,8 @@ step holds one pair's activations; a loss over the whole batch is a sum of
 per-pair shares when each share knows the batch totals (pair count, NLL tokens).
 """
 
+import contextlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -52,11 +54,12 @@ def check_pairs(pairs, vocab, max_length=None):
                 raise ValueError(f"{where}: {name} tokens must be ints in [0, {vocab}), got {bad[0]!r}")
 
 
-class _Run:
+class _Run(contextlib.ExitStack):
     """One call's view of the model, with its plans (one per pair shape), inside
     the routed attention (and, for gradients, the training layers)."""
 
     def __init__(self, model, config, scoring, training):
+        super().__init__()
         config.validate()
         self.lm, self.config, self.scoring = LM(model), config, scoring
         self.compiles = config.compiled_layers and compiled.supported(self.lm)
@@ -64,14 +67,10 @@ class _Run:
         self.plans = {}
 
     def __enter__(self):
+        super().__enter__()
         for c in self.contexts:
-            c.__enter__()
+            self.enter_context(c)
         return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)
-        return False
 
     def plan(self, pair):
         key = (len(pair.chosen), len(pair.rejected), pair.chosen_prompt_len, pair.rejected_prompt_len,
