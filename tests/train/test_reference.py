@@ -25,7 +25,7 @@ def _moved(model, seed=1):
 
 @pytest.mark.parametrize("loss_type, quantized", [("sigmoid", False), ("ipo", False), ("sigmoid", True)])
 def test_frozen_model_is_the_reference_of_full_fine_tuning(loss_type, quantized):
-    from flash_cce.train.trainer import quantize_model
+    from flash_cce.train.preflight import quantize_model
 
     policy = _moved(tiny_model("llama"))
     base = tiny_model("llama")

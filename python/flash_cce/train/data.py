@@ -265,6 +265,15 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
     return pairs, dict(records=len(records), truncated=truncated, dropped=dropped)
 
 
+def mismatched(examples):
+    """KTO's mismatched pairs: each example's prompt with another example's
+    completion, its `kl_completion` where loading fixed one (`with_kl_completions`),
+    else the previous example's in `examples` (TRL's rotation)."""
+    if all(e.kl_completion is not None for e in examples):
+        return [e.as_pair(e.kl_completion) for e in examples]
+    return [e.as_pair(examples[i - 1].completion()) for i, e in enumerate(examples)]
+
+
 def with_kl_completions(examples):
     """`examples`, each with the completion of the one before it (the last one's
     for the first) as its fixed KL completion (see `kto`), as TRL pairs them when

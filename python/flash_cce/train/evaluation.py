@@ -41,7 +41,8 @@ def run_eval(cfg, adapters, split, log=print):
     """The objective's metrics of the model (with `adapters`) on `split`, as the run computed them."""
     from .checkpoint import load_adapters
     from .reference import with_reference
-    from .trainer import evaluate_pairs, prepare_model, quantize_model
+    from .preflight import quantize_model
+    from .trainer import evaluate_pairs, prepare_model
 
     objective = objective_config(cfg)
     check_model(cfg["model"])

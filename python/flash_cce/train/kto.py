@@ -16,19 +16,9 @@ pass encodes the prompt once for both (see `prefix`).
 import mlx.core as mx
 
 from ..stack import Example, check_pairs, statistics
-from . import losses
-
-# The objective whose statistics give a pair's two sides (c_sum, r_sum) without NLL.
-PAIRED = losses.get("dpo")
-
-
-def mismatched(examples):
-    """Each example's prompt with another example's completion: its own
-    `kl_completion` where the data loader fixed one (`data.with_kl_completions`), else
-    the previous example's in the batch (TRL's rotation)."""
-    if all(e.kl_completion is not None for e in examples):
-        return [e.as_pair(e.kl_completion) for e in examples]
-    return [e.as_pair(examples[i - 1].completion()) for i, e in enumerate(examples)]
+from .data import mismatched
+from .losses import scoring
+from .reference import SIDES, reference_stats
 
 
 def _check(examples, training):
@@ -49,16 +39,15 @@ def prepare(model, examples, cfg, group=None, training=True):
     per example its reference log-prob `ref_c`, `label` and the batch's `kl`.
 
     With a distributed `group` the KL estimate is the mean over every rank's
-    examples. A training batch needs two examples (a single one would be its own
-    mismatched pair); an evaluation batch, as TRL's last one, may have one.
+    examples. A training batch of examples without fixed KL completions needs two
+    (a single one would be its own mismatched pair); an evaluation batch, as
+    TRL's last one, may have one.
     """
-    from .objectives import _reference, scoring
-
     _check(examples, training)
     pairs = [e.as_pair() for e in examples]
     kl_pairs = mismatched(examples)
     check_pairs(kl_pairs, model.args.vocab_size, cfg.stack.max_length)
-    ref = _reference(model, kl_pairs, cfg, PAIRED)
+    ref = reference_stats(model, kl_pairs, cfg, SIDES)
     kl_sides = [Example(p.rejected, p.rejected_prompt_len, True).as_pair() for p in kl_pairs]
     policy_kl = [s["c_sum"] for s in statistics(model, kl_sides, scoring(cfg), cfg.stack)]
     ratio = mx.stack([k - r["ref_r"] for k, r in zip(policy_kl, ref)])

@@ -250,6 +250,16 @@ def get(name):
     return OBJECTIVES[name]
 
 
+def scoring(cfg, obj=None):
+    """What the stack scores of each pair (`flash_cce.stack.Scoring`) for the
+    objective of `cfg` (an ObjectiveConfig)."""
+    from ..stack import Scoring
+
+    obj = obj or get(cfg.name)
+    on_prompt = cfg.nll_on_prompt if obj.nll_on_prompt is None else obj.nll_on_prompt
+    return Scoring(rejected=obj.rejected, nll=obj.nll, nll_on_prompt=on_prompt)
+
+
 def loss_type(cfg):
     """`cfg.loss_type`, or where None the objective's default (its first)."""
     types = get(cfg.name).loss_types

@@ -17,8 +17,10 @@ from typing import Optional
 import mlx.core as mx
 
 from .. import stack
-from ..stack import Scoring, StackConfig
-from . import losses
+from ..stack import StackConfig
+from . import kto, losses
+from .losses import scoring
+from .reference import reference_stats
 
 
 @dataclass
@@ -44,33 +46,16 @@ class ObjectiveConfig:
         self.stack.validate()
 
 
-def scoring(cfg, obj=None):
-    """What the stack scores of each pair for `cfg`'s objective."""
-    obj = obj or losses.get(cfg.name)
-    on_prompt = cfg.nll_on_prompt if obj.nll_on_prompt is None else obj.nll_on_prompt
-    return Scoring(rejected=obj.rejected, nll=obj.nll, nll_on_prompt=on_prompt)
-
-
-def _reference(model, pairs, cfg, obj):
-    """Reference log-probs of `pairs` from `cfg.reference` (default: the model
-    with its adapters off), without gradients."""
-    from .reference import AdaptersOff
-
-    return (cfg.reference or AdaptersOff()).stats(model, pairs, cfg, obj)
-
-
 def _prepare(model, items, cfg, group=None, training=True):
     """(objective, pairs, extras): `extras[i]` (or None) holds pair i's
     statistics that come from outside its own forward (reference log-probs, ...)."""
     cfg.validate()
     obj = losses.get(cfg.name)
     if cfg.name == "kto":
-        from .kto import prepare
-
-        pairs, extras = prepare(model, items, cfg, group, training)
+        pairs, extras = kto.prepare(model, items, cfg, group, training)
         return obj, pairs, extras
     stack.check_pairs(items, model.args.vocab_size, cfg.stack.max_length)
-    return obj, items, _reference(model, items, cfg, obj) if obj.reference else None
+    return obj, items, reference_stats(model, items, cfg, obj) if obj.reference else None
 
 
 def _batch_totals(pairs, cfg, obj):

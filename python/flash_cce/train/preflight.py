@@ -159,3 +159,13 @@ def check_init_adapters(cfg):
         if k in theirs and mine[k] != theirs[k]:
             raise RunError(f"init_adapters: the adapters have {k} {settings.show(theirs[k])}, this run "
                            f"{settings.show(mine[k])}; set {k} to match them")
+
+
+def quantize_model(model, quantize):
+    """Quantizes `model`'s dense layers ({"bits", "group_size"}) as `trainer.prepare_model` does."""
+    import mlx.nn as nn
+
+    gs, bits = quantize.get("group_size", 64), quantize.get("bits", 4)
+    nn.quantize(model, group_size=gs, bits=bits,
+                class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)

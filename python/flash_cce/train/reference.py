@@ -24,13 +24,23 @@ import numpy as np
 
 from ..stack import statistics
 from ..stack.lm import adapters_off
+from .data import mismatched
+from .losses import get, scoring
 
 TABLE = "reference_logps.npz"  # in the run directory
 
 
-def _sums(model, pairs, cfg, obj):
-    from .objectives import scoring
+# The objective whose statistics hold both sides of a pair (c_sum, r_sum), no NLL.
+SIDES = get("dpo")
 
+
+def reference_stats(model, pairs, cfg, obj):
+    """Reference log-probs (`ref_c`, `ref_r`) of `pairs` for objective `obj` from
+    `cfg.reference` (default: the model with its adapters off), without gradients."""
+    return (cfg.reference or AdaptersOff()).stats(model, pairs, cfg, obj)
+
+
+def _sums(model, pairs, cfg, obj):
     return [{"ref_c": s["c_sum"], "ref_r": s["r_sum"]}
             for s in statistics(model, pairs, scoring(cfg, obj), cfg.stack)]
 
@@ -139,14 +149,11 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     completions), a precomputed table of theirs, kept in `run_dir`."""
     from dataclasses import replace
 
-    from .losses import get
-
     if not get(objective.name).reference:
         return objective
     kind, ref_path = _kind(cfg), cfg["reference_model"] or cfg["model"]
     if kind == "model":
-        from .preflight import load_model
-        from .trainer import quantize_model
+        from .preflight import load_model, quantize_model
 
         ref_model, _ = load_model(dict(cfg, model=ref_path))
         if cfg["reference_quantize"]:
@@ -162,9 +169,7 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     if objective.name == "kto":
         # KTO looks up its examples' mismatched pairs (each example and its KL
         # completion, fixed when the data was loaded), both sides at once.
-        from .kto import PAIRED, mismatched
-
-        pairs, obj = mismatched(pairs), PAIRED
+        pairs, obj = mismatched(pairs), SIDES
     print_ = fingerprint(ref_path, {"reference": kind, "quantize": cfg["reference_quantize"],
                                     "model": ref_path}, pairs)
     path = Path(run_dir) / TABLE

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 from . import checkpoint, settings
 from .checkpoint import Interrupted  # noqa: F401 (raised here, caught by the CLI)
 from .objectives import ObjectiveConfig
+from .preflight import quantize_model
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
 
@@ -377,16 +378,6 @@ def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=N
         params.setdefault("dropout", 0.0)
         linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
     return model
-
-
-def quantize_model(model, quantize):
-    """Quantizes `model`'s dense layers ({"bits", "group_size"}) as prepare_model does."""
-    import mlx.nn as nn
-
-    gs, bits = quantize.get("group_size", 64), quantize.get("bits", 4)
-    nn.quantize(model, group_size=gs, bits=bits,
-                class_predicate=lambda _, m: hasattr(m, "to_quantized")
-                and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)
 
 
 def trainable_summary(model):
