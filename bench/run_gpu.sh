@@ -56,14 +56,12 @@ while [ $# -gt 0 ]; do
       shift ;;
     suite)
       start=$SECONDS
-      # One test at a time to each free worker, so that the long ones do not queue behind each other.
+      # Tests that compile the same kernels run on one worker (tests/conftest.py
+      # marks their groups), the others go one at a time to the free workers.
       # A test that hangs fails after FLASH_CCE_PER_TEST_TIMEOUT s with its stack
       # (pytest-timeout, where installed) instead of holding its worker's queue.
-      opts=()
+      opts=(--dist loadgroup)
       help=$(python3 -m pytest --help 2>/dev/null)
-      if grep -q -- --maxschedchunk <<<"$help"; then
-        opts+=(--maxschedchunk 1)
-      fi
       if grep -q -- "--timeout=" <<<"$help"; then
         opts+=(--timeout "${FLASH_CCE_PER_TEST_TIMEOUT:-240}")
       fi

@@ -81,6 +81,8 @@ GPU_SLOW_FIRST = ("test_compiled", "test_cli_runs", "test_objectives", "test_tra
                   "test_checkpoint", "test_attention", "test_controller")
 
 
+# Before pytest-xdist reads the groups (`--dist loadgroup`).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     if DEVICE == "gpu":
         def rank(item):
@@ -88,6 +90,22 @@ def pytest_collection_modifyitems(config, items):
             return GPU_SLOW_FIRST.index(name) if name in GPU_SLOW_FIRST else len(GPU_SLOW_FIRST)
 
         items.sort(key=rank)
+        for item in items:
+            group = _kernel_group(item)
+            if group:
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _kernel_group(item):
+    """The compiled layers' tests of one model compile the same kernels whatever
+    the prefix layout: under `--dist loadgroup` one worker runs them, compiling
+    once, instead of each worker compiling them again."""
+    params = getattr(item, "callspec", None)
+    if item.module.__name__.split(".")[-1] != "test_compiled" or params is None:
+        return None
+    arch = params.params.get("arch")
+    quantized = params.params.get("quantize", item.originalname == "test_dequantized_layers")
+    return f"compiled-{arch}-{'q' if quantized else 'dense'}" if arch else None
 
 
 def pytest_addoption(parser):
