@@ -10,7 +10,8 @@ on every linear layer of every block, random weights.
 
 Providers (each a full step: forward, backward, gradients evaluated):
   flash_cce             flash head + prefix sharing + segmented backward + blocked
-                        attention (defaults)
+                        attention (defaults; on a CUDA GPU from 8192 tokens per pair
+                        also the compiled layers)
   no_flash_head         same with the full-logits head
   no_prefix             same with two forwards instead of one prompt forward
   two_pass              prefix sharing as a prompt forward + a continuation of both
@@ -21,7 +22,8 @@ Providers (each a full step: forward, backward, gradients evaluated):
   mlx-lm-lora ckpt      the same with its `grad_checkpoint` (every block checkpointed)
   seg=K                 flash_cce with K layers per checkpoint segment (not in the default set)
   block=N               flash_cce with N queries per attention block (not in the default set)
-  compiled              flash_cce with the compiled layers (not in the default set)
+  compiled              flash_cce with the compiled layers at every length (not in the default set)
+  uncompiled            flash_cce without the compiled layers (not in the default set)
   pad=N                 flash_cce with `pad_to=N`: widths rounded up, the shared prompt
                         down, to multiples of N (not in the default set)
   X+Y                   switches combined, e.g. block=64+no_prefix
@@ -179,6 +181,7 @@ SWITCHES = {
     "two_pass": dict(prefix_packing=False),
     "no_segments": dict(segment_size=0),
     "compiled": dict(compiled_layers=True),
+    "uncompiled": dict(compiled_layers=False),
     "no_block_attn": dict(attention_block=0),
 }
 

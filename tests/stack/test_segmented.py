@@ -101,3 +101,30 @@ def test_default_segment_size():
     assert segment_size(StackConfig(), short) == 0
     assert segment_size(StackConfig(), long) >= 1
     assert segment_size(StackConfig(segment_size=3), short) == 3
+
+
+def test_default_compiled_layers(monkeypatch):
+    """By default the compiled layers run on a CUDA GPU for long pairs only; an
+    explicit setting holds everywhere, and a model they cannot run keeps autodiff."""
+    from flash_cce.stack import plan as plans
+
+    lm = LM(tiny_model("llama"))
+
+    def compiled(config, pair, compiles=True):
+        return plan(lm, config, pair, Scoring(), compiles=compiles).compiled
+
+    rng = np.random.default_rng(3)
+    short = random_pair(rng, 10, 10, 10)
+    long = random_pair(rng, 4096, 2048, 2048)  # 8192 + 4096 tokens
+    edge = random_pair(rng, 2048, 2048, 2048)  # exactly COMPILED_FROM_TOKENS
+    assert plans.COMPILED_FROM_TOKENS == 8192
+    for cuda in (False, True):
+        monkeypatch.setattr(plans, "on_cuda", lambda cuda=cuda: cuda)
+        assert compiled(StackConfig(), short) is False
+        assert compiled(StackConfig(), long) is cuda
+        assert compiled(StackConfig(), edge) is cuda
+        assert compiled(StackConfig(), long, compiles=False) is False
+        assert compiled(StackConfig(compiled_layers=True), short) is True
+        assert compiled(StackConfig(compiled_layers=False), long) is False
+    with pytest.raises(ValueError, match="compiled_layers must be None, True or False"):
+        StackConfig(compiled_layers=1).validate()

@@ -50,6 +50,26 @@ def test_pad_to_settings(tmp_path):
         build_parser().parse_args(["train", "--pad-to", "wide"])
 
 
+def test_compiled_layers_settings(tmp_path):
+    def compiled_layers(*argv, yaml=None):
+        args = build_parser().parse_args(["train", *argv])
+        cfg_file = None
+        if yaml is not None:
+            cfg_file = tmp_path / "c.yaml"
+            cfg_file.write_text(yaml)
+        return objective_config(resolve_config(vars(args), cfg_file)).stack.compiled_layers
+
+    assert compiled_layers() is None  # auto: the stack's plan decides
+    assert compiled_layers("--compiled-layers") is True  # the flag alone
+    assert compiled_layers("--compiled-layers", "false") is False
+    assert compiled_layers("--compiled-layers", "auto") is None
+    assert compiled_layers(yaml="compiled_layers: true\n") is True
+    with pytest.raises(ValueError, match="compiled_layers: got 'on' \\(a string\\); allowed: auto, true or false"):
+        compiled_layers(yaml="compiled_layers: 'on'\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--compiled-layers", "on"])
+
+
 def _train_argv(model_dir, data_dir, run_dir, iters, *extra):
     return ["train", "--model", str(model_dir), "--data", str(data_dir), "--run-dir", str(run_dir),
             "--iters", str(iters), "--batch-size", "4", "--num-layers", "-1", "--lora-rank", "4",

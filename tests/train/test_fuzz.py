@@ -191,7 +191,7 @@ def bad_flags(draw):
         name = draw(NAMES.filter(lambda n: n not in settings.BY_NAME and n not in settings.NESTED_FLAGS))
         bad, needle = ["--" + name.replace("_", "-"), "1"], "unrecognized arguments"
     elif kind == "missing value":
-        s = draw(st.sampled_from(FLAGS))
+        s = draw(st.sampled_from([s for s in FLAGS if s.kind != "auto_bool"]))  # alone: true
         bad, needle = [s.flag_name], s.flag_name
     else:
         bad, needle = [draw(TEXT.filter(lambda t: t and not t.startswith("-")))], "unrecognized arguments"

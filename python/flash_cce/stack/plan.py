@@ -11,6 +11,8 @@ lengths, so pairs of one shape share a plan (and the traces of compiled layers).
 from dataclasses import dataclass
 from typing import Optional
 
+import mlx.core as mx
+
 from .attention import DEFAULT_BLOCK
 from .prefix import packed_layout
 
@@ -21,6 +23,11 @@ from .prefix import packed_layout
 SEGMENT_FROM_TOKENS = 1024
 DEFAULT_SEGMENT_SIZE = 1
 
+# Tokens per pair from which the default runs the compiled layers on a CUDA GPU,
+# where they make long steps faster for a little more memory (docs/stack.md);
+# below it the saving is small and each new pair shape costs a trace.
+COMPILED_FROM_TOKENS = 8192
+
 
 @dataclass(frozen=True)
 class StackConfig:
@@ -30,7 +37,7 @@ class StackConfig:
     prefix_packing: Optional[bool] = None  # shared-prompt layout: True packed rows, False two passes
     flash_head: bool = True  # log-probs from `linear_logprobs` (no [tokens, V] logits)
     segment_size: Optional[int] = None  # layers per checkpoint segment; 0: off
-    compiled_layers: bool = False  # gradients layer by layer through compiled layers where supported
+    compiled_layers: Optional[bool] = None  # gradients layer by layer through compiled layers where supported
     # Round sequence widths up to a multiple and the shared prompt down to one
     # (exact, see `prefix.sequence_hidden`), so that pairs of nearby lengths share shapes
     pad_to: Optional[int] = None
@@ -38,11 +45,12 @@ class StackConfig:
     attention_block: Optional[int] = None  # queries per block of the training attention; 0: mlx-lm's
 
     def validate(self):
-        for name in ("prefix_sharing", "flash_head", "compiled_layers"):
+        for name in ("prefix_sharing", "flash_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefix_packing not in (None, True, False):
-            raise ValueError(f"prefix_packing must be None, True or False, got {self.prefix_packing!r}")
+        for name in ("prefix_packing", "compiled_layers"):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+                raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}")
         for name, low in (("segment_size", 0), ("pad_to", 1), ("max_length", 2), ("attention_block", 0)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= low):
@@ -93,13 +101,21 @@ def plan(lm, config, pair, scoring, compiles):
         prompt_len -= prompt_len % config.pad_to
     packed = bool(prompt_len) and packed_layout(lm, sequences(pair, scoring), prompt_len,
                                                 config.prefix_packing)
+    tokens = len(pair.chosen) + len(pair.rejected)
     segment_size = config.segment_size
     if segment_size is None:
-        tokens = len(pair.chosen) + len(pair.rejected)
         segment_size = DEFAULT_SEGMENT_SIZE if tokens >= SEGMENT_FROM_TOKENS else 0
+    compiled = config.compiled_layers
+    if compiled is None:
+        compiled = on_cuda() and tokens >= COMPILED_FROM_TOKENS
     return Plan(prompt_len=prompt_len or None, packed=packed, pad_to=config.pad_to,
-                segment_size=segment_size, compiled=config.compiled_layers and compiles,
+                segment_size=segment_size, compiled=compiled and compiles,
                 attention_block=attention_block(config), flash_head=config.flash_head)
+
+
+def on_cuda():
+    """Whether the stack runs on an NVIDIA GPU (MLX's CUDA backend)."""
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def attention_block(config):

@@ -62,7 +62,7 @@ class _Run(contextlib.ExitStack):
         super().__init__()
         config.validate()
         self.lm, self.config, self.scoring = LM(model), config, scoring
-        self.compiles = config.compiled_layers and compiled.supported(self.lm)
+        self.compiles = config.compiled_layers is not False and compiled.supported(self.lm)
         self.contexts = [routed(model, attention_block(config))] + ([training_layers()] if training else [])
         self.plans = {}
 

@@ -19,24 +19,19 @@ from .preflight import (RunError, check_capture, check_init_adapters, check_mode
 from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
-# the shapes of earlier ones: a new shape costs MLX's CUDA backend time.
-# One H200, bench/bench_orpo.py --vary-prompt 8 (a new prompt length every step),
-# model A 4-bit: 799 -> 389 ms at 1k tokens, 1050 -> 732 at 4k (README).
+# the shapes of earlier ones: a new shape costs MLX's CUDA backend time
+# (docs/benchmarks.md, `bench_orpo.py --vary-prompt`).
 AUTO_PAD = 64
 
 PATHS = ("data", "run_dir", "resume", "init_adapters", "gpu_capture")
 TRANSIENT = ("resume", "gpu_capture")  # not part of the recipe saved in config.yaml
 
 
-def on_cuda():
-    import mlx.core as mx
-
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
 def pad_to(value):
     """ObjectiveConfig's pad_to for the setting `value` (auto, 0 or a multiple)."""
     if value == "auto":
+        from ..stack.plan import on_cuda
+
         return AUTO_PAD if on_cuda() else None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"pad_to: expected auto, 0 or a positive integer, got {value!r}")
@@ -48,8 +43,9 @@ def objective_config(cfg):
     from .objectives import ObjectiveConfig
 
     stack = StackConfig(pad_to=pad_to(cfg["pad_to"]),
+                        compiled_layers=None if cfg["compiled_layers"] == "auto" else cfg["compiled_layers"],
                         **{k: cfg[k] for k in ("prefix_sharing", "flash_head", "segment_size",
-                                               "compiled_layers", "attention_block")})
+                                               "attention_block")})
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"], stack=stack,
                           **{k: cfg[k] for k in ("loss_type", "label_smoothing", "cpo_alpha", "desirable_weight",
                                                  "undesirable_weight", "pref_weight", "nll_on_prompt")})

@@ -187,8 +187,9 @@ SETTINGS = (
       commands=BOTH, resume="free"),
     S("segment_size", "int", None, "Layers per gradient-checkpoint segment (0: off; null: by length).",
       low=0, optional=True, commands=BOTH, resume="free"),
-    S("compiled_layers", "bool", False, "Gradients layer by layer through compiled layers where supported.",
-      commands=BOTH, resume="free"),
+    S("compiled_layers", "auto_bool", AUTO,
+      "Gradients layer by layer through compiled layers where supported (auto: on a CUDA GPU from 8192 "
+      "tokens per pair).", commands=BOTH, resume="free"),
     S("pad_to", "auto_int", AUTO,
       "Round sequence widths up, and the shared prompt down, to a multiple (0: off; auto: 64 on a CUDA GPU, else off).",
       low=0, commands=BOTH, resume="free"),
@@ -498,6 +499,9 @@ def add_flags(parser, command):
         if s.kind == "bool":
             parser.add_argument(s.flag_name, dest=s.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=_help(s))
+        elif s.kind == "auto_bool":  # the flag alone means true
+            parser.add_argument(s.flag_name, dest=s.name, default=None, type=flag_type(s), nargs="?",
+                                const=True, metavar=s.name.upper(), help=_help(s))
         else:
             parser.add_argument(s.flag_name, dest=s.name, default=None, type=flag_type(s),
                                 metavar=s.name.upper(), help=_help(s))
