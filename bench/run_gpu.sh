@@ -68,7 +68,7 @@ while [ $# -gt 0 ]; do
       # One BLAS / OpenMP thread per worker: the workers share the cores.
       FLASH_CCE_TEST_DEVICE=gpu SUITE_LOG_DIR="$out" PYTHONPATH="$PWD/bench:$PYTHONPATH" \
         OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-        timeout ${FLASH_CCE_SUITE_TIMEOUT:-470} python3 -m pytest -q -rfE -p suite_log \
+        timeout ${FLASH_CCE_SUITE_TIMEOUT:-470} python3 -m pytest -q -rfE -p suite_log -p suite_schedule \
         -n "${FLASH_CCE_SUITE_WORKERS:-15}" "${opts[@]}" --durations=25 tests 2>&1 |
         grep -v -e PytestBenchmarkWarning -e 'warner(' | tee "$out/suite_gpu.log" | tail -45 || status=1
       echo "suite: $((SECONDS - start)) s" ;;
