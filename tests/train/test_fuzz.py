@@ -308,3 +308,16 @@ def test_bad_configs_through_the_script(env, request, tmp_path_factory):
 
     run_property(request, "subprocess", st.tuples(bad_config(), bad_flags()), check)
     assert snapshot(finished) == before
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--objective", "dpo", "--loss-type", "exo_pair"], ("label_smoothing", "exo_pair")),
+    (["--objective", "orpo", "--loss-type", "bco_pair"], ("loss_type", "orpo")),
+])
+def test_objective_combinations_are_one_line_errors(env, flags, needles):
+    """Settings valid alone but not together are refused before anything is written."""
+    tmp, model_dir, data_dir, _ = env
+    run_dir = tmp / f"combination-{flags[-1]}"
+    rc, err = in_process([*train_argv(model_dir, data_dir, run_dir, 2), *flags])
+    assert_one_line_error(rc, err, *needles)
+    assert not run_dir.exists()

@@ -153,11 +153,17 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def trl_dpo(loss_type, beta, eps=0.0, f=FIXED):
+def trl_dpo(loss_type, beta, eps=0.0, f=FIXED, tau=0.05):
     """TRL DPOTrainer._compute_loss (reverse KL, one loss_type), float64 numpy."""
     cl, rl = f["c_sum"] - f["ref_c"], f["r_sum"] - f["ref_r"]
     d = cl - rl
+    x = beta * d
     per = {
+        "exo_pair": lambda: (_sigmoid(x) * (_logsigmoid(x) - np.log1p(-eps))
+                             + _sigmoid(-x) * (_logsigmoid(-x) - np.log(eps))),
+        "bco_pair": lambda: -_logsigmoid(beta * cl) - _logsigmoid(-beta * rl),
+        "discopop": lambda: (-_logsigmoid(x) * (1 - _sigmoid(x / tau)) + np.exp(-x) * _sigmoid(x / tau)),
+        "sigmoid_norm": lambda: -_logsigmoid(beta * (cl / f["c_n"] - rl / f["r_n"])),
         "sigmoid": lambda: -_logsigmoid(beta * d),
         "hinge": lambda: np.maximum(0.0, 1 - beta * d),
         "ipo": lambda: (cl / f["c_n"] - rl / f["r_n"] - 1 / (2 * beta)) ** 2,
@@ -228,9 +234,16 @@ def _check_all(got_terms, got_metrics, want_loss, want_metrics):
 @pytest.mark.parametrize("loss_type", losses.DPO_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_dpo_loss_types_match_trl(loss_type, beta):
-    eps = 0.2 if loss_type == "robust" else 0.0
+    eps = {"robust": 0.2, "exo_pair": 1e-3}.get(loss_type, 0.0)
     cfg = ObjectiveConfig(name="dpo", beta=beta, loss_type=loss_type, label_smoothing=eps)
     _check_all(*losses.dpo(_stats(), cfg), *trl_dpo(loss_type, beta, eps))
+
+
+@pytest.mark.parametrize("loss_type, eps, tau", [("exo_pair", 0.3, 0.05), ("discopop", 0.0, 0.7)])
+def test_dpo_loss_type_settings(loss_type, eps, tau):
+    """EXO's epsilon and DiscoPOP's temperature reach the loss."""
+    cfg = ObjectiveConfig(name="dpo", beta=0.2, loss_type=loss_type, label_smoothing=eps, discopop_tau=tau)
+    _check_all(*losses.dpo(_stats(), cfg), *trl_dpo(loss_type, 0.2, eps, tau=tau))
 
 
 def test_dpo_default_loss_type_is_sigmoid():
@@ -275,7 +288,9 @@ def test_kto_kl_carries_no_gradient():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(name="dpo", loss_type="exo_pair"), r"loss_type for dpo must be one of \['sigmoid'"),
+    (dict(name="dpo", loss_type="aot"), r"loss_type for dpo must be one of \['sigmoid'"),
+    (dict(name="dpo", loss_type="exo_pair"), "label_smoothing must be > 0 for loss_type exo_pair"),
+    (dict(name="dpo", loss_type="discopop", discopop_tau=0.0), "discopop_tau must be > 0"),
     (dict(name="orpo", loss_type="sigmoid"), "objective 'orpo' has no loss types"),
     (dict(name="cpo", loss_type="simpo", beta=0.0), "beta must be > 0 for cpo"),
     (dict(name="dpo", loss_type="robust", label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),

@@ -108,3 +108,11 @@ def test_docs_reference_is_the_schema():
     """docs/training.md carries the table `reference_markdown` makes."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     assert settings.reference_markdown() in doc
+
+
+def test_loss_types_are_the_objectives():
+    """The schema's loss_type choices are the loss types the objectives take."""
+    from flash_cce.train import losses
+
+    want = {t for obj in losses.OBJECTIVES.values() for t in obj.loss_types}
+    assert set(settings.LOSS_TYPES) == want

@@ -134,6 +134,21 @@ def _dpo_terms(stats, cfg):
         return 1 - mx.sigmoid(beta * chosen) + mx.sigmoid(beta * rejected)
     if kind == "apo_down":
         return mx.sigmoid(beta * chosen) + 1 - mx.sigmoid(beta * delta)
+    if kind == "exo_pair":
+        # KL from the model's two-way preference to labels smoothed by eps (EXO).
+        x = beta * delta
+        return (mx.sigmoid(x) * (nn.log_sigmoid(x) - math.log1p(-eps))
+                + mx.sigmoid(-x) * (nn.log_sigmoid(-x) - math.log(eps)))
+    if kind == "bco_pair":
+        return -nn.log_sigmoid(beta * chosen) - nn.log_sigmoid(-beta * rejected)
+    if kind == "discopop":
+        # Logistic where the margin is negative, exponential where positive, mixed by sigmoid(x / tau).
+        x = beta * delta
+        mix = mx.sigmoid(x / cfg.discopop_tau)
+        return -nn.log_sigmoid(x) * (1 - mix) + mx.exp(-x) * mix
+    if kind == "sigmoid_norm":
+        avg = chosen / mx.maximum(stats["c_n"], 1.0) - rejected / mx.maximum(stats["r_n"], 1.0)
+        return -nn.log_sigmoid(beta * avg)
     raise ValueError(f"loss_type for dpo must be one of {DPO_LOSS_TYPES}, got {kind!r}")
 
 
@@ -214,7 +229,8 @@ def sft(stats, cfg, n_pairs=None, nll_tokens=None):
     return nll, {"nll_loss": nll.sum(), "logps/chosen": (stats["c_sum"] / stats["c_n"]).mean()}
 
 
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down")
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
+                  "exo_pair", "bco_pair", "discopop", "sigmoid_norm")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 PREF_WEIGHTED = ("orpo", "orpo_margin", "cpo")  # an NLL term and a weighted preference term
@@ -277,6 +293,11 @@ def validate(cfg):
         raise ValueError(f"beta must be > 0 for {cfg.name}, got {cfg.beta}")
     if not 0 <= cfg.label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}")
+    if loss_type(cfg) == "exo_pair" and not cfg.label_smoothing > 0:
+        raise ValueError("label_smoothing must be > 0 for loss_type exo_pair (EXO's epsilon; the paper "
+                         f"uses 1e-3), got {cfg.label_smoothing}")
+    if not cfg.discopop_tau > 0:
+        raise ValueError(f"discopop_tau must be > 0, got {cfg.discopop_tau}")
     if not cfg.pref_weight >= 0:
         raise ValueError(f"pref_weight must be >= 0, got {cfg.pref_weight}")
     if not cfg.cpo_alpha >= 0:

@@ -29,7 +29,8 @@ class ObjectiveConfig:
     beta: float = 0.1
     gamma: float = 0.5  # SimPO / ORPO+margin / CPO-simpo target margin
     loss_type: Optional[str] = None  # TRL's loss_type of dpo / cpo / kto; None: the default
-    label_smoothing: float = 0.0  # DPO robust, CPO sigmoid/simpo
+    label_smoothing: float = 0.0  # DPO robust / exo_pair, CPO sigmoid/simpo
+    discopop_tau: float = 0.05  # DPO discopop's temperature
     cpo_alpha: float = 1.0  # weight of CPO's NLL term
     pref_weight: float = 1.0  # weight of the preference term of orpo / orpo_margin / cpo
     desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable examples

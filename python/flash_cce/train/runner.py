@@ -47,8 +47,9 @@ def objective_config(cfg):
                         **{k: cfg[k] for k in ("prefix_sharing", "flash_head", "segment_size",
                                                "attention_block")})
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"], stack=stack,
-                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "cpo_alpha", "desirable_weight",
-                                                 "undesirable_weight", "pref_weight", "nll_on_prompt")})
+                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "discopop_tau", "cpo_alpha",
+                                                 "desirable_weight", "undesirable_weight", "pref_weight",
+                                                 "nll_on_prompt")})
     obj.validate()
     return obj
 

@@ -105,9 +105,10 @@ QUANTIZE_FIELDS = (
     S("group_size", "int", 64, "Weights per scale.", choices=(32, 64, 128)),
 )
 
-# TRL's loss types of dpo, cpo and kto (flash_cce.train.losses checks which objective takes which).
+# TRL's loss types of dpo, cpo and kto (flash_cce.train.losses checks which objective takes which;
+# this module is read before MLX is imported, so it keeps its own list).
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-              "simpo", "kto", "apo_zero_unpaired")
+              "exo_pair", "bco_pair", "discopop", "sigmoid_norm", "simpo", "kto", "apo_zero_unpaired")
 CONTROLLER_FIELDS = (
     S("law", "str", "pid", "Control law.", choices=("p", "pd", "pid")),
     S("scale", "str", "log", "Errors and weights as ratios (log: w = w0 exp(u), e = log(target / NLL)) "
@@ -156,8 +157,10 @@ SETTINGS = (
     S("gamma", "float", 0.5, "Target margin of simpo / orpo_margin / cpo's simpo loss.", low=0, commands=BOTH),
     S("loss_type", "str", None, "TRL's loss_type of dpo, cpo or kto (null: sigmoid for dpo and cpo, kto for kto).",
       choices=tuple(dict.fromkeys(LOSS_TYPES)), optional=True, commands=BOTH),
-    S("label_smoothing", "float", 0.0, "Label noise of dpo's robust and cpo's sigmoid/simpo losses.",
-      low=0, high=0.5, high_open=True, commands=BOTH),
+    S("label_smoothing", "float", 0.0, "Label noise of dpo's robust and cpo's sigmoid/simpo losses; "
+      "dpo's exo_pair epsilon (> 0 there).", low=0, high=0.5, high_open=True, commands=BOTH),
+    S("discopop_tau", "float", 0.05, "Temperature of dpo's discopop loss.", low=0, low_open=True,
+      commands=BOTH),
     S("cpo_alpha", "float", 1.0, "Weight of cpo's chosen-response NLL.", low=0, commands=BOTH),
     S("desirable_weight", "float", 1.0, "kto's weight of desirable examples.", low=0, low_open=True,
       commands=BOTH),
