@@ -182,12 +182,17 @@ def trl_dpo(loss_type, beta, eps=0.0, f=FIXED, tau=0.05):
     }
 
 
-def trl_cpo(loss_type, beta, cpo_alpha, gamma=0.5, eps=0.0, f=FIXED):
-    """TRL CPOTrainer.cpo_loss + get_batch_loss_metrics (alpha = 0), float64 numpy.
-    The NLL is the chosen response's token mean (prompt labels masked)."""
+def trl_cpo(loss_type, beta, cpo_alpha, gamma=0.5, eps=0.0, f=FIXED, alpha=0.0):
+    """TRL CPOTrainer.cpo_loss + get_batch_loss_metrics, float64 numpy. The NLL
+    is the chosen response's token mean (prompt labels masked)."""
+    if loss_type == "alphapo":  # CPOConfig.__post_init__
+        loss_type, cpo_alpha = "simpo", 0.0
     avg = loss_type in ("ipo", "simpo")
-    cw = f["c_sum"] / f["c_n"] if avg else f["c_sum"]
-    rw = f["r_sum"] / f["r_n"] if avg else f["r_sum"]
+    logps_c = f["c_sum"] / f["c_n"] if avg else f["c_sum"]
+    logps_r = f["r_sum"] / f["r_n"] if avg else f["r_sum"]
+    cw, rw = logps_c, logps_r
+    if alpha != 0:
+        cw, rw = (1 - np.exp(logps_c) ** -alpha) / alpha, (1 - np.exp(logps_r) ** -alpha) / alpha
     logits = cw - rw
     if loss_type == "simpo":
         logits = logits - gamma / beta
@@ -202,7 +207,7 @@ def trl_cpo(loss_type, beta, cpo_alpha, gamma=0.5, eps=0.0, f=FIXED):
     return per.mean() + cpo_alpha * nll, {
         "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
         "rewards/accuracies": (cr > rr).mean(), "rewards/margins": (cr - rr).mean(),
-        "logps/chosen": cw.mean(), "logps/rejected": rw.mean(), "nll_loss": nll,
+        "logps/chosen": logps_c.mean(), "logps/rejected": logps_r.mean(), "nll_loss": nll,
     }
 
 
@@ -252,11 +257,12 @@ def test_dpo_default_loss_type_is_sigmoid():
 
 
 @pytest.mark.parametrize("loss_type", losses.CPO_LOSS_TYPES)
-def test_cpo_loss_types_match_trl(loss_type):
+@pytest.mark.parametrize("alpha", [0.0, 0.25, -0.1])  # AlphaPO's reward shape, 0: log-probs
+def test_cpo_loss_types_match_trl(loss_type, alpha):
     eps = 0.1 if loss_type in ("sigmoid", "simpo") else 0.0
     cfg = ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type=loss_type,
-                          label_smoothing=eps, cpo_alpha=0.6)
-    _check_all(*losses.cpo(_stats(), cfg), *trl_cpo(loss_type, 0.4, 0.6, 0.3, eps))
+                          label_smoothing=eps, cpo_alpha=0.6, alpha=alpha)
+    _check_all(*losses.cpo(_stats(), cfg), *trl_cpo(loss_type, 0.4, 0.6, 0.3, eps, alpha=alpha))
 
 
 def _kto_stats(kl_value):
@@ -291,6 +297,8 @@ def test_kto_kl_carries_no_gradient():
     (dict(name="dpo", loss_type="aot"), r"loss_type for dpo must be one of \['sigmoid'"),
     (dict(name="dpo", loss_type="exo_pair"), "label_smoothing must be > 0 for loss_type exo_pair"),
     (dict(name="dpo", loss_type="discopop", discopop_tau=0.0), "discopop_tau must be > 0"),
+    (dict(name="simpo", alpha=0.5), r"alpha \(AlphaPO\) is a cpo setting"),
+    (dict(name="cpo", alpha=float("nan")), r"alpha \(AlphaPO\) is a cpo setting, a finite number"),
     (dict(name="orpo", loss_type="sigmoid"), "objective 'orpo' has no loss types"),
     (dict(name="cpo", loss_type="simpo", beta=0.0), "beta must be > 0 for cpo"),
     (dict(name="dpo", loss_type="robust", label_smoothing=0.5), r"label_smoothing must be in \[0, 0.5\)"),

@@ -78,14 +78,18 @@ def _ref_loss(model, pairs, cfg, ref=None):
     if cfg.name == "dpo":
         return _ref_dpo(s, ref, cfg).mean()
     if cfg.name == "cpo":
-        avg = cfg.loss_type in ("ipo", "simpo")
-        x = (lw - ll) if avg else (s["c_sum"] - s["r_sum"])
-        b = cfg.beta
+        kind, nll_weight = cfg.loss_type, cfg.cpo_alpha
+        if kind == "alphapo":
+            kind, nll_weight = "simpo", 0.0
+        cw, rw = (lw, ll) if kind in ("ipo", "simpo") else (s["c_sum"], s["r_sum"])
+        if cfg.alpha:
+            cw, rw = (1 - mx.exp(cw) ** -cfg.alpha) / cfg.alpha, (1 - mx.exp(rw) ** -cfg.alpha) / cfg.alpha
+        x, b = cw - rw, cfg.beta
         per = {"sigmoid": lambda: -nn.log_sigmoid(b * x),
                "simpo": lambda: -nn.log_sigmoid(b * x - cfg.gamma),
                "hinge": lambda: mx.maximum(1 - b * x, 0.0),
-               "ipo": lambda: (x - 1 / (2 * b)) ** 2}[cfg.loss_type]()
-        return per.mean() + cfg.cpo_alpha * nll
+               "ipo": lambda: (x - 1 / (2 * b)) ** 2}[kind]()
+        return per.mean() + nll_weight * nll
     return nll
 
 
@@ -189,17 +193,18 @@ def test_dpo_reference_is_the_model_without_adapters(loss_type):
     assert abs(metrics["rewards/margins"].item()) > 1e-4
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "simpo", "hinge", "ipo"])
-def test_cpo_matches_reference(loss_type):
+@pytest.mark.parametrize("loss_type, alpha", [(t, 0.0) for t in losses.CPO_LOSS_TYPES]
+                         + [("alphapo", 0.3), ("sigmoid", -0.05)])
+def test_cpo_matches_reference(loss_type, alpha):
     """CPO's NLL covers the chosen response only (TRL masks the prompt's labels),
     whatever nll_on_prompt says."""
     model = tiny_model("llama", lora=True)
     pairs = _pairs(9)
-    cfg = ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type, cpo_alpha=0.7)
+    cfg = ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type, cpo_alpha=0.7, alpha=alpha)
     loss, grads, metrics = value_and_grad(model, pairs, cfg)
     want_loss, want_grads = _ref_value_and_grad(
         model, pairs, ObjectiveConfig(name="cpo", beta=0.5, gamma=0.3, loss_type=loss_type,
-                                      cpo_alpha=0.7, nll_on_prompt=False))
+                                      cpo_alpha=0.7, alpha=alpha, nll_on_prompt=False))
     _close(loss, want_loss)
     _grads_close(grads, want_grads)
 

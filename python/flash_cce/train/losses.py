@@ -169,10 +169,16 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     the chosen response's NLL (with loss_type simpo: SFT + SimPO in one stage)."""
     n = stats["c_sum"].size if n_pairs is None else n_pairs
     beta, kind = cfg.beta, loss_type(cfg)
+    cpo_alpha = 0.0 if kind == "alphapo" else cfg.cpo_alpha  # TRL: alphapo is simpo without the NLL
+    kind = "simpo" if kind == "alphapo" else kind
     if kind in ("ipo", "simpo"):  # length-averaged log-probs
-        lw, ll = stats["c_sum"] / stats["c_n"], stats["r_sum"] / stats["r_n"]
+        logps_w, logps_l = stats["c_sum"] / stats["c_n"], stats["r_sum"] / stats["r_n"]
     else:
-        lw, ll = stats["c_sum"], stats["r_sum"]
+        logps_w, logps_l = stats["c_sum"], stats["r_sum"]
+    lw, ll = logps_w, logps_l  # the rewards
+    if cfg.alpha != 0:
+        # AlphaPO's rewards (1 - p^-alpha) / alpha of p = exp(log-prob), written with expm1.
+        lw, ll = -mx.expm1(-cfg.alpha * lw) / cfg.alpha, -mx.expm1(-cfg.alpha * ll) / cfg.alpha
     logits = lw - ll
     if kind == "simpo":
         pref = _sigmoid_smoothed(beta * (logits - cfg.gamma / beta), cfg.label_smoothing)
@@ -185,9 +191,9 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     else:
         raise ValueError(f"loss_type for cpo must be one of {CPO_LOSS_TYPES}, got {kind!r}")
     nll = _nll(stats, nll_tokens)
-    terms = cfg.pref_weight * pref / n + cfg.cpo_alpha * nll
+    terms = cfg.pref_weight * pref / n + cpo_alpha * nll
     metrics = _reward_metrics(beta * lw, beta * ll)
-    metrics.update({"logps/chosen": lw.mean(), "logps/rejected": ll.mean(), "nll_loss": nll.sum()})
+    metrics.update({"logps/chosen": logps_w.mean(), "logps/rejected": logps_l.mean(), "nll_loss": nll.sum()})
     return terms, metrics
 
 
@@ -231,7 +237,7 @@ def sft(stats, cfg, n_pairs=None, nll_tokens=None):
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
                   "exo_pair", "bco_pair", "discopop", "sigmoid_norm")
-CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 PREF_WEIGHTED = ("orpo", "orpo_margin", "cpo")  # an NLL term and a weighted preference term
 
@@ -296,6 +302,8 @@ def validate(cfg):
     if loss_type(cfg) == "exo_pair" and not cfg.label_smoothing > 0:
         raise ValueError("label_smoothing must be > 0 for loss_type exo_pair (EXO's epsilon; the paper "
                          f"uses 1e-3), got {cfg.label_smoothing}")
+    if not math.isfinite(cfg.alpha) or (cfg.alpha != 0 and cfg.name != "cpo"):
+        raise ValueError(f"alpha (AlphaPO) is a cpo setting, a finite number; got {cfg.alpha} for {cfg.name}")
     if not cfg.discopop_tau > 0:
         raise ValueError(f"discopop_tau must be > 0, got {cfg.discopop_tau}")
     if not cfg.pref_weight >= 0:

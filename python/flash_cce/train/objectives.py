@@ -32,6 +32,7 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0  # DPO robust / exo_pair, CPO sigmoid/simpo
     discopop_tau: float = 0.05  # DPO discopop's temperature
     cpo_alpha: float = 1.0  # weight of CPO's NLL term
+    alpha: float = 0.0  # CPO's AlphaPO reward shape (0: log-prob rewards)
     pref_weight: float = 1.0  # weight of the preference term of orpo / orpo_margin / cpo
     desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable examples
     undesirable_weight: float = 1.0

@@ -47,7 +47,7 @@ def objective_config(cfg):
                         **{k: cfg[k] for k in ("prefix_sharing", "flash_head", "segment_size",
                                                "attention_block")})
     obj = ObjectiveConfig(name=cfg["objective"], beta=cfg["beta"], gamma=cfg["gamma"], stack=stack,
-                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "discopop_tau", "cpo_alpha",
+                          **{k: cfg[k] for k in ("loss_type", "label_smoothing", "discopop_tau", "cpo_alpha", "alpha",
                                                  "desirable_weight", "undesirable_weight", "pref_weight",
                                                  "nll_on_prompt")})
     obj.validate()

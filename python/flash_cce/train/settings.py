@@ -108,7 +108,8 @@ QUANTIZE_FIELDS = (
 # TRL's loss types of dpo, cpo and kto (flash_cce.train.losses checks which objective takes which;
 # this module is read before MLX is imported, so it keeps its own list).
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-              "exo_pair", "bco_pair", "discopop", "sigmoid_norm", "simpo", "kto", "apo_zero_unpaired")
+              "exo_pair", "bco_pair", "discopop", "sigmoid_norm", "simpo", "alphapo", "kto",
+              "apo_zero_unpaired")
 CONTROLLER_FIELDS = (
     S("law", "str", "pid", "Control law.", choices=("p", "pd", "pid")),
     S("scale", "str", "log", "Errors and weights as ratios (log: w = w0 exp(u), e = log(target / NLL)) "
@@ -161,7 +162,10 @@ SETTINGS = (
       "dpo's exo_pair epsilon (> 0 there).", low=0, high=0.5, high_open=True, commands=BOTH),
     S("discopop_tau", "float", 0.05, "Temperature of dpo's discopop loss.", low=0, low_open=True,
       commands=BOTH),
-    S("cpo_alpha", "float", 1.0, "Weight of cpo's chosen-response NLL.", low=0, commands=BOTH),
+    S("cpo_alpha", "float", 1.0, "Weight of cpo's chosen-response NLL (loss_type alphapo: 0).", low=0,
+      commands=BOTH),
+    S("alpha", "float", 0.0, "cpo's AlphaPO reward shape: rewards (1 - p^-alpha) / alpha of the "
+      "responses' probabilities p (0: log-probs).", commands=BOTH),
     S("desirable_weight", "float", 1.0, "kto's weight of desirable examples.", low=0, low_open=True,
       commands=BOTH),
     S("undesirable_weight", "float", 1.0, "kto's weight of undesirable examples.", low=0, low_open=True,
