@@ -8,7 +8,9 @@
 #   suite     the whole pytest suite with FLASH_CCE_TEST_DEVICE=gpu, in
 #             FLASH_CCE_SUITE_WORKERS parallel processes (pytest-xdist; default 15),
 #             each test's result streamed to $OUT/suite_times.txt and
-#             suite_failures.txt (bench/suite_log.py)
+#             suite_failures.txt (bench/suite_log.py); the kernels MLX compiled at
+#             run time go to $OUT/mlx-ptx-cache.tar.xz, and FLASH_CCE_PTX_SEED
+#             (such an archive from an earlier run) fills the workers' caches first
 #   sanitize  compute-sanitizer memcheck and racecheck on a small shape
 #   bench ARGS...  bench/bench_head.py ARGS (must come last)
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
@@ -65,13 +67,26 @@ while [ $# -gt 0 ]; do
       if grep -q -- "--timeout=" <<<"$help"; then
         opts+=(--timeout "${FLASH_CCE_PER_TEST_TIMEOUT:-240}")
       fi
+      # Each worker keeps its own cache of the kernels MLX compiles at run time
+      # (tests/conftest.py: MLX writes an entry in place, so workers must not
+      # share one while they run); filled from FLASH_CCE_PTX_SEED where given.
+      workers=${FLASH_CCE_SUITE_WORKERS:-15}
+      tmp=$(python3 -c "import tempfile; print(tempfile.gettempdir())")
+      caches=()
+      for ((i = 0; i < workers; i++)); do
+        caches+=("$tmp/mlx-ptx-gw$i")
+      done
+      if [ -n "${FLASH_CCE_PTX_SEED:-}" ]; then
+        python3 bench/ptx_cache.py seed "$FLASH_CCE_PTX_SEED" "${caches[@]}"
+      fi
       # One BLAS / OpenMP thread per worker: the workers share the cores.
       FLASH_CCE_TEST_DEVICE=gpu SUITE_LOG_DIR="$out" PYTHONPATH="$PWD/bench:$PYTHONPATH" \
         OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 \
         timeout ${FLASH_CCE_SUITE_TIMEOUT:-470} python3 -m pytest -q -rfE -p suite_log -p suite_schedule \
-        -n "${FLASH_CCE_SUITE_WORKERS:-15}" "${opts[@]}" --durations=25 tests 2>&1 |
+        -n "$workers" "${opts[@]}" --durations=25 tests 2>&1 |
         grep -v -e PytestBenchmarkWarning -e 'warner(' | tee "$out/suite_gpu.log" | tail -45 || status=1
-      echo "suite: $((SECONDS - start)) s" ;;
+      echo "suite: $((SECONDS - start)) s"
+      python3 bench/ptx_cache.py merge "$out/mlx-ptx-cache.tar.xz" "${caches[@]}" ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/sanitize_head.py \
