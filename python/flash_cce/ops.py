@@ -31,9 +31,10 @@ def has_native_kernel(device=None):
 
 
 def _use_native(backend, stream, spec=None, h=None):
-    """Whether a call runs the native kernels. `spec` (a HeadSpec) and `h` let
-    "auto" consult the Metal gate: on a Metal GPU the kernels run only for
-    configurations that passed the self-check, and sizes they index (metal.py)."""
+    """Whether a call runs the native kernels. `spec` (a function returning the
+    call's HeadSpec, made only where needed) and `h` let "auto" consult the
+    Metal gate: on a Metal GPU the kernels run only for configurations that
+    passed the self-check, and sizes they index (metal.py)."""
     source = "backend"
     if backend is None:
         backend, source = os.environ.get("FLASH_CCE_BACKEND") or None, "FLASH_CCE_BACKEND"
@@ -47,7 +48,7 @@ def _use_native(backend, stream, spec=None, h=None):
         raise ValueError(f"backend='native' but {device} has no flash-CCE kernel")
     if backend == "native" or not native or spec is None or not metal.gated(device):
         return native
-    return metal.fits(h) and metal.GATE.allows(spec)
+    return metal.fits(h) and metal.GATE.allows(spec())
 
 
 def _is_tracing_error(err):
@@ -112,7 +113,7 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     _ext.check_tuning(tuning)
     if validate_targets:
         check_targets(targets, w.shape[0], ignore_index)
-    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size), h):
+    if _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h):
         logp, lse = _ext.forward(
             h, w, targets, scales, biases, group_size=group_size, bits=bits,
             softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
@@ -146,7 +147,7 @@ def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
     _ext.check_tuning(tuning)
     if compute_dw and scales is not None:
         raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
-    if _use_native(backend, stream, HeadSpec.of(h, w, scales, bits, group_size), h):
+    if _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h):
         out = _ext.backward(
             h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
             bits=bits, softcap=softcap, ignore_index=ignore_index,
