@@ -193,7 +193,8 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     nll = _nll(stats, nll_tokens)
     terms = cfg.pref_weight * pref / n + cpo_alpha * nll
     metrics = _reward_metrics(beta * lw, beta * ll)
-    metrics.update({"logps/chosen": logps_w.mean(), "logps/rejected": logps_l.mean(), "nll_loss": nll.sum()})
+    metrics.update({"logps/chosen": logps_w.mean(), "logps/rejected": logps_l.mean(),
+                    "nll_loss": nll.sum()})
     return terms, metrics
 
 
