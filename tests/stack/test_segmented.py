@@ -94,7 +94,7 @@ def test_default_segment_size():
     lm = LM(tiny_model("llama"))
 
     def segment_size(config, pair):
-        return plan(lm, config, pair, Scoring(), compiles=False).segment_size
+        return plan(lm, config, pair, Scoring(), compiles=lambda: False).segment_size
 
     short = random_pair(np.random.default_rng(3), 10, 10, 10)
     long = random_pair(np.random.default_rng(3), 1024, 512, 512)
@@ -110,8 +110,10 @@ def test_default_compiled_layers(monkeypatch):
 
     lm = LM(tiny_model("llama"))
 
+    asked = []
+
     def compiled(config, pair, compiles=True):
-        return plan(lm, config, pair, Scoring(), compiles=compiles).compiled
+        return plan(lm, config, pair, Scoring(), compiles=lambda: asked.append(1) or compiles).compiled
 
     rng = np.random.default_rng(3)
     short = random_pair(rng, 10, 10, 10)
@@ -120,7 +122,9 @@ def test_default_compiled_layers(monkeypatch):
     assert plans.COMPILED_FROM_TOKENS == 8192
     for cuda in (False, True):
         monkeypatch.setattr(plans, "on_cuda", lambda cuda=cuda: cuda)
+        asked.clear()
         assert compiled(StackConfig(), short) is False
+        assert not asked  # the model's parameters are walked only where the plan would compile
         assert compiled(StackConfig(), long) is cuda
         assert compiled(StackConfig(), edge) is cuda
         assert compiled(StackConfig(), long, compiles=False) is False

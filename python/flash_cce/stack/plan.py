@@ -94,8 +94,9 @@ def shares(pair, config, scoring):
 
 def plan(lm, config, pair, scoring, compiles):
     """The `Plan` of `pair` under `config`, made where the stack runs it (inside
-    `attention.routed`, which the packed layout needs). `compiles`: whether
-    `lm` can take `compiled`'s layers."""
+    `attention.routed`, which the packed layout needs). `compiles`: a function
+    saying whether `lm` can take `compiled`'s layers, asked only where the plan
+    would run them (it walks the model's parameters)."""
     prompt_len = pair.chosen_prompt_len if shares(pair, config, scoring) else None
     if prompt_len and config.pad_to:
         prompt_len -= prompt_len % config.pad_to
@@ -109,7 +110,7 @@ def plan(lm, config, pair, scoring, compiles):
     if compiled is None:
         compiled = on_cuda() and tokens >= COMPILED_FROM_TOKENS
     return Plan(prompt_len=prompt_len or None, packed=packed, pad_to=config.pad_to,
-                segment_size=segment_size, compiled=compiled and compiles,
+                segment_size=segment_size, compiled=bool(compiled and compiles()),
                 attention_block=attention_block(config), flash_head=config.flash_head)
 
 

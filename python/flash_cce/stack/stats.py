@@ -16,6 +16,7 @@ per-pair shares when each share knows the batch totals (pair count, NLL tokens).
 """
 
 import contextlib
+import functools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -62,7 +63,6 @@ class _Run(contextlib.ExitStack):
         super().__init__()
         config.validate()
         self.lm, self.config, self.scoring = LM(model), config, scoring
-        self.compiles = config.compiled_layers is not False and compiled.supported(self.lm)
         self.contexts = [routed(model, attention_block(config))] + ([training_layers()] if training else [])
         self.plans = {}
 
@@ -72,11 +72,15 @@ class _Run(contextlib.ExitStack):
             self.enter_context(c)
         return self
 
+    @functools.cached_property
+    def compiles(self):
+        return compiled.supported(self.lm)
+
     def plan(self, pair):
         key = (len(pair.chosen), len(pair.rejected), pair.chosen_prompt_len, pair.rejected_prompt_len,
                pair.shares_prompt())
         if key not in self.plans:
-            self.plans[key] = plan(self.lm, self.config, pair, self.scoring, self.compiles)
+            self.plans[key] = plan(self.lm, self.config, pair, self.scoring, lambda: self.compiles)
         return self.plans[key]
 
     def hidden(self, pair, plan, stack=None):
