@@ -61,14 +61,15 @@ def seed(archive, dirs, version):
     with tarfile.open(archive) as tar:
         if tar.extractfile(VERSION).read().decode() != version:
             return 0
-        members = [m for m in tar.getmembers() if m.isfile() and m.name != VERSION
-                   and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts]
-        for d in map(Path, dirs):
-            for m in members:
-                path = d / m.name
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(tar.extractfile(m).read())
-    return sum(m.name.endswith(".ptx") for m in members)
+        entries = {m.name: tar.extractfile(m).read() for m in tar.getmembers()
+                   if m.isfile() and m.name != VERSION
+                   and not Path(m.name).is_absolute() and ".." not in Path(m.name).parts}
+    for d in map(Path, dirs):
+        for name, data in entries.items():
+            path = d / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+    return sum(name.endswith(".ptx") for name in entries)
 
 
 def main(argv):
