@@ -6,15 +6,18 @@ archive (`bench/run_gpu.sh suite` writes it; FLASH_CCE_PTX_SEED gives it back):
     python bench/ptx_cache.py seed ARCHIVE CACHE_DIR...
 
 MLX names an entry after what it compiles (a compiled graph's operations, a
-custom kernel's name and source hash), stores it as NAME.ptx and NAME.txt (the
-kernels' mangled names), and reads it back whenever it meets the name, so an
-archive serves only the MLX version that wrote it (recorded in it; `seed`
-leaves the caches empty for another). A process stopped while writing leaves
-an entry cut short, so `merge` keeps whole ones only: a .ptx whose text ends
-with the closing brace of its last function, beside its .txt.
+custom kernel's name and source hash), stores it as NAME.ptx (PTX text, or a
+cubin: an ELF image, when NVRTC compiles for the device's own architecture)
+and NAME.txt (the kernels' mangled names, a line each), and reads it back
+whenever it meets the name, so an archive serves only the MLX version that
+wrote it (recorded in it; `seed` leaves the caches empty for another). A
+process stopped while writing leaves an entry cut short, so `merge` keeps whole
+ones only: a cubin as long as its ELF headers say, or PTX text ending with the
+closing brace of its last function, beside a names file of whole lines.
 """
 
 import io
+import struct
 import sys
 import tarfile
 from pathlib import Path
@@ -28,8 +31,35 @@ def mlx_version():
     return mx.__version__
 
 
+def _elf_length(data):
+    """The length an ELF64 image's headers give it: the end of its section
+    header table, program header table or furthest section with contents."""
+    if len(data) < 64 or data[4] != 2 or data[5] != 1:  # ELF64, little-endian
+        return None
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    end = max(phoff + phnum * phentsize, shoff + shnum * shentsize)
+    if len(data) < end:
+        return end
+    for k in range(shnum):
+        kind, _, _, offset, size = struct.unpack_from("<IQQQQ", data, shoff + k * shentsize + 4)
+        if kind != 8:  # SHT_NOBITS occupies no bytes of the file
+            end = max(end, offset + size)
+    return end
+
+
 def whole(ptx):
-    return ptx.read_bytes().rstrip().endswith(b"}") and ptx.with_suffix(".txt").exists()
+    data = ptx.read_bytes()
+    if data.startswith(b"\x7fELF"):
+        length = _elf_length(data)
+        complete = length is not None and len(data) >= length
+    else:  # NVRTC's PTX ends with a NUL
+        complete = data.rstrip(b"\0 \t\r\n").endswith(b"}")
+    names = ptx.with_suffix(".txt")
+    if not complete or not names.exists():
+        return False
+    lines = names.read_bytes()
+    return lines.endswith(b"\n") and all(b"\t" in line for line in lines.splitlines())
 
 
 def merge(out, dirs, version):

@@ -2,6 +2,7 @@
 only, and gives them back only to the MLX version that wrote them."""
 
 import importlib.util
+import struct
 import tarfile
 from pathlib import Path
 
@@ -10,13 +11,23 @@ spec = importlib.util.spec_from_file_location("ptx_cache", BENCH / "ptx_cache.py
 ptx_cache = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ptx_cache)
 
-PTX = ".version 8.0\n.target sm_90\n.visible .entry k()\n{\n\tret;\n}\n"
+PTX = ".version 8.0\n.target sm_90\n.visible .entry k()\n{\n\tret;\n}\n\0"  # as NVRTC ends it
+
+
+def _cubin(code=b"\x01" * 40):
+    """An ELF64 image laid out as nvcc's cubins are: header, section contents,
+    then the section header table (a null section and one holding `code`)."""
+    shoff = 64 + len(code)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack(
+        "<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 56, 0, 64, 2, 0)
+    section = struct.pack("<IIQQQQIIQQ", 0, 1, 0, 0, 64, len(code), 0, 0, 1, 0)
+    return header + code + bytes(64) + section
 
 
 def _entry(root, name, ptx=PTX, txt=True):
     path = root / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".ptx").write_text(ptx)
+    path.with_suffix(".ptx").write_bytes(ptx.encode() if isinstance(ptx, str) else ptx)
     if txt:
         path.with_suffix(".txt").write_text("k\tk\n")
 
@@ -28,15 +39,19 @@ def test_merge_keeps_whole_entries_once_and_seed_returns_them(tmp_path):
     _entry(a, "sub/only_a")
     _entry(b, "cut_short", ptx=PTX[:30])  # a process stopped while writing
     _entry(b, "no_names", txt=False)
+    _entry(a, "cubin", ptx=_cubin())
+    for cut in (-1, -128, -150):  # into its section header table, all of it, into the code
+        _entry(b, f"cubin_cut{-cut}", ptx=_cubin()[:cut])
     out = tmp_path / "cache.tar.xz"
-    assert ptx_cache.merge(out, [a, b], "0.32.4") == (2, 2)
+    assert ptx_cache.merge(out, [a, b], "0.32.4") == (3, 5)
     with tarfile.open(out) as tar:
-        assert sorted(tar.getnames()) == ["mlx-version", "shared.ptx", "shared.txt",
-                                          "sub/only_a.ptx", "sub/only_a.txt"]
+        assert sorted(tar.getnames()) == ["cubin.ptx", "cubin.txt", "mlx-version", "shared.ptx",
+                                          "shared.txt", "sub/only_a.ptx", "sub/only_a.txt"]
     fresh = [tmp_path / "new0", tmp_path / "new1"]
-    assert ptx_cache.seed(out, fresh, "0.32.4") == 2
+    assert ptx_cache.seed(out, fresh, "0.32.4") == 3
     for d in fresh:
         assert (d / "sub" / "only_a.ptx").read_text() == PTX
+        assert (d / "cubin.ptx").read_bytes() == _cubin()
         assert (d / "shared.txt").read_text() == "k\tk\n"
     other = tmp_path / "other"
     assert ptx_cache.seed(out, [other], "0.33.0") == 0
