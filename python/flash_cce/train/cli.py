@@ -103,8 +103,8 @@ def _spin(args, log=print):
 
 # MLX_MAX_MB_PER_BUFFER for training on NVIDIA GPUs: MLX frees a kernel's inputs
 # only once its CUDA graph has run, so smaller graphs lower the step's peak
-# memory (docs/stack.md).
-GRAPH_MB = "300"
+# memory, at little cost in time down to this size (docs/stack.md).
+GRAPH_MB = "40"
 
 
 def _set_graph_limit(command):
