@@ -14,14 +14,18 @@ spec.loader.exec_module(ptx_cache)
 PTX = ".version 8.0\n.target sm_90\n.visible .entry k()\n{\n\tret;\n}\n\0"  # as NVRTC ends it
 
 
-def _cubin(code=b"\x01" * 40):
+def _cubin(code=b"\x01" * 40, table_first=False):
     """An ELF64 image laid out as nvcc's cubins are: header, section contents,
-    then the section header table (a null section and one holding `code`)."""
-    shoff = 64 + len(code)
+    then the section header table (a null section, one holding `code` and a
+    shared-memory one, which occupies no bytes of the file); or, as ELF also
+    allows, the table before the contents."""
+    table = 3 * 64
+    shoff, at = (64, 64 + table) if table_first else (64 + len(code), 64)
     header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack(
-        "<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 56, 0, 64, 2, 0)
-    section = struct.pack("<IIQQQQIIQQ", 0, 1, 0, 0, 64, len(code), 0, 0, 1, 0)
-    return header + code + bytes(64) + section
+        "<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 56, 0, 64, 3, 0)
+    sections = (bytes(64) + struct.pack("<IIQQQQIIQQ", 0, 1, 0, 0, at, len(code), 0, 0, 1, 0)
+                + struct.pack("<IIQQQQIIQQ", 0, 8, 3, 0, at + len(code), 4096, 0, 0, 16, 0))
+    return header + (sections + code if table_first else code + sections)
 
 
 def _entry(root, name, ptx=PTX, txt=True):
@@ -40,10 +44,11 @@ def test_merge_keeps_whole_entries_once_and_seed_returns_them(tmp_path):
     _entry(b, "cut_short", ptx=PTX[:30])  # a process stopped while writing
     _entry(b, "no_names", txt=False)
     _entry(a, "cubin", ptx=_cubin())
-    for cut in (-1, -128, -150):  # into its section header table, all of it, into the code
+    for cut in (-1, -192, -214):  # into its section header table, all of it, into the code
         _entry(b, f"cubin_cut{-cut}", ptx=_cubin()[:cut])
+    _entry(b, "cubin_table_first_cut", ptx=_cubin(table_first=True)[:-1])  # into the code
     out = tmp_path / "cache.tar.xz"
-    assert ptx_cache.merge(out, [a, b], "0.32.4") == (3, 5)
+    assert ptx_cache.merge(out, [a, b], "0.32.4") == (3, 6)
     with tarfile.open(out) as tar:
         assert sorted(tar.getnames()) == ["cubin.ptx", "cubin.txt", "mlx-version", "shared.ptx",
                                           "shared.txt", "sub/only_a.ptx", "sub/only_a.txt"]
