@@ -15,6 +15,7 @@ the kernel's scratch comes from MLX's allocator, so it is included.
 
   python bench/bench_cpu_head.py                 # both shapes, JSON to bench/results/
   python bench/bench_cpu_head.py --shapes 512,1024,32768 --repeats 1
+  python bench/bench_cpu_head.py --gemm-kernels all   # each GEMM micro-kernel
 """
 
 import argparse
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 import flash_cce as fc
+from flash_cce import _ext
 
 SOFTCAP = 30.0
 GROUP_SIZE, BITS = 64, 4
@@ -113,9 +115,20 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compose-max-mvh", type=float, default=2e10,
                     help="run MLX's composition only up to this M*V*H (it is slow on CPU)")
+    ap.add_argument("--gemm-kernels", nargs="+", default=None,
+                    help="our GEMM micro-kernels to measure (names of _ext.cpu_gemm_kernels(), "
+                         "or 'all'); default: the one chosen for this processor")
     ap.add_argument("--out", default="bench/results/cpu_head.json")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    available = _ext.cpu_gemm_kernels()
+    kernels = args.gemm_kernels or [_ext.cpu_gemm_kernel()]
+    if kernels == ["all"]:
+        kernels = available
+    unknown = [k for k in kernels if k not in available]
+    if unknown:
+        ap.error(f"--gemm-kernels: {unknown} not among this processor's {available}")
+    chosen = _ext.cpu_gemm_kernel()
 
     rows = []
     for shape in args.shapes:
@@ -127,13 +140,15 @@ def main():
         for kind in args.kinds:
             h, w, y, q = make(M, H, V, kind)
             for mode, gemms in (("fwd", 1), ("fwd+bwd", 2)):
-                providers = [("flash_cce", ours(h, w, y, q, mode), args.repeats)]
+                providers = [(f"flash_cce[{k}]" if len(kernels) > 1 else "flash_cce",
+                              ours(h, w, y, q, mode), args.repeats, k) for k in kernels]
                 if M * V * H <= args.compose_max_mvh:
                     providers += [
-                        ("mlx_compose", compose(h, w, y, q, mode, False), 1),
-                        ("mlx_fast_ce", compose(h, w, y, q, mode, True), 1),
+                        ("mlx_compose", compose(h, w, y, q, mode, False), 1, chosen),
+                        ("mlx_fast_ce", compose(h, w, y, q, mode, True), 1, chosen),
                     ]
-                for name, fn, reps in providers:
+                for name, fn, reps, kernel in providers:
+                    _ext.cpu_gemm_select(kernel)
                     t, extra = measure(fn, reps)
                     rows.append(dict(shape=shape, kind=kind, provider=name, mode=mode,
                                      ms=t * 1e3, gflops=gemms * flops / t / 1e9,
@@ -142,6 +157,7 @@ def main():
                     print(f"{shape:>16} {kind:>5} {mode:>8} {name:>12} {r['ms']:10.1f} ms "
                           f"{r['gflops']:7.1f} GFLOP/s {r['extra_mb']:9.1f} MB extra", flush=True)
             del h, w, y, q
+    _ext.cpu_gemm_select(chosen)
 
     print("\n| shape M,H,V | weights | mode | provider | ms | GFLOP/s | extra peak MB |")
     print("|---|---|---|---|---|---|---|")
@@ -152,7 +168,7 @@ def main():
     meta = dict(
         date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
         cpus=os.cpu_count(), mlx=mx.__version__, numpy=np.__version__,
-        gemm_kernel=fc._ext.cpu_gemm_kernel(), softcap=SOFTCAP,
+        gemm_kernel=chosen, gemm_kernels=kernels, softcap=SOFTCAP,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

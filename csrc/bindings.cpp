@@ -144,4 +144,8 @@ NB_MODULE(_ext, m) {
       },
       "Loads the Metal kernels' library once; returns (source, path, error).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
+  m.def("cpu_gemm_kernels", &flash_cce::cpu::sgemm_kernels,
+        "The CPU GEMM micro-kernels this build has and the processor runs, best first.");
+  m.def("cpu_gemm_select", &flash_cce::cpu::sgemm_select, "name"_a,
+        "Switches the CPU GEMM micro-kernel (benchmarks, tests); false for an unknown name.");
 }

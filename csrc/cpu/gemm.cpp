@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <string>
+#include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(FLASH_CCE_NO_SIMD)
 #include <immintrin.h>
@@ -16,12 +19,17 @@ namespace flash_cce::cpu {
 
 namespace {
 
-// Register tile MR x NR; cache blocks MC x KC of A (L2) and KC x NC of B (L3).
+// Register tile MR x NR (6 x 16 for the generic, AVX2 and NEON kernels; the
+// AVX-512 kernel's is larger, so the geometry is chosen with the kernel);
+// cache blocks MC x KC of A (L2) and KC x NC of B (L3). MC and NC are
+// multiples of every kernel's MR and NR.
 constexpr int64_t MR = 6;
 constexpr int64_t NR = 16;
 constexpr int64_t MC = 96;
 constexpr int64_t KC = 256;
 constexpr int64_t NC = 512;
+constexpr int64_t MAX_MR = 12;
+constexpr int64_t MAX_NR = 32;
 
 using Kernel = void (*)(int64_t kc, const float* a, const float* b, float* c,
                         int64_t ldc, bool accumulate);
@@ -106,6 +114,42 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(
     _mm256_storeu_ps(cr + 8, rows[r][1]);
   }
 }
+// 12x32 AVX-512 kernel: 24 accumulators (two 16-float vectors per row), 2 B
+// vectors and A broadcast from memory into each FMA. Twice the AVX2 kernel's
+// vector width and enough independent accumulators to cover the FMA latency
+// of two ports.
+__attribute__((target("avx512f"))) void kernel_avx512(
+    int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+    bool accumulate) {
+  constexpr int R = 12;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_setzero_ps();
+    acc[r][1] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_load_ps(b);
+    const __m512 b1 = _mm512_load_ps(b + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r]);
+      acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+    }
+    a += R;
+    b += 32;
+  }
+  for (int r = 0; r < R; ++r) {
+    float* cr = c + r * ldc;
+    __m512 v0 = acc[r][0], v1 = acc[r][1];
+    if (accumulate) {
+      v0 = _mm512_add_ps(v0, _mm512_loadu_ps(cr));
+      v1 = _mm512_add_ps(v1, _mm512_loadu_ps(cr + 16));
+    }
+    _mm512_storeu_ps(cr, v0);
+    _mm512_storeu_ps(cr + 16, v1);
+  }
+}
 #endif
 
 #ifdef FLASH_CCE_NEON
@@ -151,27 +195,57 @@ void kernel_neon(int64_t kc, const float* a, const float* b, float* c, int64_t l
 #undef FLASH_CCE_NEON_ROW
 #endif
 
-Kernel pick_kernel() {
+// A micro-kernel and the register tile it computes.
+struct Micro {
+  const char* name;
+  Kernel fn;
+  int64_t mr, nr;
+};
+
+// The kernels this build has, best first; which of them the processor runs is
+// decided at run time.
+const Micro MICROS[] = {
 #ifdef FLASH_CCE_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return kernel_avx2;
-  }
+    {"avx512", kernel_avx512, 12, 32},
+    {"avx2", kernel_avx2, MR, NR},
 #endif
 #ifdef FLASH_CCE_NEON
-  return kernel_neon;
+    {"neon", kernel_neon, MR, NR},
 #endif
-  return kernel_generic;
+    {"generic", kernel_generic, MR, NR},
+};
+
+bool supported(const Micro& m) {
+#ifdef FLASH_CCE_X86
+  __builtin_cpu_init();
+  if (m.fn == kernel_avx512) {
+    return __builtin_cpu_supports("avx512f");
+  }
+  if (m.fn == kernel_avx2) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+#endif
+  (void)m;
+  return true;
 }
 
-const Kernel kernel = pick_kernel();
+const Micro* pick_micro() {
+  for (const Micro& m : MICROS) {
+    if (supported(m)) {
+      return &m;
+    }
+  }
+  return &MICROS[std::size(MICROS) - 1];
+}
+
+const Micro* active = pick_micro();
 
 // Copies panels of `width` lines (rows of A, columns of B) out of a block
 // [lines x kc], k-major inside a panel, zero padded. `along_k` says whether k
 // is the contiguous index of the source.
-template <Elem E, int64_t width>
-void pack(const MatView& X, int64_t l0, int64_t n_lines, int64_t k0, int64_t kc,
-          bool along_k, float* out) {
+template <Elem E>
+void pack(const MatView& X, int64_t width, int64_t l0, int64_t n_lines, int64_t k0,
+          int64_t kc, bool along_k, float* out) {
   for (int64_t p = 0; p < n_lines; p += width) {
     const int64_t lines = std::min(width, n_lines - p);
     for (int64_t k = 0; k < kc; ++k) {
@@ -188,68 +262,88 @@ void pack(const MatView& X, int64_t l0, int64_t n_lines, int64_t k0, int64_t kc,
   }
 }
 
-template <int64_t width>
-void pack_any(const MatView& X, int64_t l0, int64_t n, int64_t k0, int64_t kc,
-              bool along_k, float* out) {
+void pack_any(const MatView& X, int64_t width, int64_t l0, int64_t n, int64_t k0,
+              int64_t kc, bool along_k, float* out) {
   switch (X.elem) {
     case Elem::f32:
-      return pack<Elem::f32, width>(X, l0, n, k0, kc, along_k, out);
+      return pack<Elem::f32>(X, width, l0, n, k0, kc, along_k, out);
     case Elem::bf16:
-      return pack<Elem::bf16, width>(X, l0, n, k0, kc, along_k, out);
+      return pack<Elem::bf16>(X, width, l0, n, k0, kc, along_k, out);
     case Elem::f16:
-      return pack<Elem::f16, width>(X, l0, n, k0, kc, along_k, out);
+      return pack<Elem::f16>(X, width, l0, n, k0, kc, along_k, out);
   }
 }
 
 // A is [M, K]: its lines are rows, k runs along a row unless transposed.
 void pack_a(const MatView& A, int64_t i0, int64_t mc, int64_t k0, int64_t kc,
             float* out) {
-  pack_any<MR>(A, i0, mc, k0, kc, !A.trans, out);
+  pack_any(A, active->mr, i0, mc, k0, kc, !A.trans, out);
 }
 
 // B is [K, N]: its lines are columns, k runs along a column only when transposed.
 void pack_b(const MatView& B, int64_t k0, int64_t kc, int64_t j0, int64_t nc,
             float* out) {
-  pack_any<NR>(B, j0, nc, k0, kc, B.trans, out);
+  pack_any(B, active->nr, j0, nc, k0, kc, B.trans, out);
+}
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
 }
 
 } // namespace
 
 int64_t sgemm_scratch_floats(int64_t max_n) {
-  const int64_t nc = std::min(NC, (max_n + NR - 1) / NR * NR);
+  // Sized for the widest panels of any kernel, so that scratch made before a
+  // kernel is selected (tests) still fits.
+  const int64_t nc = std::min(NC, round_up(max_n, MAX_NR));
   return MC * KC + KC * nc + 64;
 }
 
 GemmScratch sgemm_scratch(float* base) {
-  // 32-byte alignment for the aligned B loads.
+  // 64-byte alignment for the aligned B loads (AVX-512 vectors).
   auto align = [](float* p) {
     auto v = reinterpret_cast<uintptr_t>(p);
-    return reinterpret_cast<float*>((v + 31) & ~uintptr_t(31));
+    return reinterpret_cast<float*>((v + 63) & ~uintptr_t(63));
   };
   float* a = align(base);
   return {a, align(a + MC * KC)};
 }
 
 int64_t sgemm_packed_a_floats(int64_t M, int64_t K) {
-  return (M + MR - 1) / MR * MR * K;
+  return round_up(M, active->mr) * K;
 }
 
 // Block (ic, pc) of the packed A starts at pc * Mp + ic * kc: each K block
 // holds all row panels, and MC is a multiple of MR.
 void sgemm_pack_a(const MatView& A, int64_t M, int64_t K, float* out) {
-  const int64_t Mp = (M + MR - 1) / MR * MR;
+  const int64_t Mp = round_up(M, active->mr);
   for (int64_t pc = 0; pc < K; pc += KC) {
     pack_a(A, 0, M, pc, std::min(KC, K - pc), out + pc * Mp);
   }
 }
 
 const char* sgemm_kernel_name() {
-#ifdef FLASH_CCE_NEON
-  if (kernel == kernel_neon) {
-    return "neon";
+  return active->name;
+}
+
+std::vector<std::string> sgemm_kernels() {
+  std::vector<std::string> names;
+  for (const Micro& m : MICROS) {
+    if (supported(m)) {
+      names.emplace_back(m.name);
+    }
   }
-#endif
-  return kernel == kernel_generic ? "generic" : "avx2";
+  return names;
+}
+
+bool sgemm_select(const std::string& name) {
+  for (const Micro& m : MICROS) {
+    if (name == m.name && supported(m)) {
+      active = &m;
+      return true;
+    }
+  }
+  return false;
 }
 
 void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
@@ -265,8 +359,10 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
     }
     return;
   }
-  float edge[MR * NR];
-  const int64_t Mp = (M + MR - 1) / MR * MR;
+  const Micro& mk = *active;
+  const int64_t tm = mk.mr, tn = mk.nr;
+  alignas(64) float edge[MAX_MR * MAX_NR];
+  const int64_t Mp = round_up(M, tm);
   for (int64_t jc = 0; jc < N; jc += NC) {
     const int64_t nc = std::min(NC, N - jc);
     for (int64_t pc = 0; pc < K; pc += KC) {
@@ -279,22 +375,22 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
         if (!A.packed) {
           pack_a(A, ic, mc, pc, kc, s.a);
         }
-        for (int64_t jr = 0; jr < nc; jr += NR) {
-          const int64_t nr = std::min(NR, nc - jr);
+        for (int64_t jr = 0; jr < nc; jr += tn) {
+          const int64_t nr = std::min(tn, nc - jr);
           const float* bp = s.b + jr * kc;
-          for (int64_t ir = 0; ir < mc; ir += MR) {
-            const int64_t mr = std::min(MR, mc - ir);
+          for (int64_t ir = 0; ir < mc; ir += tm) {
+            const int64_t mr = std::min(tm, mc - ir);
             const float* ap = a_blk + ir * kc;
             float* c = C + (ic + ir) * ldc + jc + jr;
-            if (mr == MR && nr == NR) {
-              kernel(kc, ap, bp, c, ldc, acc);
+            if (mr == tm && nr == tn) {
+              mk.fn(kc, ap, bp, c, ldc, acc);
               continue;
             }
             // Edge tile: compute the full tile aside, copy the valid part.
-            kernel(kc, ap, bp, edge, NR, false);
+            mk.fn(kc, ap, bp, edge, tn, false);
             for (int64_t r = 0; r < mr; ++r) {
               for (int64_t j = 0; j < nr; ++j) {
-                c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + edge[r * NR + j];
+                c[r * ldc + j] = (acc ? c[r * ldc + j] : 0.0f) + edge[r * tn + j];
               }
             }
           }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "elem.h"
 
@@ -36,7 +38,15 @@ void sgemm(int64_t M, int64_t N, int64_t K, MatView A, MatView B, float* C,
 int64_t sgemm_packed_a_floats(int64_t M, int64_t K);
 void sgemm_pack_a(const MatView& A, int64_t M, int64_t K, float* out);
 
-// Name of the micro-kernel in use ("avx2", "neon", "generic"), for benchmarks.
+// Name of the micro-kernel in use ("avx512", "avx2", "neon", "generic"): the
+// best one this build has and the processor runs, chosen at load time.
 const char* sgemm_kernel_name();
+
+// The micro-kernels this build has that the processor runs, best first, and a
+// switch between them (for tests and benchmarks; not thread-safe: call it while
+// no GEMM runs, and repack A panels made before it). Returns false for a name
+// not in sgemm_kernels().
+std::vector<std::string> sgemm_kernels();
+bool sgemm_select(const std::string& name);
 
 } // namespace flash_cce::cpu

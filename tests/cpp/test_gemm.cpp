@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -73,7 +74,7 @@ Operand make(int64_t rows, int64_t cols, bool trans, Elem e, std::mt19937& rng) 
   return o;
 }
 
-void run(const Case& c) {
+void run_one(const Case& c, const std::string& kernel) {
   std::mt19937 rng(1234);
   auto A = make(c.M, c.K, c.ta, c.ea, rng);
   auto B = make(c.K, c.N, c.tb, c.eb, rng);
@@ -97,22 +98,51 @@ void run(const Case& c) {
       }
       // fp32 summation of K + 1 terms: |err| <= (K + 1) u sum|terms|.
       const double tol = (c.K + 1) * std::ldexp(1.0, -24) * bound + 1e-30;
-      ASSERT_NEAR(C[i * ldc + j], ref, tol) << "at " << i << "," << j;
+      ASSERT_NEAR(C[i * ldc + j], ref, tol) << kernel << " at " << i << "," << j;
     }
     for (int64_t j = c.N; j < ldc; ++j) {
-      ASSERT_EQ(C[i * ldc + j], 0.5f) << "wrote past N";
+      ASSERT_EQ(C[i * ldc + j], 0.5f) << kernel << " wrote past N";
     }
   }
 }
 
+// Every micro-kernel this build has and the processor runs (AVX-512, AVX2,
+// NEON, generic), restoring the one chosen at load time.
+void run(const Case& c) {
+  const std::string chosen = sgemm_kernel_name();
+  for (const std::string& name : sgemm_kernels()) {
+    ASSERT_TRUE(sgemm_select(name)) << name;
+    run_one(c, name);
+  }
+  ASSERT_TRUE(sgemm_select(chosen));
+}
+
 } // namespace
+
+TEST(Sgemm, KernelChoice) {
+  const auto names = sgemm_kernels();
+  ASSERT_FALSE(names.empty());
+  // The best kernel the processor runs is the one in use; generic is always there.
+  EXPECT_EQ(names.front(), sgemm_kernel_name());
+  EXPECT_EQ(names.back(), "generic");
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(FLASH_CCE_NO_SIMD)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    EXPECT_EQ(names.front(), "avx512");
+  }
+#endif
+  EXPECT_FALSE(sgemm_select("no-such-kernel"));
+  EXPECT_EQ(names.front(), sgemm_kernel_name());
+}
 
 TEST(Sgemm, EdgeTilesAndTransposes) {
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {
       for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
                              {6, 16, 7},
+                             {12, 32, 9},
                              {7, 17, 300},
+                             {25, 65, 513},
                              {101, 33, 257},
                              {13, 1041, 19}}) {
         run({M, N, K, ta, tb, Elem::f32, Elem::f32, false});
