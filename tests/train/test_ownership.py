@@ -131,6 +131,8 @@ def test_resume_refuses_changed_data_unless_accepted(env, tmp_path):
     one_line_error(flash_cce("train", "--resume", run, "--iters", "4"),
                    f"{data / 'train.jsonl'} changed since the run began", was, now, "--accept-data-change")
     assert snapshot(run) == before
+    one_line_error(flash_cce(*train_argv(model_dir, data, tmp_path / "x", 2, "--accept-data-change")),
+                   "accept_data_change: applies to a resumed run")
     proc = ok(flash_cce("train", "--resume", run, "--iters", "4", "--accept-data-change"))
     assert f"train.jsonl {was} -> {now}" in proc.stdout
     cfg = (run / "config.yaml").read_text()
@@ -178,11 +180,11 @@ def test_spin_refuses_other_settings_into_an_existing_out(env, tmp_path):
 # 4 (and issue 41's run directories as warm starts). The adapters' scale, rank and model.
 def test_init_adapters_checks_scale_and_model_and_takes_a_run_dir(env, tmp_path):
     tmp, model_dir, data_dir, sft = env
-    one_line_error(flash_cce(*train_argv(model_dir, data_dir, tmp_path / "x", 2, "--init-adapters", sft,
-                                         "--lora-scale", "10")),
+    one_line_error(flash_cce(*train_argv(model_dir, data_dir, tmp_path / "x", 2, "--init-adapters",
+                                         sft / "adapters", "--lora-scale", "10")),
                    "the adapters have lora_parameters.scale 20.0, this run 10.0")
     other = build_tiny_model(tmp_path / "other", demo_words(), seed=1)  # one architecture, other weights
-    one_line_error(flash_cce(*train_argv(other, data_dir, tmp_path / "x", 2, "--init-adapters", sft)),
+    one_line_error(flash_cce(*train_argv(other, data_dir, tmp_path / "x", 2, "--init-adapters", sft / "adapters")),
                    f"trained on model {model_dir}, this run's model is {other}")
     assert not (tmp_path / "x").exists()
     copy = shutil.copytree(model_dir, tmp_path / "copy")  # a copy is the same model
@@ -199,17 +201,17 @@ def test_dpo_warm_start_references_the_warm_started_model(env, tmp_path):
 
     def step0(run, *flags):
         proc = ok(flash_cce(*train_argv(model_dir, data_dir, run, 1, "--objective", "dpo",
-                                        "--init-adapters", sft, *flags)))
+                                        "--init-adapters", sft / "best", *flags)))
         rec = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][0]
         assert rec["step"] == 0 and rec["split"] == "valid"
         return proc.stdout, rec
 
     out, warm = step0(tmp_path / "warm")
-    assert "Reference: the warm-started model" in out
     # Policy and reference are one model at step 0: every log-ratio is 0 (float32
     # sums of identical computations; 1e-5 leaves room for a different reduction order).
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(warm[k]) < 1e-5, (k, warm)
+    assert "Reference: the warm-started model" in out
     out, base = step0(tmp_path / "base", "--warm-reference", "base")
     assert "not the warm start" in out
     assert abs(base["rewards/chosen"]) > 100 * 1e-5, base  # the SFT adapters moved the model from the base

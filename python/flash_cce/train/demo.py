@@ -85,7 +85,7 @@ def write_demo_data(path, seed=0):
     return path
 
 
-def _fresh_run_dir(run_dir):
+def _fresh_run_dir(run_dir, log=print):
     """`run_dir` emptied for a new demo, and its lock, held: taken before
     anything is deleted, so a live run there (a demo resumed with train) is
     left alone."""
@@ -95,7 +95,9 @@ def _fresh_run_dir(run_dir):
     check_writable(run_dir)
     if run_dir.exists() and any(p.name != LOCK for p in run_dir.iterdir()) and not (run_dir / MARKER).exists():
         raise ValueError(f"run_dir: {run_dir} exists and is not a demo directory; pick another --run-dir")
-    check_lock(run_dir)  # in use: one line before anything is written
+    stale = check_lock(run_dir)  # in use: one line before anything is written
+    if stale:
+        log(stale)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = Lock(run_dir).acquire()
     try:
@@ -128,7 +130,7 @@ def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     """Builds the tiny model, trains it on the bundled pairs, prints the held-out
     accuracy curve and before/after answers; returns the validation records."""
     tic = time.perf_counter()
-    run_dir, lock = _fresh_run_dir(run_dir)
+    run_dir, lock = _fresh_run_dir(run_dir, log)
     try:
         return _demo(run_dir, lock, iters, log, tic)
     finally:

@@ -109,6 +109,8 @@ def train_settings(flags, config_path=None):
     if flags.get("model") is not None:
         flags["model"] = model_ref(flags["model"])
     if not flags.get("resume"):
+        if flags.get("accept_data_change"):
+            raise RunError("accept_data_change: applies to a resumed run (--resume) only")
         return _absolute(resolve_config(flags, config_path))
     if flags.get("init_adapters"):
         raise RunError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
