@@ -108,7 +108,8 @@ def bad_values(s):
     if s.kind == "bool":
         return st.one_of(TEXT, st.integers(), st.floats(), BAD_CONTAINERS, not_none)
     if s.kind == "str":
-        return st.one_of(TEXT.filter(lambda v: v not in s.choices), NUMBER, st.booleans(), BAD_CONTAINERS, not_none)
+        texts = TEXT.filter(lambda v: v not in s.choices) if s.choices else st.nothing()  # free text: any
+        return st.one_of(texts, NUMBER, st.booleans(), BAD_CONTAINERS, not_none)
     if s.kind == "path":
         return st.one_of(NUMBER, st.booleans(), BAD_CONTAINERS, st.just(""), not_none)
     if s.kind == "auto_int":

@@ -82,23 +82,39 @@ def _add_spin(sub):
                    default=d.chat_template, help="As flash-cce train's chat_template.")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--restart", action="store_true",
+                   help="Make an existing --out anew (default: continue it when its progress file "
+                        "records the same data, model, adapters and sampling settings, else refuse).")
 
 
 def _spin(args, log=print):
-    from .preflight import load_model
-    from .spin import SpinSettings, spin
+    from pathlib import Path
+
+    from .preflight import load_model, model_ref
+    from .rundir import Lock, check_lock
+    from .spin import SpinSettings, check_progress, progress_key, spin
 
     s = SpinSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
                      top_k=args.top_k, batch_size=args.batch_size, seed=args.seed,
                      chat_template=args.chat_template)
     s.validate()
+    if not Path(args.data).is_file():
+        raise ValueError(f"data: no such file {args.data!r}")
+    out = Path(args.out)
+    key = progress_key(args.data, s, model_ref(args.model), args.adapter_path)
+    check_progress(out, key, args.restart)  # before the model loads; again under the lock
+    lock = (out.name + ".lock", "out")
+    stale = check_lock(out.parent, *lock)
     model, tokenizer = load_model({"model": args.model, "trust_remote_code": args.trust_remote_code})
     if args.adapter_path:
         from mlx_lm.tuner.utils import load_adapters
 
         model = load_adapters(model, args.adapter_path)
     model.eval()
-    spin(model, tokenizer, args.data, args.out, s, log=log, progress=args.progress)
+    if stale:
+        log(stale)
+    with Lock(out.parent, *lock):
+        spin(model, tokenizer, args.data, out, s, log=log, progress=args.progress, key=key, restart=args.restart)
 
 
 # MLX_MAX_MB_PER_BUFFER for training on NVIDIA GPUs: MLX frees a kernel's inputs
@@ -153,11 +169,29 @@ def _eval(args, log=print):
     run_eval(cfg, adapters, args.split, log=log)
 
 
+def _plot(args):
+    """A plot into the run directory takes its lock (a live run there writes its own)."""
+    from pathlib import Path
+
+    from .plot import plot_run
+    from .rundir import Lock, RunDirError
+
+    if args.output is not None or not Path(args.run_dir).is_dir():
+        print(plot_run(args.run_dir, args.output))
+        return
+    try:
+        lock = Lock(args.run_dir).acquire()
+    except RunDirError as e:
+        raise RunDirError(f"{e}; or plot it elsewhere with --output FILE") from None
+    try:
+        print(plot_run(args.run_dir, args.output))
+    finally:
+        lock.release()
+
+
 def _run(args, argv):
     if args.command == "plot":
-        from .plot import plot_run
-
-        print(plot_run(args.run_dir, args.output))
+        _plot(args)
     elif args.command == "demo":
         from .demo import run_demo
 

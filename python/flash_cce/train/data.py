@@ -247,7 +247,7 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
     if max_seq_length is None or max_seq_length < 2:
         raise ValueError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
     enc = Encoder(tokenizer, chat_template, enable_thinking)
-    pairs, truncated, dropped = [], 0, 0
+    pairs, truncated, dropped, prompt_cut = [], 0, 0, 0
     for rec, where in records:
         pair = enc.encode_example(rec, where) if unpaired else enc.encode(rec, where)
         try:
@@ -259,10 +259,15 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
             dropped += 1
         else:
             truncated += fitted is not pair
+            prompt_cut += _prompt_len(fitted) == 0 < _prompt_len(pair)
             pairs.append(fitted)
     if unpaired:
         pairs = with_kl_completions(pairs)
-    return pairs, dict(records=len(records), truncated=truncated, dropped=dropped)
+    return pairs, dict(records=len(records), truncated=truncated, dropped=dropped, prompt_cut=prompt_cut)
+
+
+def _prompt_len(item):
+    return item.prompt_len if isinstance(item, Example) else min(item.chosen_prompt_len, item.rejected_prompt_len)
 
 
 def mismatched(examples):

@@ -85,15 +85,36 @@ def write_demo_data(path, seed=0):
     return path
 
 
-def _fresh_run_dir(run_dir):
-    run_dir = Path(run_dir)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / MARKER).exists():
+def _fresh_run_dir(run_dir, log=print):
+    """`run_dir` emptied for a new demo, and its lock, held: taken before
+    anything is deleted, so a live run there (a demo resumed with train) is
+    left alone."""
+    from .rundir import LOCK, Lock, check_lock, check_writable
+
+    run_dir = Path(run_dir).absolute()
+    check_writable(run_dir)
+    if run_dir.exists() and any(p.name != LOCK for p in run_dir.iterdir()) and not (run_dir / MARKER).exists():
+        raise ValueError(f"run_dir: {run_dir} exists and is not a demo directory; pick another --run-dir")
+    stale = check_lock(run_dir)  # in use: one line before anything is written
+    if stale:
+        log(stale)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = Lock(run_dir).acquire()
+    try:
+        if any(p.name != LOCK for p in run_dir.iterdir()) and not (run_dir / MARKER).exists():
             raise ValueError(f"run_dir: {run_dir} exists and is not a demo directory; pick another --run-dir")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / MARKER).write_text("made by flash-cce demo; rerunning the demo replaces this directory\n")
-    return run_dir
+        for p in run_dir.iterdir():
+            if p.name == LOCK:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        (run_dir / MARKER).write_text("made by flash-cce demo; rerunning the demo replaces this directory\n")
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, lock
 
 
 def _answers(model_dir, adapter_path, prompts):
@@ -108,12 +129,19 @@ def _answers(model_dir, adapter_path, prompts):
 def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     """Builds the tiny model, trains it on the bundled pairs, prints the held-out
     accuracy curve and before/after answers; returns the validation records."""
+    tic = time.perf_counter()
+    run_dir, lock = _fresh_run_dir(run_dir, log)
+    try:
+        return _demo(run_dir, lock, iters, log, tic)
+    finally:
+        lock.release()
+
+
+def _demo(run_dir, lock, iters, log, tic):
     from .plot import plot_run
     from .runner import resolve_config, run_train
     from .tiny import build_tiny_model
 
-    tic = time.perf_counter()
-    run_dir = _fresh_run_dir(run_dir)
     model_dir = build_tiny_model(run_dir / "base_model", demo_words(), seed=0)
     cfg = dict(DEMO_CONFIG, model=str(model_dir), data=str(DATA_DIR), run_dir=str(run_dir))
     if iters is not None:
@@ -124,7 +152,7 @@ def run_demo(run_dir="flash-cce-demo", iters=None, log=print):
     before = _answers(model_dir, None, prompts)
 
     evals = []
-    run_train(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,))
+    run_train(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,), lock=lock)
     after = _answers(model_dir, run_dir / "adapters", prompts)
     png = plot_run(run_dir)
 

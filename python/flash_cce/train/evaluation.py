@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from . import settings
 from .checkpoint import find_checkpoint, run_dir_of
+from .identity import read_run_config
 from .preflight import RunError, adapter_settings, check_model, encode, load_model, model_ref, read_data
 from .rundir import CONFIG
 from .runner import objective_config, resolve_config
@@ -23,10 +23,7 @@ def eval_settings(flags, config_path=None, path=None):
             adapters = p.resolve()
         run = run_dir_of(adapters)
         if run is not None and (run / CONFIG).exists():
-            try:
-                base = settings.check(settings.load_yaml(run / CONFIG))
-            except settings.SettingsError as e:
-                raise RunError(f"adapter_path: {run / CONFIG}: {e}") from None
+            base = read_run_config(run / CONFIG, "adapter_path")
         elif (p / "adapters.safetensors").exists():
             base = adapter_settings(p)
         else:
@@ -34,7 +31,8 @@ def eval_settings(flags, config_path=None, path=None):
     if flags.get("model") is not None:
         flags["model"] = model_ref(flags["model"])
     cfg = resolve_config(flags, config_path, base)
-    return dict(cfg, resume=None, init_adapters=None), adapters
+    # init_adapters stays: a warm-started DPO/KTO run's reference is its warm start.
+    return dict(cfg, resume=None), adapters
 
 
 def run_eval(cfg, adapters, split, log=print):

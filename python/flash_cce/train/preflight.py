@@ -104,10 +104,28 @@ def encode(cfg, tokenizer, records, log):
                                        enable_thinking=cfg["enable_thinking"],
                                        unpaired=cfg["objective"] == "kto")
         log(format_summary(split, pairs, report))
+        for line in degenerate(split, pairs, report, cfg):
+            log(line)
         if not pairs and split != "valid":
             raise RunError(f"data: {split}.jsonl has no usable pairs ({report['records']} records, all "
                            f"dropped at max_seq_length={cfg['max_seq_length']} with truncation={cfg['truncation']})")
         out[split] = pairs
+    return out
+
+
+def degenerate(split, pairs, report, cfg):
+    """Warnings (one line each) about data that trains without a signal: pairs
+    whose chosen and rejected sides are one sequence, prompts that truncation cut away."""
+    out = []
+    if cfg["objective"] not in ("kto", "sft"):  # the objectives that compare two responses
+        same = sum(p.chosen == p.rejected for p in pairs)
+        if same:
+            out.append(f"Warning: {split}.jsonl: {same} of {len(pairs)} pairs have chosen == rejected "
+                       "(nothing to prefer; check the data)")
+    if report.get("prompt_cut"):
+        out.append(f"Warning: {split}.jsonl: truncation {cfg['truncation']} cut the whole prompt (BOS "
+                   f"included) from {report['prompt_cut']} of {len(pairs)} pairs at max_seq_length="
+                   f"{cfg['max_seq_length']}; raise max_seq_length or use truncation keep_start or drop")
     return out
 
 
@@ -153,7 +171,8 @@ def check_init_adapters(cfg):
     if theirs["fine_tune_type"] == "full" or cfg["fine_tune_type"] == "full":
         keys = ("fine_tune_type", "num_layers")
     else:
-        keys = ("fine_tune_type", "num_layers", "lora_parameters.rank", "lora_parameters.keys")
+        keys = ("fine_tune_type", "num_layers", "lora_parameters.rank", "lora_parameters.scale",
+                "lora_parameters.keys")
     mine, theirs = flat(cfg), flat(theirs)
     for k in keys:
         if k in theirs and mine[k] != theirs[k]:

@@ -137,10 +137,38 @@ def load_table(path, print_):
         return {str(k): (float(v[0]), float(v[1])) for k, v in zip(f["keys"], f["values"])}
 
 
+def warm_start(cfg):
+    """The init_adapters a DPO/KTO reference starts from (the warm-started model,
+    TRL's SFT -> DPO recipe), or None: the base model (warm_reference base, or
+    a reference_model given)."""
+    if cfg.get("init_adapters") and cfg.get("warm_reference", "init") == "init" and not cfg["reference_model"]:
+        return cfg["init_adapters"]
+    return None
+
+
 def _kind(cfg):
     if cfg["reference"] != "auto":
         return cfg["reference"]
-    return "adapters_off" if cfg["fine_tune_type"] == "lora" else "model"
+    # Adapters switched off give the base, not a warm start: that needs a frozen copy.
+    return "adapters_off" if cfg["fine_tune_type"] == "lora" and not warm_start(cfg) else "model"
+
+
+def _warm_model(cfg, ref_model, adapters):
+    """`ref_model` with the warm start's adapters, as the trained model began."""
+    from .checkpoint import load_adapters
+    from .trainer import prepare_model
+
+    prepare_model(ref_model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
+    load_adapters(adapters, ref_model, "init_adapters")
+    return ref_model
+
+
+def _adapters_print(adapters):
+    if adapters is None:
+        return None
+    from .identity import file_fingerprint
+
+    return file_fingerprint(Path(adapters) / "adapters.safetensors")
 
 
 def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
@@ -152,17 +180,23 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     if not get(objective.name).reference:
         return objective
     kind, ref_path = _kind(cfg), cfg["reference_model"] or cfg["model"]
+    warm = warm_start(cfg)
     if kind == "model":
         from .preflight import load_model, quantize_model
 
         ref_model, _ = load_model(dict(cfg, model=ref_path))
+        if warm:
+            ref_model = _warm_model(cfg, ref_model, warm)
         if cfg["reference_quantize"]:
             quantize_model(ref_model, cfg["reference_quantize"])
         source = FrozenModel(ref_model)
-        log(f"Reference: the frozen model {ref_path}"
+        what = f"the warm-started model ({ref_path} with the adapters of {warm})" if warm else f"the frozen model {ref_path}"
+        log(f"Reference: {what}"
             + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
     else:
         source = AdaptersOff()
+        if cfg.get("init_adapters"):
+            log("Reference: the base model (adapters off), not the warm start (warm_reference base)")
     if pairs is None:
         return replace(objective, reference=source)
     obj = get(objective.name)
@@ -171,7 +205,7 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
         # completion, fixed when the data was loaded), both sides at once.
         pairs, obj = mismatched(pairs), SIDES
     print_ = fingerprint(ref_path, {"reference": kind, "quantize": cfg["reference_quantize"],
-                                    "model": ref_path}, pairs)
+                                    "model": ref_path, **({"warm": _adapters_print(warm)} if warm else {})}, pairs)
     path = Path(run_dir) / TABLE
     table = load_table(path, print_)
     if table is None:

@@ -79,9 +79,9 @@ def _pid_alive(pid):
     return True
 
 
-def lock_owner(run_dir):
-    """(pid, host, alive) of the lock in `run_dir`, or None without one."""
-    path = Path(run_dir) / LOCK
+def lock_owner(run_dir, name=LOCK):
+    """(pid, host, alive) of the lock `name` in `run_dir`, or None without one."""
+    path = Path(run_dir) / name
     try:
         info = json.loads(path.read_text())
         pid, host = int(info["pid"]), str(info["host"])
@@ -93,24 +93,31 @@ def lock_owner(run_dir):
     return pid, host, alive
 
 
-def check_lock(run_dir):
-    """RunDirError when a live process holds `run_dir`'s lock; a message when a stale one is left."""
-    owner = lock_owner(run_dir)
+def check_lock(run_dir, name=LOCK, what="run_dir"):
+    """RunDirError when another live process holds the lock `name` in `run_dir`;
+    a message when a stale one is left; None when it is free or this process's own."""
+    owner = lock_owner(run_dir, name)
     if owner is None:
         return None
     pid, host, alive = owner
+    if pid == os.getpid() and host == socket.gethostname():
+        return None
+    lock = Path(run_dir) / name
+    subject = run_dir if name == LOCK else lock.with_name(name.removesuffix(".lock"))
     if alive:
-        raise RunDirError(f"run_dir: {run_dir} is in use by process {pid} on {host} "
-                          f"(its lock {Path(run_dir) / LOCK}); wait for it or use another run_dir")
-    return (f"run_dir: found a stale lock of process {pid} (no longer running) in {run_dir}; "
-            "taking it over")
+        raise RunDirError(f"{what}: {subject} is in use by process {pid} on {host} (its lock {lock}); "
+                          f"wait for it or use another {what}")
+    return f"{what}: found a stale lock of process {pid} (no longer running) in {run_dir}; taking it over"
 
 
 class Lock:
-    """An exclusive lock file holding this process's id; `acquire` takes over a stale one."""
+    """An exclusive lock file holding this process's id; `acquire` takes over a
+    stale one. A run directory's lock is `run.lock` in it; `name` locks another
+    file (`OUT.lock` beside an output file)."""
 
-    def __init__(self, run_dir):
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, run_dir, name=LOCK, what="run_dir"):
+        self.path = Path(run_dir) / name
+        self.what = what
         self.held = False
 
     def acquire(self):
@@ -118,14 +125,20 @@ class Lock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                check_lock(self.path.parent)  # raises while its owner lives
+                if (lock_owner(self.path.parent, self.path.name) or (None,))[0] == os.getpid():
+                    raise RunDirError(f"{self.what}: {self.path} is already held by this process") from None
+                check_lock(self.path.parent, self.path.name, self.what)  # raises while its owner lives
                 self.path.unlink(missing_ok=True)
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(dict(pid=os.getpid(), host=socket.gethostname(), started=time.time()), f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(dict(pid=os.getpid(), host=socket.gethostname(), started=time.time()), f)
+            except OSError:
+                self.path.unlink(missing_ok=True)  # no empty lock left behind (a full disk)
+                raise
             self.held = True
             return self
-        raise RunDirError(f"run_dir: could not take the lock {self.path}")
+        raise RunDirError(f"{self.what}: could not take the lock {self.path}")
 
     def release(self):
         if self.held:
@@ -137,6 +150,22 @@ class Lock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def state(run_dir):
+    """What the checks before the lock saw of `run_dir`: compared again under the
+    lock, so that a command which another one overtook writes nothing."""
+    run_dir = Path(run_dir)
+    config = run_dir / CONFIG
+    return (config.read_bytes() if config.is_file() else None,
+            tuple(p.name for p in sorted((run_dir / "checkpoints").glob("step-*"))), foreign_files(run_dir))
+
+
+def check_unchanged(run_dir, before):
+    """RunDirError when `run_dir` is no longer as `state` saw it before the lock."""
+    if state(run_dir) != before:
+        raise RunDirError(f"run_dir: {run_dir} changed while this command was starting (another command "
+                          "wrote to it first); nothing was written; look at it and run the command again")
 
 
 def set_aside(run_dir, step, best_step, log=print):

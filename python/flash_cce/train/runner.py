@@ -14,9 +14,11 @@ from pathlib import Path
 
 from . import settings
 from .checkpoint import find_checkpoint, run_dir_of
+from .identity import adapter_dir, check_adapter_model, check_data, data_fingerprint, read_run_config
 from .preflight import (RunError, check_capture, check_init_adapters, check_model, encode, load_model,
                         model_ref, read_data)
-from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints
+from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, foreign_files, has_checkpoints,
+                     state as run_dir_state)
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time
@@ -24,7 +26,7 @@ from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has
 AUTO_PAD = 64
 
 PATHS = ("data", "run_dir", "resume", "init_adapters", "gpu_capture")
-TRANSIENT = ("resume", "gpu_capture")  # not part of the recipe saved in config.yaml
+TRANSIENT = ("resume", "gpu_capture", "accept_data_change")  # not part of the recipe saved in config.yaml
 
 
 def pad_to(value):
@@ -71,11 +73,18 @@ def resolve_config(flags, config_path=None, base=None):
 
 
 def _absolute(cfg):
+    """`cfg` with absolute paths; the model and the data resolved (config.yaml
+    names them wherever the run is resumed or evaluated from), a warm start's
+    run directory as its adapters."""
     cfg = dict(cfg)
     cfg["model"] = model_ref(cfg["model"])
     for k in PATHS:
         if cfg[k] is not None:
             cfg[k] = str(Path(cfg[k]).expanduser().absolute())
+    if cfg["data"] is not None:
+        cfg["data"] = str(Path(cfg["data"]).resolve())
+    if cfg["init_adapters"] is not None:
+        cfg["init_adapters"] = adapter_dir(cfg["init_adapters"])
     return cfg
 
 
@@ -100,6 +109,8 @@ def train_settings(flags, config_path=None):
     if flags.get("model") is not None:
         flags["model"] = model_ref(flags["model"])
     if not flags.get("resume"):
+        if flags.get("accept_data_change"):
+            raise RunError("accept_data_change: applies to a resumed run (--resume) only")
         return _absolute(resolve_config(flags, config_path))
     if flags.get("init_adapters"):
         raise RunError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
@@ -110,10 +121,7 @@ def train_settings(flags, config_path=None):
     saved_file = run_dir / CONFIG
     if not saved_file.exists():
         raise RunError(f"resume: {run_dir} has no {CONFIG}; it is not a flash-cce run directory")
-    try:
-        saved = settings.check(settings.load_yaml(saved_file))
-    except settings.SettingsError as e:
-        raise RunError(f"resume: {saved_file}: {e}") from None
+    saved = read_run_config(saved_file, "resume")
     init = saved.pop("init_adapters")  # applied when the run began; its checkpoints hold it since
     cfg = resolve_config(flags, config_path, base=saved)
     given = flags.get("run_dir")
@@ -175,10 +183,23 @@ def generate_hint(cfg, run_dir, records):
     return cmd
 
 
-def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
+def _check_run_dir(run_dir, resume, own_files):
+    """What a run needs of its directory; checked before the lock and again under it."""
+    check_writable(run_dir)
+    if resume is None and has_checkpoints(run_dir):
+        raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
+                       f"--resume {run_dir}, or pick a new --run-dir")
+    foreign = [f for f in foreign_files(run_dir) if f not in own_files] if resume is None else []
+    if foreign:
+        raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
+                       f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
+
+
+def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     """Trains with checked settings `cfg` (see `train_settings`); returns (run_dir, last validation record).
     Raises RunError (and nothing is written) when the run cannot start. `own_files`
-    are names in the run directory that the caller put there (not foreign)."""
+    are names in the run directory that the caller put there (not foreign);
+    `lock`, the run directory's lock when the caller holds it already."""
     import mlx.core as mx
     import mlx.optimizers as optim
 
@@ -190,22 +211,23 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731
+    cfg = _absolute(cfg)
     run_dir = Path(cfg["run_dir"])
     resume = cfg["resume"]
     if rank == 0:  # the writer; other ranks would see its lock
-        check_writable(run_dir)
-        if resume is None and has_checkpoints(run_dir):
-            raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
-                           f"--resume {run_dir}, or pick a new --run-dir")
-        foreign = [f for f in foreign_files(run_dir) if f not in own_files] if resume is None else []
-        if foreign:
-            raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
-                           f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
+        _check_run_dir(run_dir, resume, own_files)
         check_lock(run_dir)
+        seen = run_dir_state(run_dir)
     check_model(cfg["model"], cfg["num_layers"])
     records = read_data(cfg, ("train", "valid", "test") if cfg["test"] else ("train", "valid"))
+    if resume is None:
+        cfg["data_fingerprint"] = data_fingerprint(cfg["data"], cfg["test"])
+    else:
+        cfg = check_data(cfg, cfg["data_fingerprint"], Path(resume).name, log)
     check_capture(cfg["gpu_capture"])
     check_init_adapters(cfg)
+    if cfg["init_adapters"] is not None:
+        check_adapter_model(cfg["init_adapters"], cfg["model"])
     from .trainer import build_schedule, prepare_model, train, trainable_summary
 
     objective = objective_config(cfg)
@@ -238,8 +260,9 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
     log(trainable_summary(model))
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
-    lock = Lock(run_dir)
-    if rank == 0:
+    own_lock = lock is None
+    lock = lock or Lock(run_dir)
+    if rank == 0 and own_lock:
         stale = check_lock(run_dir)
         if stale:
             log(stale)
@@ -247,7 +270,11 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
         lock.acquire()
     try:
         if rank == 0:
-            _atomic_yaml({k: (None if k in TRANSIENT else v) for k, v in cfg.items()}, run_dir / CONFIG)
+            # Another command may have written here since the checks above: check again under the lock.
+            _check_run_dir(run_dir, resume, own_files)
+            check_unchanged(run_dir, seen)
+            _atomic_yaml({k: (settings.BY_NAME[k].default if k in TRANSIENT else v) for k, v in cfg.items()},
+                         run_dir / CONFIG)
             if resume is not None:
                 state = json.loads((Path(resume) / "trainer_state.json").read_text())
                 set_aside(run_dir, state["step"], state.get("best_step"), log)
@@ -268,7 +295,8 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
             r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"])
             log(f"test: loss {r['loss']:.4f}, accuracy {r.get('rewards/accuracies', float('nan')):.3f}")
     finally:
-        lock.release()
+        if own_lock:
+            lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
     if hint:

@@ -110,6 +110,8 @@ QUANTIZE_FIELDS = (
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
               "exo_pair", "bco_pair", "discopop", "sigmoid_norm", "simpo", "alphapo", "kto",
               "apo_zero_unpaired")
+FINGERPRINT_FIELDS = tuple(S(split, "str", None, f"{split}.jsonl's fingerprint.", optional=True)
+                           for split in ("train", "valid", "test"))
 CONTROLLER_FIELDS = (
     S("law", "str", "pid", "Control law.", choices=("p", "pd", "pid")),
     S("scale", "str", "log", "Errors and weights as ratios (log: w = w0 exp(u), e = log(target / NLL)) "
@@ -142,6 +144,12 @@ SETTINGS = (
     S("init_adapters", "path", None,
       "Start a new run from these adapters (an mlx_lm.lora adapter directory or one of ours) with a fresh optimizer.",
       optional=True),
+    S("data_fingerprint", "table", None, "Fingerprints of the data files the run began on (written by the run; "
+      "a resumed run checks them).", fields=FINGERPRINT_FIELDS, optional=True, flag=False, resume="free"),
+    S("data_changes", "str_list", None, "Data changes a resumed run accepted (written by the run).",
+      optional=True, flag=False, resume="free"),
+    S("accept_data_change", "bool", False, "Resume on data files that changed since the run began "
+      "(the change is recorded in data_changes).", resume="free"),
     # What is trained.
     S("fine_tune_type", "str", "lora", "Adapters (lora, dora) or the blocks' own weights (full).",
       choices=("lora", "dora", "full")),
@@ -188,6 +196,9 @@ SETTINGS = (
       "The adaptive preference weight's controller.", fields=CONTROLLER_FIELDS, flag=False),
     S("nll_on_prompt", "bool", True, "ORPO/SFT NLL over prompt and response (TRL's default) or the response only.",
       commands=BOTH),
+    S("warm_reference", "str", "init", "DPO/KTO's reference with init_adapters: the warm-started model "
+      "(init: the base with those adapters, TRL's SFT -> DPO recipe) or the base model (base).",
+      choices=("init", "base")),
     # How it is computed (exact either way: a resumed run may change these).
     S("prefix_sharing", "bool", True, "Encode each prompt once for both responses.", commands=BOTH, resume="free"),
     S("flash_head", "bool", True, "Log-probs from the flash-CCE head (no [tokens, vocab] logits).",
@@ -364,6 +375,10 @@ def _check_together(cfg):
     if cfg["reference"] == "adapters_off" and cfg["fine_tune_type"] != "lora":
         raise SettingsError(f"reference: adapters_off needs fine_tune_type lora (DoRA and full fine-tuning "
                             f"cannot switch their changes off), got {cfg['fine_tune_type']}; use model")
+    if (cfg["reference"] == "adapters_off" and cfg["init_adapters"] is not None
+            and cfg["warm_reference"] == "init" and cfg["objective"] in APPLIES_TO["warm_reference"]):
+        raise SettingsError("reference: adapters_off is the base model, not the warm start of init_adapters; "
+                            "use reference auto (or model), or warm_reference base")
     if cfg["resume"] is not None and cfg["init_adapters"] is not None:
         raise SettingsError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
 
@@ -429,11 +444,14 @@ def dump_yaml(cfg, path):
 
 
 def resolve(flags, config_path=None, base=None):
-    """Checked settings: `flags` (None = unset) > YAML at `config_path` > `base` > defaults."""
-    cfg = {}
-    for layer in (base or {}), (load_yaml(config_path) if config_path else {}):
+    """Checked settings: `flags` (None = unset) > YAML at `config_path` > `base` > defaults.
+    A setting given in `flags` or the YAML file must apply to the objective (`check_applies`)."""
+    cfg, given = {}, set()
+    yaml_layer = load_yaml(config_path) if config_path else {}
+    for layer in (base or {}), yaml_layer:
         for k, v in layer.items():
             cfg[k] = v
+    given.update(yaml_layer)
     for k, v in flags.items():
         if v is None:
             continue
@@ -441,9 +459,50 @@ def resolve(flags, config_path=None, base=None):
             table, name = NESTED_FLAGS[k]
             current = cfg.get(table, BY_NAME[table].default)
             cfg[table] = dict(current if isinstance(current, dict) else {}, **{name: v})
+            given.add(table)
         elif k in BY_NAME:
             cfg[k] = v
-    return check(cfg)
+            given.add(k)
+    out = check(cfg)
+    check_applies(out, given)
+    return out
+
+
+def _objectives_but(*names):
+    return tuple(o for o in BY_NAME["objective"].choices if o not in names)
+
+
+# The objectives each objective-specific setting applies to (the rest apply to all).
+APPLIES_TO = {
+    "beta": _objectives_but("sft"),
+    "gamma": ("simpo", "orpo_margin", "cpo"),
+    "loss_type": ("dpo", "cpo", "kto"),
+    "label_smoothing": ("dpo", "cpo"),
+    "discopop_tau": ("dpo",),
+    "cpo_alpha": ("cpo",),
+    "alpha": ("cpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+    "pref_weight": ("orpo", "orpo_margin", "cpo"),
+    "adaptive_weight": ("orpo", "orpo_margin", "cpo"),
+    "controller": ("orpo", "orpo_margin", "cpo"),
+    "reference": ("dpo", "kto"),
+    "reference_model": ("dpo", "kto"),
+    "reference_quantize": ("dpo", "kto"),
+    "precompute_ref_log_probs": ("dpo", "kto"),
+    "warm_reference": ("dpo", "kto"),
+    "nll_on_prompt": ("orpo", "orpo_margin", "sft"),
+}
+
+
+def check_applies(cfg, given):
+    """SettingsError for a setting in `given` (set by the user, whatever its
+    value) that the objective of `cfg` does not use: one rule, refusal, for all."""
+    for name in SETTINGS:
+        objectives = APPLIES_TO.get(name.name)
+        if name.name in given and objectives and cfg["objective"] not in objectives:
+            raise SettingsError(f"{name.name}: applies to objective {', '.join(objectives)}, not "
+                                f"{cfg['objective']}; remove it or choose one of those objectives")
 
 
 # ---- flags ----------------------------------------------------------------

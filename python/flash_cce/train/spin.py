@@ -10,9 +10,13 @@ tokenise them (`data.Encoder`), generated in batches by mlx-lm's
 `batch_generate`, and written a batch at a time. A progress file beside the
 output (`OUT.progress`) records how many records are done, so an interrupted
 run continues where it stopped and gives the same file: each batch samples from
-its own seed.
+its own seed. It also records what shapes the generations (the data's hash,
+the sampling settings, the model and the adapters): a command with others is
+refused, or with `restart` makes the output anew. `OUT.lock` keeps a second
+command out while one writes.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -75,18 +79,52 @@ def _file_hash(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _start(out, progress, data_hash, total, log):
+def progress_key(data, settings, model=None, adapter_path=None):
+    """What shapes the generations written to an output: the data, the sampling
+    settings, the model and the adapters (path and content)."""
+    key = {"data": _file_hash(data), **dataclasses.asdict(settings), "model": model and str(model),
+           "adapter_path": None, "adapters": None}
+    if adapter_path is not None:
+        weights = Path(adapter_path) / "adapters.safetensors"
+        key["adapter_path"] = str(Path(adapter_path).resolve())
+        key["adapters"] = _file_hash(weights) if weights.is_file() else None
+    return key
+
+
+def _show(v):
+    return v[:12] if isinstance(v, str) and len(v) == 64 else json.dumps(v)
+
+
+def check_progress(out, key, restart=False):
+    """ValueError when `out` was made with another `key` (unless `restart`)."""
+    out = Path(out)
+    progress = out.with_name(out.name + ".progress")
+    if restart or not out.exists() or not progress.exists():
+        return
+    try:
+        state = json.loads(progress.read_text())
+        saved = state.get("key") or {"data": state["data"]}  # older files keep the data's hash only
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        raise ValueError(f"out: {progress} is unreadable; pass --restart to make {out} anew") from None
+    for name, value in key.items():
+        if name in saved and saved[name] != value:
+            raise ValueError(f"out: {out} was made with {name} {_show(saved[name])}, this command has "
+                             f"{_show(value)}; pick a new --out, or pass --restart to make it anew")
+
+
+def _start(out, progress, key, total, log, restart):
     """Records already done (0 for a new output); trims lines written after
     the last recorded batch."""
+    if restart:
+        for p in (out, progress):
+            p.unlink(missing_ok=True)
     if not out.exists():
         return 0
     if not progress.exists():
         raise ValueError(f"out: {out} exists and has no {progress.name} beside it; "
-                         "pick a new --out (or delete it)")
+                         "pick a new --out, or pass --restart to make it anew")
+    check_progress(out, key)
     state = json.loads(progress.read_text())
-    if state.get("data") != data_hash:
-        raise ValueError(f"out: {out} was made from other data (the progress file's hash differs); "
-                         "pick a new --out")
     lines = out.read_text(encoding="utf-8").splitlines(keepends=True)
     if len(lines) < state["lines"]:
         raise ValueError(f"out: {out} has {len(lines)} lines, fewer than the {state['lines']} recorded")
@@ -101,9 +139,11 @@ def _rejected(completion, text):
     return [{"role": "assistant", "content": text}] if isinstance(completion, list) else text
 
 
-def spin(model, tokenizer, data, out, settings=None, log=print, progress=True):
+def spin(model, tokenizer, data, out, settings=None, log=print, progress=True, key=None, restart=False):
     """Writes the self-play pairs of the records in `data` to `out`; returns
-    (records done, pairs written). Records whose generation is empty are skipped."""
+    (records done, pairs written). Records whose generation is empty are skipped.
+    `key` (see `progress_key`; default: the data and `settings`) is what an
+    existing `out` must have been made with; `restart` makes it anew."""
     import mlx.core as mx
     from mlx_lm.generate import batch_generate
 
@@ -119,8 +159,8 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True):
         tokens, n = enc.encode_one(rec["prompt"], rec["completion"], where)
         prompts.append(tokens[:n])
     prog = out.with_name(out.name + ".progress")
-    data_hash = _file_hash(data)
-    done = _start(out, prog, data_hash, len(records), log)
+    key = key or progress_key(data, s)
+    done = _start(out, prog, key, len(records), log, restart)
     lines = len(out.read_text(encoding="utf-8").splitlines()) if out.exists() else 0
     bar = None
     if progress:
@@ -146,7 +186,7 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True):
                 f.flush()
                 os.fsync(f.fileno())
                 tmp = prog.with_name(prog.name + ".tmp")
-                tmp.write_text(json.dumps({"records": batch.stop, "lines": lines, "data": data_hash}))
+                tmp.write_text(json.dumps({"records": batch.stop, "lines": lines, "data": key["data"], "key": key}))
                 os.replace(tmp, prog)
                 if bar is not None:
                     bar.update(len(batch))
