@@ -91,8 +91,8 @@ BARRIERS = {
                     "    load_dense_tile(h,"),
     "before_mma": ("threadgroup_barrier(mem_flags::mem_threadgroup);\n    mma.mma(sm.hs, sm.ws);",
                    "mma.mma(sm.hs, sm.ws);"),
-    "before_epilogue": ("      sm.cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
-                        "      sm.cs + mma.sm * kLdC + mma.sn);"),
+    "before_epilogue": ("      cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+                        "      cs + mma.sm * kLdC + mma.sn);"),
 }
 
 
