@@ -30,7 +30,7 @@ CXX=("$PY" -m ziglang c++ -target aarch64-macos.14.0 -std=c++20 -O1 -Wall
      -D_METAL_ -DFLASH_CCE_METAL -Icsrc -I"$MAC/include" -I"$MAC/include/metal_cpp"
      -I"$WORK/gen" -isystem .ci/macos-stubs)
 objs=()
-for src in csrc/flash_cce.cpp csrc/metal/*.cpp csrc/cpu/*.cpp; do
+for src in csrc/flash_cce.cpp csrc/tuning.cpp csrc/metal/*.cpp csrc/cpu/*.cpp; do
   obj="$WORK/obj/$(basename "$src" .cpp).o"
   "${CXX[@]}" -c "$src" -o "$obj"
   objs+=("$obj")
