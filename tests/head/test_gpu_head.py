@@ -450,6 +450,16 @@ def test_kernel_image_routes_to_its_kernels():
 # Temperature and entropy ------------------------------------------------------
 
 
+def _head(w, bits):
+    """(w, its quantization arguments, its dequantized weight) of a dense
+    (bits = 0) or `bits`-bit head, group size 64."""
+    if not bits:
+        return w, {}, w
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    return wq, dict(scales=s, biases=b, group_size=64), mx.dequantize(wq, s, b, group_size=64,
+                                                                      bits=bits)
+
+
 def _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge=None):
     """CPU kernels on what the GPU sees: the temperature folds into h (scaled in
     fp32, then rounded to the operand type by the loaders) and the cap;
@@ -473,11 +483,7 @@ def _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge=None):
 def test_temperature_matches_cpu(dtype, softcap, temperature, bits):
     m, h, v = 130, 128, 1000
     hid, w, y = make(m, h, v, dtype, seed=17 + bits, ignore=3)
-    q, wd = {}, w
-    if bits:
-        wq, s, b = mx.quantize(w, group_size=64, bits=bits)
-        q, w = dict(scales=s, biases=b, group_size=64), wq
-        wd = mx.dequantize(wq, s, b, group_size=64, bits=bits)
+    w, q, wd = _head(w, bits)
     g = mx.random.normal((m,))
 
     def loss(h):
@@ -505,15 +511,11 @@ def test_entropy_matches_cpu(dtype, softcap, temperature, bits):
 
     m, h, v = 96, 128, 1500
     hid, w, y = make(m, h, v, dtype, seed=23 + bits, ignore=2)
-    q, wd = {}, w
-    if bits:
-        wq, s, b = mx.quantize(w, group_size=64, bits=bits)
-        q, w = dict(scales=s, biases=b, group_size=64), wq
-        wd = mx.dequantize(wq, s, b, group_size=64, bits=bits)
+    w, q, wd = _head(w, bits)
     g, ge = mx.random.normal((m,)), mx.random.normal((m,))
     if bits and not ops.native_stats(mx.gpu):
         # The fallback dequantizes in fp32 (mx.dequantize rounds to the scales' type).
-        wd = dequantize_f32(wq, s, b, 64, bits)
+        wd = dequantize_f32(w, q["scales"], q["biases"], 64, bits)
 
     def loss(h):
         st = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
