@@ -366,3 +366,18 @@ def test_metal_gpu_routes_entropy_to_the_fallback(monkeypatch):
     monkeypatch.undo()
     want = fc.flash_cce_forward(h, w, y, entropy=True, backend="fallback")
     assert np.array_equal(np.array(st.entropy), np.array(want.entropy))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_and_leading_dims(backend):
+    w = mx.random.normal((10, 16))
+    st = fc.flash_cce_forward(mx.zeros((2, 0, 16)), w, mx.zeros((2, 0), mx.int32),
+                              entropy=True, backend=backend)
+    assert all(a.shape == (2, 0) for a in st) and st.is_top1.dtype == mx.bool_
+    h = mx.random.normal((2, 3, 16))
+    y = mx.random.randint(0, 10, (2, 3))
+    st = fc.flash_cce_forward(h, w, y, entropy=True, backend=backend)
+    flat = fc.flash_cce_forward(h.reshape(6, 16), w, y.reshape(6), entropy=True, backend=backend)
+    for a, b in zip(st, flat):
+        assert a.shape == (2, 3)
+        assert np.array_equal(np.array(a).reshape(6), np.array(b))
