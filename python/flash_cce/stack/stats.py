@@ -6,7 +6,11 @@ its `Plan` says and returns, per pair, float32 scalars:
 - `c_sum`, `c_n`: summed log-probs and count of the chosen response's tokens,
 - `r_sum`, `r_n`: the same of the rejected response (0 unless `scoring.rejected`),
 - `nll_sum`, `nll_n`: the chosen sequence's summed negative log-likelihood and
-  its token count (0 unless `scoring.nll`).
+  its token count (0 unless `scoring.nll`),
+- with `scoring.entropy`: `c_ent`, `r_ent`, the entropy of the softmax at each
+  scored token of the chosen (rejected) response, float32 `[c_n]` (`[r_n]`),
+  and their sums `c_ent_sum`, `r_ent_sum`; differentiable, from the same head
+  call as the log-probs (the fused head returns both in one pass).
 
 `value_and_grad(model, pairs, scoring, loss, config)` also differentiates
 `loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
@@ -89,8 +93,8 @@ class _Run(contextlib.ExitStack):
                                segment_size=plan.segment_size, pack=plan.packed, stack=stack,
                                pad_to=plan.pad_to)
 
-    def stats(self, pair, plan, h, rows):
-        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring)
+    def stats(self, pair, plan, h, rows, training=True):
+        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring, training)
 
 
 def statistics(model, pairs, scoring, config=StackConfig()):
@@ -100,7 +104,7 @@ def statistics(model, pairs, scoring, config=StackConfig()):
         for pair in pairs:
             plan = run.plan(pair)
             stack = compiled.stack_for(run.lm, backward=False) if plan.compiled else None
-            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack))
+            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack), training=False)
             mx.eval(stats)
             out.append(stats)
     return out
@@ -140,8 +144,10 @@ def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
     return out, grads
 
 
-def _from_hidden(lm, h, rows, pair, plan, scoring):
-    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and its rows."""
+def _from_hidden(lm, h, rows, pair, plan, scoring, training=True):
+    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and
+    its rows. Without `training` no gradient flows: the head skips the state it
+    keeps for the backward."""
     seqs = sequences(pair, scoring)
     plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
     idx, tgt, groups = [], [], []
@@ -154,21 +160,34 @@ def _from_hidden(lm, h, rows, pair, plan, scoring):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head)
+    lp, ent = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+                        scoring.entropy, training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
         stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
         stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+    if scoring.entropy:
+        for k, name in enumerate(("c", "r")):
+            rows_k = np.nonzero(g[:, k])[0]
+            stats[f"{name}_ent"] = ent[mx.array(rows_k)] if rows_k.size else mx.zeros((0,))
+            stats[f"{name}_ent_sum"] = stats[f"{name}_ent"].sum()
     return stats
 
 
-def _logprobs(lm, h, targets, flash):
+def _logprobs(lm, h, targets, flash, entropy=False, training=True):
+    """(log-probs, entropies or None) of `targets` under the head."""
     h = lm.norm(h)
     if flash:
         # The targets are the pair's tokens, range-checked on the host
         # (`check_pairs`); the head's own check would evaluate them mid-step.
-        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                               validate_targets=False)
+        out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
+                              validate_targets=False, entropy=entropy,
+                              fused_backward=training)
+        return (out.logp, out.entropy) if entropy else (out, None)
     logits = lm.logits(h).astype(mx.float32)
     picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    return picked - mx.logsumexp(logits, axis=-1)
+    lse = mx.logsumexp(logits, axis=-1)
+    if not entropy:
+        return picked - lse, None
+    p = mx.softmax(logits, axis=-1)
+    return picked - lse, lse - (p * logits).sum(axis=-1)
