@@ -128,8 +128,11 @@ def link(run_dir, name, target):
 
 
 def unlink(run_dir, name):
-    """Removes run_dir/`name` (best) when present."""
+    """Removes run_dir/`name` (adapters, best) when present; `adapters` also at the run's root."""
     path = Path(run_dir) / name
+    if name == "adapters":
+        for f in reversed(PUBLISHED):
+            (Path(run_dir) / f).unlink(missing_ok=True)
     if path.is_symlink():
         path.unlink()
     elif path.is_dir():

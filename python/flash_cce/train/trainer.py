@@ -253,9 +253,15 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                                    adapter_config or {}, best=best, keep=args.keep_checkpoints,
                                    protect=[checkpoint.step_dir(run_dir, good)] if good is not None else [])
 
-    def finite_checkpoint():
+    def fall_back():
+        """Points adapters at the last checkpoint whose weights gave a finite loss
+        (removes it when there is none): never at weights that diverged. Returns it."""
         good = state["finite_checkpoint"]
-        return checkpoint.step_dir(run_dir, good) if good is not None and run_dir is not None else None
+        if good is None:
+            checkpoint.unlink(run_dir, "adapters")
+            return None
+        checkpoint.link(run_dir, "adapters", checkpoint.step_dir(run_dir, good))
+        return checkpoint.step_dir(run_dir, good)
 
     def after_eval(record, step):
         loss = record["loss"]
@@ -346,16 +352,14 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 else:
                     log(f"[warning] {warning}")
                 if streak >= args.max_nonfinite_steps:
-                    good = finite_checkpoint()
-                    if writer and good is not None:  # adapters: never the weights that diverged
-                        checkpoint.link(run_dir, "adapters", good)
-                    raise NonFinite(step, streak, good, detail)
+                    raise NonFinite(step, streak, fall_back() if writer else None, detail)
 
-            is_best = False
+            is_best, suspect = False, streak > 0  # suspect: weights that gave a non-finite loss
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
-                if last_eval is not None and streak == 0:  # no checkpoint is written in a streak
-                    is_best = after_eval(last_eval, step)
+                if last_eval is not None:
+                    suspect = suspect or not math.isfinite(last_eval["loss"])
+                    is_best = not suspect and after_eval(last_eval, step)
                     if bar is not None:
                         bar.write(_eval_line(last_eval))
                     elif rank == 0:
@@ -364,19 +368,17 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if should_stop is not None and size > 1:  # every rank stops after the same step
                 stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
             due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
-            if due and streak == 0:  # not the weights the last steps could not use
+            if due and not suspect:  # checkpoints hold weights that gave a finite loss last
                 if is_best:  # its finite validation loss proves it
                     state["finite_checkpoint"] = step
                 last_ckpt = save(step, best=is_best)
                 unproven = None if is_best else step
             if stop and step < args.iters:
                 raise Interrupted(step, last_ckpt)
-        if streak and writer:
-            good = finite_checkpoint()
-            if good is not None:
-                checkpoint.link(run_dir, "adapters", good)
-            log(f"[warning] the last {streak} steps were non-finite; adapters holds "
-                f"{good or 'the last checkpoint (none gave a finite loss since)'}")
+        if suspect and writer:
+            good = fall_back()
+            log(f"[warning] the last weights gave a non-finite loss; adapters holds "
+                f"{good or 'nothing (no checkpoint gave a finite loss)'}")
     except WriteError as e:
         where = f"; the last complete checkpoint is {last_ckpt}" if last_ckpt is not None else ""
         raise WriteError(e.filename, e.strerror + where, e.errno) from None
