@@ -265,8 +265,6 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
 
     def after_eval(record, step):
         loss = record["loss"]
-        if not math.isfinite(loss):  # never best: best holds weights that work
-            return False
         if state["best_val"] is None or loss < state["best_val"]:
             state["best_val"], state["best_step"] = loss, step
             return True
