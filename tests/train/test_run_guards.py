@@ -47,7 +47,8 @@ DIVERGE = ("--learning-rate", "1e3", "--max-grad-norm", "null", "--max-nonfinite
 def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkpoint(env, tmp_path):
     _, model_dir, data_dir, _ = env
     run = tmp_path / "r"
-    proc = flash_cce(*train_argv(model_dir, data_dir, run, 30, *DIVERGE, "--keep-checkpoints", "1"))
+    proc = flash_cce(*train_argv(model_dir, data_dir, run, 30, *DIVERGE, "--keep-checkpoints", "1",
+                                 "--save-every", "1"))
     records = train_records(run)
     bad = [r["step"] for r in records if not math.isfinite(r["loss"])]
     assert bad, "the run never diverged: the test needs a non-finite step"
@@ -57,9 +58,14 @@ def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkp
     assert [r["nonfinite/consecutive"] for r in records[-3:]] == [1, 2, 3]
     assert [r["nonfinite/skipped_steps"] for r in records[-3:]] == [1, 2, 3]
     assert all(r["nonfinite/skipped_steps"] == 0 for r in records[:-3])
-    # The last checkpoint whose weights a later step used with a finite loss:
-    # checkpoints come every 2 steps, and step first - 1 used those of first - 2 or before.
-    good = (first - 2) // 2 * 2
+    # The last checkpoint (one per step) whose weights gave a finite loss: those of
+    # step first - 2, used by step first - 1; or first - 1's when its validation
+    # (every 2 steps) was finite and the best so far.
+    valid = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r["split"] == "valid" and r["step"] > 0}
+    earlier = [v for s, v in valid.items() if s < first - 1 and math.isfinite(v)]
+    last = valid.get(first - 1, math.nan)
+    good = first - 1 if math.isfinite(last) and (not earlier or last < min(earlier)) else first - 2
     err = one_line_error(proc, f"stopped after step {first + 2}: 3 non-finite steps in a row",
                          f"step-{good:07d}", rc=3)
     assert "--resume" in err
@@ -68,8 +74,6 @@ def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkp
     for where in (run / "adapters", run, run / "best"):
         assert all(np.isfinite(w).all() for w in weights(where).values())
     assert same_weights(run, run / "checkpoints" / f"step-{good:07d}")
-    valid = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-             if r["split"] == "valid" and r["step"] > 0}
     assert valid[published_step(run / "best")] == min(v for v in valid.values() if math.isfinite(v))
     assert not (run / "run.lock").exists()
     # The command it names continues the run from there.
