@@ -115,6 +115,21 @@ def test_adapters_best_and_the_run_itself_are_adapter_folders(env, tmp_path):
         np.testing.assert_array_equal(np.array(model(tokens)), want)
 
 
+def test_a_run_with_links_of_an_older_version_resumes_into_folders(env, tmp_path):
+    _, _, _, ref = env
+    run = copy_run(ref, tmp_path / "r")
+    best = published_step(run / "best")
+    for name, step in (("adapters", 6), ("best", best)):
+        shutil.rmtree(run / name)
+        (run / name).symlink_to(Path("checkpoints") / f"step-{step:07d}")
+    for f in ("adapters.safetensors", "adapter_config.json"):
+        (run / f).unlink()
+    ok(flash_cce("train", "--resume", run, "--iters", "8"))
+    assert not (run / "adapters").is_symlink() and not (run / "best").is_symlink()
+    assert published_step(run) == published_step(run / "adapters") == 8
+    assert metrics(run)[:len(metrics(ref))] == metrics(ref)
+
+
 # ---- storage faults --------------------------------------------------------
 
 
