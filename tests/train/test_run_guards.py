@@ -12,24 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from runs import flash_cce, metrics, ok, one_line_error, same_weights, snapshot, train_argv, weights
-from test_trainer import tiny_setup
+from test_cli_runs import copy_run, env  # noqa: F401 (module fixture: a finished 6-step run)
 
 from flash_cce.train.checkpoint import published_step
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A tiny model, data, and a finished 6-step run with every checkpoint kept."""
-    tmp = tmp_path_factory.mktemp("guards")
-    model_dir, data_dir = tiny_setup(tmp)
-    ref = tmp / "ref"
-    ok(flash_cce(*train_argv(model_dir, data_dir, ref, 6, "--keep-checkpoints", "5")))
-    return tmp, model_dir, data_dir, ref
-
-
-def copy_run(src, dst):
-    shutil.copytree(src, dst, symlinks=True)
-    return dst
 
 
 def train_records(run):
@@ -217,3 +202,5 @@ def test_resume_with_iters_below_the_checkpoint_is_refused(env, tmp_path):
     before = snapshot(run)
     one_line_error(flash_cce("train", "--resume", run, "--iters", "4"), "iters: got 4, below step 6")
     assert snapshot(run) == before
+    ok(flash_cce("train", "--resume", run, "--iters", "6"))  # at its step: nothing left to train
+    assert metrics(run) == metrics(ref) and published_step(run) == 6

@@ -276,7 +276,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     canary = MemoryCanary(args.memory_canary)
     bar = _progress(args, state["step"], rank)
     accum = args.grad_accumulation_steps
-    streak = 0  # non-finite steps in a row (checkpoints are written only after finite ones)
+    streak, suspect = 0, False  # non-finite steps in a row; weights that gave a non-finite loss
     try:
         first = state["step"] + 1
         for step in range(first, args.iters + 1):
@@ -352,7 +352,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 if streak >= args.max_nonfinite_steps:
                     raise NonFinite(step, streak, fall_back() if writer else None, detail)
 
-            is_best, suspect = False, streak > 0  # suspect: weights that gave a non-finite loss
+            is_best, suspect = False, streak > 0
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
                 if last_eval is not None:
