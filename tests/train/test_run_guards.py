@@ -2,8 +2,10 @@
 diverges, the disk fills up or a checkpoint is damaged: one line, the right exit
 status, and the run left with a usable checkpoint."""
 
+import errno
 import json
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -147,6 +149,31 @@ def test_a_full_disk_while_training_is_one_line_and_keeps_the_last_checkpoint(en
     # It resumes from there as if nothing had happened.
     ok(flash_cce("train", "--resume", run, "--iters", "8"))
     assert published_step(run) == 8 and metrics(run)[:len(metrics(ref))] == metrics(ref)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EROFS])
+def test_each_kind_of_failed_checkpoint_write_is_one_line(env, tmp_path, monkeypatch, capsys, code):
+    """In this process (the same `main`): MLX's tensor write fails as the OS says."""
+    from flash_cce.train.cli import main
+    from flash_cce.train.storage import REASONS
+
+    _, model_dir, data_dir, _ = env
+    run = tmp_path / "r"
+    real = mx.save_safetensors
+
+    def failing(path, *a, **k):
+        if "step-0000004" in path:
+            raise OSError(code, os.strerror(code))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(mx, "save_safetensors", failing)
+    assert main([str(a) for a in train_argv(model_dir, data_dir, run, 6)]) == 2
+    err = capsys.readouterr().err.strip()
+    ckpts = run / "checkpoints"
+    assert err == (f"flash-cce train: error: cannot write {ckpts / 'step-0000004' / 'adapters.safetensors'}: "
+                   f"{REASONS[code]}; the last complete checkpoint is {ckpts / 'step-0000002'}")
+    assert published_step(run) == published_step(run / "adapters") == 2
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-0000002"] and not (run / "run.lock").exists()
 
 
 def test_a_full_disk_while_plotting_is_one_line(env, tmp_path):
