@@ -130,6 +130,15 @@ def test_a_full_disk_at_the_start_leaves_no_lock(env, tmp_path):
     assert "stale lock" not in ok(flash_cce(*argv)).stdout
 
 
+def test_an_empty_lock_of_an_older_version_is_taken_over_by_name(env, tmp_path):
+    _, _, _, ref = env
+    run = copy_run(ref, tmp_path / "r")
+    (run / "run.lock").write_text("")
+    out = ok(flash_cce("train", "--resume", run, "--iters", "7")).stdout
+    assert f"found an unreadable lock file {run / 'run.lock'}; taking it over" in out and "process None" not in out
+    assert not (run / "run.lock").exists()
+
+
 @pytest.mark.parametrize("file, limit", [
     ("config.yaml", lambda run: 400),  # the lock fits, config.yaml does not
     ("metrics.jsonl", lambda run: (run / "metrics.jsonl").stat().st_size + 100),  # one more record does not

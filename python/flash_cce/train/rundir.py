@@ -104,6 +104,8 @@ def check_lock(run_dir):
     if alive:
         raise RunDirError(f"run_dir: {run_dir} is in use by process {pid} on {host} "
                           f"(its lock {Path(run_dir) / LOCK}); wait for it or use another run_dir")
+    if pid is None:  # an empty or torn file: older versions could leave one on a full disk
+        return f"run_dir: found an unreadable lock file {Path(run_dir) / LOCK}; taking it over"
     return (f"run_dir: found a stale lock of process {pid} (no longer running) in {run_dir}; "
             "taking it over")
 
@@ -189,14 +191,17 @@ def set_aside(run_dir, step, best_step, log=print):
     drop = [ln for ln in lines if ln.strip() and _step_of(ln) > step]
     if later or drop:
         dest = run_dir / SUPERSEDED / f"after-step-{step:07d}-{time.strftime('%Y%m%d-%H%M%S')}"
-        (dest / "checkpoints").mkdir(parents=True, exist_ok=False)
-        for p in later:
-            shutil.move(str(p), str(dest / "checkpoints" / p.name))
+        with writing(dest):
+            (dest / "checkpoints").mkdir(parents=True, exist_ok=False)
+            for p in later:
+                shutil.move(str(p), str(dest / "checkpoints" / p.name))
         if drop:
-            (dest / METRICS).write_text("".join(drop))
+            with writing(dest / METRICS):
+                (dest / METRICS).write_text("".join(drop))
             tmp = metrics.with_name(METRICS + ".tmp")
-            tmp.write_text("".join(keep))
-            os.replace(tmp, metrics)
+            with writing(metrics):
+                tmp.write_text("".join(keep))
+                os.replace(tmp, metrics)
         log(f"Moved what came after step {step} ({len(later)} checkpoints, {len(drop)} metric records) to {dest}")
     link(run_dir, "adapters", step_dir(run_dir, step))
     if best_step is not None and step_dir(run_dir, best_step).exists():
