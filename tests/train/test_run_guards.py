@@ -13,7 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from runs import flash_cce, metrics, ok, one_line_error, same_weights, snapshot, train_argv, weights
+from runs import (console_script, flash_cce, metrics, ok, one_line_error, same_weights, snapshot, train_argv,
+                  weights)
 from test_cli_runs import copy_run, env  # noqa: F401 (module fixture: a finished 6-step run)
 
 from flash_cce.train.checkpoint import published_step
@@ -100,6 +101,10 @@ def test_adapters_best_and_the_run_itself_are_adapter_folders(env, tmp_path):
     for path in (ref, copied, ref / "adapters"):  # mlx_lm.generate --adapter-path PATH loads these
         model, _ = load(str(model_dir), adapter_path=str(path))
         np.testing.assert_array_equal(np.array(model(tokens)), want)
+    gen = subprocess.run([*console_script("mlx_lm.generate"), "--model", str(model_dir), "--adapter-path",
+                          str(ref), "--prompt", "tom has", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and "==========" in gen.stdout, gen.stderr[-2000:]
 
 
 def test_a_run_with_links_of_an_older_version_resumes_into_folders(env, tmp_path):
