@@ -11,11 +11,22 @@ from pathlib import Path
 import numpy as np
 
 
-def flash_cce(*argv, cwd=None, env=None, timeout=300):
-    """`flash-cce ARGV` in a fresh Python process; the CompletedProcess (text)."""
+def flash_cce(*argv, cwd=None, env=None, timeout=300, file_size_limit=None):
+    """`flash-cce ARGV` in a fresh Python process; the CompletedProcess (text).
+    `file_size_limit` (bytes): no file of the process grows past it (RLIMIT_FSIZE),
+    so writes fail as on a full disk."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "flash_cce.train.cli", *map(str, argv)], cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if file_size_limit is None else lambda: _limit_files(file_size_limit))
+
+
+def _limit_files(size):
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 
 
 # Console scripts the tests run, and the function each one calls.

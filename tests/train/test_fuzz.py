@@ -6,13 +6,16 @@ The bad values are bad by construction (a type the setting does not take, a
 number below its range, a name that is not a setting), not picked by the code
 under test. Most cases call `flash_cce.train.cli.main` in this process (the function
 the `flash-cce` script runs); a few go through a subprocess too.
-`--fuzz-examples N` sets the examples per in-process test (default 1100 in
-all, plus 8 through the script; N / 25 through the script).
+`--fuzz-examples N` sets the examples per in-process test (default 1140 in
+all, plus 8 through the script; N / 25 through the script). Resume-time damage
+(a checkpoint file missing, truncated, replaced by garbage or by one that does
+not fit) ends the same way, naming the file, with nothing rewritten.
 """
 
 import contextlib
 import io
 import json
+import shutil
 import string
 
 import pytest
@@ -26,7 +29,7 @@ from test_trainer import tiny_setup
 from flash_cce.train import settings
 from flash_cce.train.cli import main
 
-DEFAULT_EXAMPLES = {"yaml": 500, "flags": 300, "records": 300, "subprocess": 8}
+DEFAULT_EXAMPLES = {"yaml": 500, "flags": 300, "records": 300, "subprocess": 8, "resume": 40}
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +325,91 @@ def test_objective_combinations_are_one_line_errors(env, flags, needles):
     rc, err = in_process([*train_argv(model_dir, data_dir, run_dir, 2), *flags])
     assert_one_line_error(rc, err, *needles)
     assert not run_dir.exists()
+
+
+# ---- resume-time damage ----------------------------------------------------
+
+CHECKPOINT_FILES = ("adapters.safetensors", "optimizer.safetensors", "trainer_state.json")
+STATE_KEYS = ("step", "position", "rng", "best_val", "best_step")
+NOT_A_COUNT = st.one_of(st.integers(-10**6, -1), TEXT, st.booleans(), st.floats(0.5, 1e6).filter(lambda v: v != int(v)),
+                        st.lists(st.integers(), max_size=2))
+BAD_STATE_VALUES = {
+    "step": st.one_of(NOT_A_COUNT, st.none()),
+    "position": st.one_of(NOT_A_COUNT, st.none()),
+    "rng": st.one_of(st.none(), NUMBER, TEXT, st.lists(st.integers(0, 2**32 - 1), max_size=5).filter(lambda v: len(v) != 2),
+                     st.lists(st.one_of(st.integers(-10**6, -1), st.integers(2**32, 2**40), TEXT), min_size=2, max_size=2)),
+    "best_val": st.one_of(TEXT, st.booleans(), st.lists(st.integers(), max_size=2)),
+    "best_step": NOT_A_COUNT,
+}
+
+
+@st.composite
+def resume_damage(draw):
+    """(file, how) for the resumed checkpoint; `how(path)` damages the file at `path`."""
+    file = draw(st.sampled_from(CHECKPOINT_FILES))
+    kind = draw(st.sampled_from(["missing", "empty", "truncated", "garbage", "foreign"]))
+    if kind == "missing":
+        return file, lambda p: p.unlink()
+    if kind == "empty":
+        return file, lambda p: p.write_bytes(b"")
+    if kind == "truncated":
+        frac = draw(st.floats(0, 1, exclude_max=True))
+        return file, lambda p: p.write_bytes(p.read_bytes()[: int(frac * p.stat().st_size)])
+    if kind == "garbage":
+        data = draw(st.binary(min_size=1, max_size=64).filter(lambda b: not _json_object(b)))
+        return file, lambda p: p.write_bytes(data)
+    if file == "trainer_state.json":  # a JSON object without a field it needs, or with a bad one
+        key = draw(st.sampled_from(STATE_KEYS))
+        if draw(st.booleans()):
+            return file, lambda p: p.write_text(json.dumps({k: v for k, v in json.loads(p.read_text()).items()
+                                                            if k != key}))
+        value = draw(BAD_STATE_VALUES[key] | (st.integers(0, 50).filter(lambda v: v != 2) if key == "step"
+                                              else st.nothing()))
+        return file, lambda p: p.write_text(json.dumps(dict(json.loads(p.read_text()), **{key: value})))
+    # tensors that do not fit: one renamed, dropped, added, or of another shape
+    change = draw(st.sampled_from(["rename", "drop", "add", "shape"]))
+    pick = draw(st.integers(0, 10**6))
+
+    def foreign(p):
+        import mlx.core as mx
+
+        tensors = dict(mx.load(str(p)))
+        name = sorted(tensors)[pick % len(tensors)]
+        if change == "rename":
+            tensors[name + ".x"] = tensors.pop(name)
+        elif change == "drop":
+            tensors.pop(name)
+        elif change == "add":
+            tensors["model.extra"] = mx.zeros((2,))
+        else:
+            tensors[name] = mx.zeros((tensors[name].size + 1,))
+        mx.save_safetensors(str(p), tensors)
+
+    return file, foreign
+
+
+def _json_object(data):
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
+
+
+def test_resume_from_damaged_checkpoints(env, request, tmp_path_factory):
+    """Each damage of the resumed checkpoint: one line naming the file, exit 2, the run as it was."""
+    tmp, model_dir, data_dir, finished = env
+    work = tmp_path_factory.mktemp("resume") / "run"
+
+    def check(case):
+        file, damage = case
+        if work.exists():
+            shutil.rmtree(work)
+        shutil.copytree(finished, work, symlinks=True)  # files of their own: the damage stays in the checkpoint
+        path = work / "checkpoints" / "step-0000002" / file
+        damage(path)
+        before = snapshot(work)
+        rc, err = in_process(["train", "--resume", work, "--iters", "4"])
+        assert_one_line_error(rc, err, "resume: ", str(path))
+        assert snapshot(work) == before
+
+    run_property(request, "resume", resume_damage(), check)

@@ -2,7 +2,8 @@
 
 Settings come from flags > `--config` YAML > defaults, as in `mlx_lm.lora`; YAML
 keys are the flags' names with underscores (see `flash_cce.train.settings`). Errors
-are one line on stderr with exit status 2; an interrupted run exits with 130.
+are one line on stderr with exit status 2; a run stopped by non-finite steps exits
+with 3, an interrupted run with 130.
 """
 
 import argparse
@@ -205,6 +206,7 @@ def _run(args, argv):
 
 
 TRAIN_EXTRA = ("mlx_lm", "yaml", "tqdm", "tokenizers")
+NONFINITE_EXIT = 3  # a run stopped by max_nonfinite_steps
 
 
 def main(argv=None):
@@ -216,7 +218,8 @@ def main(argv=None):
         return _error(args.command, f"needs the train extra ({', '.join(missing)} missing): "
                                     "pip install 'mlx-flash-cce[train]'")
     _set_graph_limit(args.command)
-    from .checkpoint import Interrupted
+    from .checkpoint import Interrupted, NonFinite
+    from .storage import WriteError
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -231,6 +234,15 @@ def main(argv=None):
         print(f"flash-cce {args.command}: interrupted; nothing written since the last checkpoint",
               file=sys.stderr)
         return 130
+    except NonFinite as e:
+        where = (f"the last checkpoint with a finite loss is {e.ckpt} (adapters holds it); resume from it "
+                 f"with a lower learning_rate or max_grad_norm: flash-cce train --resume {e.ckpt} "
+                 "--learning-rate LR") if e.ckpt else "no checkpoint gave a finite loss"
+        print(f"flash-cce {args.command}: error: stopped after step {e.step}: {e.streak} non-finite steps "
+              f"in a row ({e.detail}; max_nonfinite_steps {e.streak}); {where}", file=sys.stderr)
+        return NONFINITE_EXIT
+    except WriteError as e:  # a full disk, an I/O error, a read-only file system
+        return _error(args.command, str(e))
     except ValueError as e:  # settings, data, run dir, model: one line each
         return _error(args.command, " ".join(str(e).split("\n")))
     except OSError as e:  # permissions, disk full, ...

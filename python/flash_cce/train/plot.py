@@ -6,11 +6,14 @@ training steps as a thin light line, validation as a thick dark line, each panel
 labelled with its value range and step range in a small pixel font.
 """
 
+import os
 import struct
 import zlib
 from pathlib import Path
 
 import numpy as np
+
+from .storage import writing
 
 # 3x5 pixel glyphs, rows top to bottom.
 _GLYPHS = dict(zip(
@@ -95,7 +98,14 @@ def write_png(path, img):
 
     png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    Path(path).write_bytes(png)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with writing(path):  # whole or not at all: an old plot stays when the disk is full
+            tmp.write_bytes(png)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _series(records, key, split):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import TRAINER_STATE
+from .storage import WriteError, writing
 
 LOCK = "run.lock"
 CONFIG = "config.yaml"
@@ -33,6 +34,7 @@ def checkpoints(run_dir):
 
 
 RUN_FILES = {CONFIG, METRICS, LOCK, SUPERSEDED, "checkpoints", "adapters", "best", "plot.png",
+             "adapters.safetensors", "adapter_config.json",  # the latest adapters (checkpoint.link)
              CONFIG + ".tmp", METRICS + ".tmp",
              "reference_logps.npz", "reference_logps.npz.tmp.npz"}  # reference.TABLE
 
@@ -107,7 +109,31 @@ def check_lock(run_dir, name=LOCK, what="run_dir"):
     if alive:
         raise RunDirError(f"{what}: {subject} is in use by process {pid} on {host} (its lock {lock}); "
                           f"wait for it or use another {what}")
+    if pid is None:  # an empty or torn file: older versions could leave one on a full disk
+        return f"{what}: found an unreadable lock file {lock}; taking it over"
     return f"{what}: found a stale lock of process {pid} (no longer running) in {run_dir}; taking it over"
+
+
+def _link_or_copy(src, dest):
+    """Creates `dest` with `src`'s content, failing when it exists: a hard link, or
+    where the file system has none, an exclusive copy removed again if it fails."""
+    try:
+        os.link(src, dest)
+        return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+    fd = os.open(dest, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(Path(src).read_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(dest)
+        raise
 
 
 class Lock:
@@ -121,23 +147,30 @@ class Lock:
         self.held = False
 
     def acquire(self):
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if (lock_owner(self.path.parent, self.path.name) or (None,))[0] == os.getpid():
-                    raise RunDirError(f"{self.what}: {self.path} is already held by this process") from None
-                check_lock(self.path.parent, self.path.name, self.what)  # raises while its owner lives
-                self.path.unlink(missing_ok=True)
-                continue
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(dict(pid=os.getpid(), host=socket.gethostname(), started=time.time()), f)
-            except OSError:
-                self.path.unlink(missing_ok=True)  # no empty lock left behind (a full disk)
-                raise
-            self.held = True
-            return self
+        # Written whole into a file of its own, then linked into place: the lock
+        # never exists empty or torn (a full disk fails before it appears).
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with writing(self.path), open(tmp, "w") as f:
+                json.dump(dict(pid=os.getpid(), host=socket.gethostname(), started=time.time()), f)
+                f.flush()
+                os.fsync(f.fileno())
+            for _ in range(2):
+                try:
+                    with writing(self.path):
+                        _link_or_copy(tmp, self.path)
+                except WriteError as e:
+                    if e.errno != errno.EEXIST:
+                        raise
+                    if (lock_owner(self.path.parent, self.path.name) or (None,))[0] == os.getpid():
+                        raise RunDirError(f"{self.what}: {self.path} is already held by this process") from None
+                    check_lock(self.path.parent, self.path.name, self.what)  # raises while its owner lives
+                    self.path.unlink(missing_ok=True)
+                    continue
+                self.held = True
+                return self
+        finally:
+            tmp.unlink(missing_ok=True)
         raise RunDirError(f"{self.what}: could not take the lock {self.path}")
 
     def release(self):
@@ -172,7 +205,7 @@ def set_aside(run_dir, step, best_step, log=print):
     """Moves checkpoints after `step`, and metric records after it, into
     superseded/<stamp>/ (kept, not deleted); points `adapters` at `step` and
     `best` at `best_step` (or removes it when that checkpoint is gone)."""
-    from .checkpoint import link, step_dir
+    from .checkpoint import link, step_dir, unlink
 
     run_dir = Path(run_dir)
     later = [p for s, p in checkpoints(run_dir) if s > step]
@@ -183,21 +216,23 @@ def set_aside(run_dir, step, best_step, log=print):
     drop = [ln for ln in lines if ln.strip() and _step_of(ln) > step]
     if later or drop:
         dest = run_dir / SUPERSEDED / f"after-step-{step:07d}-{time.strftime('%Y%m%d-%H%M%S')}"
-        (dest / "checkpoints").mkdir(parents=True, exist_ok=False)
-        for p in later:
-            shutil.move(str(p), str(dest / "checkpoints" / p.name))
+        with writing(dest):
+            (dest / "checkpoints").mkdir(parents=True, exist_ok=False)
+            for p in later:
+                shutil.move(str(p), str(dest / "checkpoints" / p.name))
         if drop:
-            (dest / METRICS).write_text("".join(drop))
+            with writing(dest / METRICS):
+                (dest / METRICS).write_text("".join(drop))
             tmp = metrics.with_name(METRICS + ".tmp")
-            tmp.write_text("".join(keep))
-            os.replace(tmp, metrics)
+            with writing(metrics):
+                tmp.write_text("".join(keep))
+                os.replace(tmp, metrics)
         log(f"Moved what came after step {step} ({len(later)} checkpoints, {len(drop)} metric records) to {dest}")
     link(run_dir, "adapters", step_dir(run_dir, step))
-    best = run_dir / "best"
     if best_step is not None and step_dir(run_dir, best_step).exists():
         link(run_dir, "best", step_dir(run_dir, best_step))
-    elif best.is_symlink():
-        best.unlink()
+    else:
+        unlink(run_dir, "best")
 
 
 def _step_of(line):

@@ -7,18 +7,18 @@ warm-start adapters against the model. Then the run takes the directory's lock,
 writes config.yaml and trains.
 """
 
-import json
 import os
 import signal
 from pathlib import Path
 
 from . import settings
-from .checkpoint import find_checkpoint, run_dir_of
+from .checkpoint import find_checkpoint, read_trainer_state, run_dir_of
 from .identity import adapter_dir, check_adapter_model, check_data, data_fingerprint, read_run_config
 from .preflight import (RunError, check_capture, check_init_adapters, check_model, encode, load_model,
                         model_ref, read_data)
 from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, foreign_files, has_checkpoints,
                      state as run_dir_state)
+from .storage import writing
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time
@@ -61,7 +61,8 @@ def training_args(cfg, progress=True):
 
     args = TrainingArgs(**{k: cfg[k] for k in ("batch_size", "iters", "grad_accumulation_steps",
                                                "max_grad_norm", "steps_per_eval", "val_batches",
-                                               "save_every", "keep_checkpoints", "seed")},
+                                               "save_every", "keep_checkpoints", "seed",
+                                               "max_nonfinite_steps")},
                         progress=cfg["progress"] and progress)
     args.validate()
     return args
@@ -115,6 +116,7 @@ def train_settings(flags, config_path=None):
     if flags.get("init_adapters"):
         raise RunError("init_adapters: give either resume (continue a run) or init_adapters (start a new one)")
     ckpt = find_checkpoint(flags["resume"])
+    state = read_trainer_state(ckpt)
     run_dir = run_dir_of(ckpt)
     if run_dir is None:
         raise RunError(f"resume: {ckpt} is not a checkpoint inside a run directory's checkpoints/")
@@ -124,6 +126,9 @@ def train_settings(flags, config_path=None):
     saved = read_run_config(saved_file, "resume")
     init = saved.pop("init_adapters")  # applied when the run began; its checkpoints hold it since
     cfg = resolve_config(flags, config_path, base=saved)
+    if cfg["iters"] < state["step"]:
+        raise RunError(f"iters: got {cfg['iters']}, below step {state['step']} of the checkpoint {ckpt}; "
+                       f"give --iters {state['step']} or more, or resume an earlier checkpoint")
     given = flags.get("run_dir")
     if given is not None and Path(given).absolute() != run_dir:
         raise RunError(f"run_dir: a resumed run continues in its own directory {run_dir}, not {given}")
@@ -165,8 +170,12 @@ class Stop:
 
 def _atomic_yaml(cfg, path):
     tmp = Path(path).with_name(CONFIG + ".tmp")
-    settings.dump_yaml(cfg, tmp)
-    os.replace(tmp, path)
+    try:
+        with writing(path):
+            settings.dump_yaml(cfg, tmp)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def generate_hint(cfg, run_dir, records):
@@ -203,7 +212,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    from .checkpoint import Interrupted, check_adapter_shapes, load_adapters, read_adapters
+    from .checkpoint import Interrupted, check_checkpoint, load_adapters
     from .controller import for_settings
     from .reference import with_reference
     from .rundir import set_aside
@@ -255,10 +264,10 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     if cfg["init_adapters"] is not None:
         load_adapters(cfg["init_adapters"], model, "init_adapters")
         log(f"Starting from the adapters in {cfg['init_adapters']} (fresh optimizer)")
-    if resume is not None:
-        check_adapter_shapes(read_adapters(resume, "resume"), model, "resume")
-    log(trainable_summary(model))
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
+    if resume is not None:  # every file of the checkpoint, before anything is written
+        resume_state, _ = check_checkpoint(resume, model, optimizer)
+    log(trainable_summary(model))
 
     own_lock = lock is None
     lock = lock or Lock(run_dir)
@@ -276,8 +285,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             _atomic_yaml({k: (settings.BY_NAME[k].default if k in TRANSIENT else v) for k, v in cfg.items()},
                          run_dir / CONFIG)
             if resume is not None:
-                state = json.loads((Path(resume) / "trainer_state.json").read_text())
-                set_aside(run_dir, state["step"], state.get("best_step"), log)
+                set_aside(run_dir, resume_state["step"], resume_state["best_step"], log)
         pairs = [p for split in splits.values() for p in split] if cfg["precompute_ref_log_probs"] else None
         objective = with_reference(cfg, objective, model, log, pairs, run_dir)
         with Stop(log) as stop:

@@ -248,6 +248,8 @@ SETTINGS = (
     S("trust_remote_code", "bool", False, "Trust remote code when loading the tokenizer/model.",
       commands=BOTH, resume="free"),
     S("progress", "bool", True, "Show a progress bar.", resume="free"),
+    S("max_nonfinite_steps", "int", 5, "Non-finite (NaN/inf) loss or gradient steps in a row after which "
+      "the run stops (each one's update is skipped).", low=1, resume="free"),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

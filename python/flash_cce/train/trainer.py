@@ -7,6 +7,7 @@ Shaped like mlx-lm's `tuner.trainer`: `TrainingArgs` holds the loop's settings a
 """
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -18,11 +19,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint, settings
-from .checkpoint import Interrupted  # noqa: F401 (raised here, caught by the CLI)
+from .checkpoint import Interrupted, NonFinite  # noqa: F401 (raised here, caught by the CLI)
 from .objectives import ObjectiveConfig
 from .preflight import quantize_model
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
+from .storage import WriteError, writing
 
 GB = 1e9
 
@@ -42,6 +44,7 @@ class TrainingArgs:
     seed: int = settings.field("seed")
     memory_canary: float = field(default=0.25, metadata={"help": "Warn when active memory grows by this fraction after the first steps."})
     progress: bool = settings.field("progress")
+    max_nonfinite_steps: int = settings.field("max_nonfinite_steps")
 
     def validate(self):
         for f in fields(self):
@@ -119,21 +122,26 @@ class MetricsLog:
 
     def __init__(self, path, after_step=None):
         self.path = Path(path)
-        if after_step is not None and self.path.exists():
-            # A resumed run rewrites what the interrupted run logged after its checkpoint.
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= after_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            tmp.replace(self.path)
-        self.file = open(self.path, "a")
+        with writing(self.path):
+            if after_step is not None and self.path.exists():
+                # A resumed run rewrites what the interrupted run logged after its checkpoint.
+                keep = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= after_step]
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text("".join(line + "\n" for line in keep))
+                tmp.replace(self.path)
+            self.file = open(self.path, "a")
 
     def write(self, record):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with writing(self.path):
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
     def close(self):
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # the flush of a failed write again: that write's error is the one reported
+            pass
 
 
 def read_metrics(run_dir):
@@ -201,15 +209,21 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
 
     if writer and resume is None and any((run_dir / "checkpoints").glob("step-*")):
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume or a new run_dir")
-    state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed)
+    # nonfinite_steps: updates skipped so far; finite_checkpoint: the newest
+    # checkpoint whose weights a later step found to give a finite loss.
+    state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed, nonfinite_steps=0,
+                 finite_checkpoint=None)
     mx.random.seed(args.seed)
+    last_ckpt, unproven = None, None  # the newest checkpoint, and its step while no step has used it
     if resume is not None:
-        loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
+        loaded, last_ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
         loaded.pop("training_args", None)
         state.update(loaded)
         checkpoint.set_rng_state(state.pop("rng"))
         controller = _resumed_controller(state, controller)
-        log(f"Resumed from {ckpt} at step {state['step']}")
+        if state["finite_checkpoint"] != state["step"]:
+            unproven = state["step"]
+        log(f"Resumed from {last_ckpt} at step {state['step']}")
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
     def emit(record):
@@ -234,8 +248,20 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         trainer_state = dict(state, rng=checkpoint.rng_state(), training_args=asdict(args))
         if controller is not None:
             trainer_state["controller"] = controller.state()
+        good = state["finite_checkpoint"]
         return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
-                                   adapter_config or {}, best=best, keep=args.keep_checkpoints)
+                                   adapter_config or {}, best=best, keep=args.keep_checkpoints,
+                                   protect=[checkpoint.step_dir(run_dir, good)] if good is not None else [])
+
+    def fall_back():
+        """Points adapters at the last checkpoint whose weights gave a finite loss
+        (removes it when there is none): never at weights that diverged. Returns it."""
+        good = state["finite_checkpoint"]
+        if good is None:
+            checkpoint.unlink(run_dir, "adapters")
+            return None
+        checkpoint.link(run_dir, "adapters", checkpoint.step_dir(run_dir, good))
+        return checkpoint.step_dir(run_dir, good)
 
     def after_eval(record, step):
         loss = record["loss"]
@@ -250,6 +276,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     canary = MemoryCanary(args.memory_canary)
     bar = _progress(args, state["step"], rank)
     accum = args.grad_accumulation_steps
+    streak, suspect = 0, False  # non-finite steps in a row; weights that gave a non-finite loss
     try:
         first = state["step"] + 1
         for step in range(first, args.iters + 1):
@@ -276,8 +303,18 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            optimizer.update(model, grads)
-            mx.eval(model.parameters(), optimizer.state)
+            finite = math.isfinite(sums["loss"]) and math.isfinite(norm.item())
+            if size > 1:  # every rank skips the same steps
+                finite = mx.distributed.all_sum(mx.array(int(not finite)), group=world).item() == 0
+            if finite:
+                optimizer.update(model, grads)
+                mx.eval(model.parameters(), optimizer.state)
+                streak = 0
+                if unproven is not None:  # this step's loss came from that checkpoint's weights
+                    state["finite_checkpoint"], unproven = unproven, None
+            else:  # a NaN/inf loss or gradient: the weights stay as they were
+                streak += 1
+                state["nonfinite_steps"] += 1
             if gpu_capture is not None and step == first:
                 mx.metal.stop_capture()
                 log(f"Recorded step {step} into {gpu_capture}")
@@ -289,9 +326,12 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                           learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+            record["nonfinite/skipped_steps"] = state["nonfinite_steps"]
+            record["nonfinite/consecutive"] = streak
             if controller is not None:
                 record["pref_weight"] = objective.pref_weight
-                controller.update(sums["nll_loss"])
+                if finite:
+                    controller.update(sums["nll_loss"])
             warning = canary.check(step, active)
             if warning:
                 record["memory_warning"] = warning
@@ -301,12 +341,23 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 bar.set_postfix(loss=f"{record['loss']:.3f}",
                                 acc=f"{record.get('rewards/accuracies', float('nan')):.2f}")
                 bar.update(1)
+            if not finite:
+                detail = f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}"
+                warning = (f"step {step}: non-finite {detail}; update skipped ({streak} in a row, "
+                           f"the run stops at {args.max_nonfinite_steps})")
+                if bar is not None:
+                    bar.write(f"[warning] {warning}")
+                else:
+                    log(f"[warning] {warning}")
+                if streak >= args.max_nonfinite_steps:
+                    raise NonFinite(step, streak, fall_back() if writer else None, detail)
 
-            is_best = False
+            is_best, suspect = False, streak > 0
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
                 if last_eval is not None:
-                    is_best = after_eval(last_eval, step)
+                    suspect = suspect or not math.isfinite(last_eval["loss"])
+                    is_best = not suspect and after_eval(last_eval, step)
                     if bar is not None:
                         bar.write(_eval_line(last_eval))
                     elif rank == 0:
@@ -314,10 +365,21 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             stop = should_stop is not None and should_stop()
             if should_stop is not None and size > 1:  # every rank stops after the same step
                 stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
-            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
-                ckpt = save(step, best=is_best)
+            due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
+            if due and not suspect:  # checkpoints hold weights that gave a finite loss last
+                if is_best:  # its finite validation loss proves it
+                    state["finite_checkpoint"] = step
+                last_ckpt = save(step, best=is_best)
+                unproven = None if is_best else step
             if stop and step < args.iters:
-                raise Interrupted(step, ckpt)
+                raise Interrupted(step, last_ckpt)
+        if suspect and writer:
+            good = fall_back()
+            log(f"[warning] the last weights gave a non-finite loss; adapters holds "
+                f"{good or 'nothing (no checkpoint gave a finite loss)'}")
+    except WriteError as e:
+        where = f"; the last complete checkpoint is {last_ckpt}" if last_ckpt is not None else ""
+        raise WriteError(e.filename, e.strerror + where, e.errno) from None
     finally:
         if bar is not None:
             bar.close()
