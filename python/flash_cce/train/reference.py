@@ -143,6 +143,21 @@ def _kind(cfg):
     return "adapters_off" if cfg["fine_tune_type"] == "lora" else "model"
 
 
+def reference_source(cfg, log):
+    """`AdaptersOff()` or a `FrozenModel` of the reference model, as the settings `cfg` ask."""
+    if _kind(cfg) != "model":
+        return AdaptersOff()
+    from .preflight import load_model, quantize_model
+
+    ref_path = cfg["reference_model"] or cfg["model"]
+    ref_model, _ = load_model(dict(cfg, model=ref_path))
+    if cfg["reference_quantize"]:
+        quantize_model(ref_model, cfg["reference_quantize"])
+    log(f"Reference: the frozen model {ref_path}"
+        + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
+    return FrozenModel(ref_model)
+
+
 def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     """`objective` with the source of its reference log-probs as the settings
     `cfg` ask (for dpo and kto); with `pairs` (kto: examples with their KL
@@ -152,17 +167,7 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     if not get(objective.name).reference:
         return objective
     kind, ref_path = _kind(cfg), cfg["reference_model"] or cfg["model"]
-    if kind == "model":
-        from .preflight import load_model, quantize_model
-
-        ref_model, _ = load_model(dict(cfg, model=ref_path))
-        if cfg["reference_quantize"]:
-            quantize_model(ref_model, cfg["reference_quantize"])
-        source = FrozenModel(ref_model)
-        log(f"Reference: the frozen model {ref_path}"
-            + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
-    else:
-        source = AdaptersOff()
+    source = reference_source(cfg, log)
     if pairs is None:
         return replace(objective, reference=source)
     obj = get(objective.name)

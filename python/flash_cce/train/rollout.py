@@ -13,7 +13,7 @@ logits by the temperature and never filters), so with `num_iterations` > 1 they
 serve as the behaviour ("old") log-probs.
 
 Randomness is counter-based: token t of row r in draw d uses the key
-(hash(seed, d, r), t), a Gumbel-max draw per row. A rollout is a function of the
+(hash(seed, stream, d, r), t), a Gumbel-max draw per row. A rollout is a function of the
 seed, the draw counter and the rows' global ids, so `RolloutRng.state()` (two
 integers) restores it exactly on resume, and data-parallel ranks that take parts
 of a step sample what one process would.
@@ -63,21 +63,21 @@ class Rollout:
 class RolloutRng:
     """The rollouts' random state: a seed and a draw counter (see the module's docstring)."""
 
-    def __init__(self, seed=0, draws=0):
-        self.seed, self.draws = int(seed), int(draws)
+    def __init__(self, seed=0, draws=0, stream=0):
+        self.seed, self.draws, self.stream = int(seed), int(draws), int(stream)  # stream: e.g. training, validation
 
     def state(self):
-        return {"seed": self.seed, "draws": self.draws}
+        return {"seed": self.seed, "draws": self.draws, "stream": self.stream}
 
     @classmethod
     def from_state(cls, state):
-        return cls(state["seed"], state["draws"])
+        return cls(state["seed"], state["draws"], state.get("stream", 0))
 
     def next_keys(self, rows):
         """The high key words of global rows `rows` for the next draw (uint32 [len(rows)])."""
         d = self.draws
         self.draws += 1
-        return np.array([np.random.SeedSequence([self.seed, d, int(r)]).generate_state(1)[0] for r in rows],
+        return np.array([np.random.SeedSequence([self.seed, self.stream, d, int(r)]).generate_state(1)[0] for r in rows],
                         dtype=np.uint32)
 
 
