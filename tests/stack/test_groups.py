@@ -151,6 +151,7 @@ def test_packing_pays_generalises_the_pair_rule():
     # G = 8 completions as long as the prompt: 9 rows of P against 8 of 2P.
     assert packing_pays(16, [16] * 8)
     assert not packing_pays(40, [4] * 8)  # 9 x 40 > 8 x 44
+    assert packing_pays(30, [5] * 8)  # 9 x 30 <= 8 x 35, where the pair rule (3 x 30 > 2 x 35) would not
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -333,10 +333,14 @@ def test_loss_types_off_policy_match_trl(model, loss_type, level):
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
 
 
+@pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES + ["luspo"])
-def test_loss_types_on_policy_match_trl(model, loss_type):
+def test_loss_types_on_policy_match_trl(model, loss_type, steps):
+    """On-policy (no old log-probs: the ratio is 1); `steps` accumulation steps
+    divide the loss types TRL divides."""
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, loss_type=loss_type,
-                     importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+                     importance_sampling_level="sequence" if loss_type == "luspo" else "token",
+                     gradient_accumulation_steps=steps)
     _check(model, _rollouts(), cfg)
 
 
