@@ -83,11 +83,12 @@ def test_group_logprobs_equal_independent_forwards(arch, layout):
             assert float(mx.abs(out["logps"][g, n:]).max() if n < out["logps"].shape[1] else 0) == 0.0
 
 
+@pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_group_entropy_and_temperature_equal_full_logits(temperature):
+def test_group_entropy_and_temperature_equal_full_logits(temperature, flash):
     model = tiny_model("gemma4_text")  # softcap: temperature divides the capped logits
     groups = _groups(1)
-    outs = group_logprobs(model, groups, StackConfig(flash_head=False), temperature=temperature,
+    outs = group_logprobs(model, groups, StackConfig(flash_head=flash), temperature=temperature,
                           entropy=True)
     for grp, out in zip(groups, outs):
         for g, (lp, ent) in enumerate(_full(model, grp, temperature)):

@@ -32,8 +32,7 @@ from models import VOCAB, max_diff, tiny_model
 # epsilons and far below a wrong normalizer, mask or sign (>= 1e-2).
 REL, ABS = 1e-5, 1e-6
 G = 4
-# Until the head takes temperature and entropy, the reference runs the full logits.
-STACK = StackConfig(flash_head=False)
+STACK = StackConfig()  # the flash head: log-probs and entropies without [tokens, V] logits
 
 
 # ----------------------------------------------------------------- the data
@@ -476,8 +475,6 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     """The gradient of TRL's loss (the transcription in MLX, through
     `model(tokens)` of each sequence) equals grpo_value_and_grad's."""
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, **kw)
-    if flash and cfg.temperature != 1.0:
-        pytest.skip("the head's temperature arrives with its entropy option")
     rollouts = _rollouts(11)
     cur = _current(model, rollouts, cfg)
     rollouts.old_logps = _perturbed(rollouts, 12, 0.15)(cur)

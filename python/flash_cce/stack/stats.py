@@ -183,22 +183,19 @@ def _logprobs(lm, h, targets, flash):
     return token_logprobs(lm, h, targets, flash)[0]
 
 
-def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False):
+def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):
     """(log-probs of `targets`, entropies or None) of the final hidden states `h`
-    `[tokens, d]`, both of the head's logits divided by `temperature`."""
+    `[tokens, d]`, both of the head's logits divided by `temperature`.
+    `backward=False`: no gradient flows (the flash head skips its preparation)."""
     h = lm.norm(h)
     if flash:
         # The targets are the batch's tokens, range-checked on the host
         # (`check_pairs`, `check_groups`); the head's own check would evaluate
-        # them mid-step. The head's options are passed only where they are used.
-        options = {}
-        if temperature != 1.0:
-            options["temperature"] = temperature
-        if entropy:
-            options["entropy"] = True
+        # them mid-step.
         out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                              validate_targets=False, **options)
-        return tuple(out) if entropy else (out, None)
+                              validate_targets=False, temperature=temperature, entropy=entropy,
+                              fused_backward=backward)
+        return (out.logp, out.entropy) if entropy else (out, None)
     logits = lm.logits(h).astype(mx.float32)
     if temperature != 1.0:
         logits = logits / temperature

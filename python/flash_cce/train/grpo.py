@@ -14,8 +14,6 @@ one micro-batch of TRL's with one process: docs/grpo.md says how the settings,
 the micro-batches and the normalizers map.
 """
 
-from dataclasses import replace
-
 import mlx.core as mx
 import numpy as np
 
@@ -79,7 +77,7 @@ def behaviour_logps(model, rollouts, config, stack=StackConfig()):
     `[G][tokens]`: `Rollouts.old_logps` for the updates after the first of a
     generated batch (where `config.needs_old_logps()`, as TRL computes them)."""
     config = _check(model, rollouts, config, stack)
-    return _unpadded(rollouts, group_logprobs(model, rollouts.groups(), _stack(stack, config),
+    return _unpadded(rollouts, group_logprobs(model, rollouts.groups(), stack,
                                               temperature=config.temperature))
 
 
@@ -89,7 +87,7 @@ def _unpadded(rollouts, outs):
 
 
 def _reference(model, rollouts, config, source, stack):
-    groups, stack = rollouts.groups(), _stack(stack, config)
+    groups = rollouts.groups()
     if isinstance(source, FrozenModel):
         outs = group_logprobs(source.model, groups, stack, temperature=config.temperature)
     else:
@@ -98,26 +96,10 @@ def _reference(model, rollouts, config, source, stack):
     return _unpadded(rollouts, outs)
 
 
-def _head_has(option):
-    import inspect
-
-    from ..head import linear_logprobs
-
-    return option in inspect.signature(linear_logprobs).parameters
-
-
-def _stack(stack, config):
-    # Until the head takes temperature and entropy, scoring needs full logits.
-    if stack.flash_head and not (_head_has("temperature") and _head_has("entropy")):
-        return replace(stack, flash_head=False)
-    return stack
-
-
 def _prepare(model, rollouts, config, reference, stack):
-    """(config, stack, groups, per-group inputs of the loss, batch totals, metrics
+    """(config, groups, per-group inputs of the loss, batch totals, metrics
     of the rollouts) before any group runs with gradients."""
     config = _check(model, rollouts, config, stack)
-    stack = _stack(stack, config)
     groups, G = rollouts.groups(), config.num_generations
     adv, metrics = advantages(rollouts, config)
     metrics.update(completion_metrics(rollouts))
@@ -147,7 +129,7 @@ def _prepare(model, rollouts, config, reference, stack):
             "ref": None if ref is None else _padded(ref[i], G, width),
             "entropy_mask": None if entropy_masks is None else entropy_masks[i],
         })
-    return config, stack, groups, data, totals, metrics
+    return config, groups, data, totals, metrics
 
 
 def _entropy_masks(model, groups, counts, config, stack):
@@ -172,10 +154,6 @@ def _group_loss(config, d, out, totals):
     return grpo_loss.share(config, loss, d["mask"], totals), parts
 
 
-def _entropy(out):
-    return out.get("entropy")
-
-
 def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=StackConfig()):
     """(loss, gradients, metrics) of TRL's GRPO objective on `rollouts`.
 
@@ -194,14 +172,13 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
     `/high_max` (grpo, bnpo, dr_grpo, dapo, luspo), `cispo_clip_ratio`,
     `vespo/phi_seq_mean`.
     """
-    config, stack, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
-    entropy = _wants_entropy(stack)
+    config, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
 
     def loss(i, out):
         return _group_loss(config, data[i], out, totals)[0]
 
     outs, grads = group_value_and_grad(model, groups, loss, stack, temperature=config.temperature,
-                                       entropy=entropy)
+                                       entropy=True)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, grads, metrics
@@ -209,17 +186,11 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
 
 def grpo_loss_and_metrics(model, rollouts, config=None, reference=None, stack=StackConfig()):
     """(loss, metrics) of `grpo_value_and_grad`, without gradients (evaluation)."""
-    config, stack, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
-    outs = group_logprobs(model, groups, stack, temperature=config.temperature,
-                          entropy=_wants_entropy(stack))
+    config, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
+    outs = group_logprobs(model, groups, stack, temperature=config.temperature, entropy=True)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, metrics
-
-
-def _wants_entropy(stack):
-    # TRL always logs the entropy; the flash head gives it once it has the option.
-    return not stack.flash_head or _head_has("entropy")
 
 
 def _reduce(config, data, outs, totals):
@@ -229,7 +200,7 @@ def _reduce(config, data, outs, totals):
     for d, out in zip(data, outs):
         share, parts = _group_loss(config, d, out, totals)
         total = total + share
-        for name, value in grpo_loss.metric_sums(config, parts, d["mask"], d["adv"], _entropy(out)).items():
+        for name, value in grpo_loss.metric_sums(config, parts, d["mask"], d["adv"], out["entropy"]).items():
             if name in seq:
                 seq[name].append(np.array(value))
             else:
