@@ -195,15 +195,26 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
         ptl = ptl + cfg.beta * kl
     B, steps = mask.shape[0], cfg.gradient_accumulation_steps
     if cfg.loss_type in ("grpo", "sapo"):
-        loss = ((ptl * mask).sum(-1) / xp.maximum(mask.sum(-1), 1.0)).mean() / steps
+        loss = ((ptl * mask).sum(-1) / xp.maximum(mask.sum(-1), 1.0)).mean()
     elif cfg.loss_type == "bnpo":
-        loss = (ptl * mask).sum() / xp.maximum(mask.sum(), 1.0) / steps
+        loss = (ptl * mask).sum() / xp.maximum(mask.sum(), 1.0)
     elif cfg.loss_type == "dr_grpo":
-        loss = (ptl * mask).sum() / (B * cfg.max_completion_length) / steps
+        loss = (ptl * mask).sum() / (B * cfg.max_completion_length)
     elif cfg.loss_type in ("cispo", "dapo", "vespo"):
         loss = (ptl * mask).sum() / max(num_items, 1.0)
+        steps = None
     else:  # luspo
-        loss = (ptl * mask.sum(1, keepdims=True)).mean() / steps
+        loss = (ptl * mask.sum(1, keepdims=True)).mean()
+    policy_loss = loss
+    if steps is not None:
+        loss = loss / steps
+    if cfg.entropy_coef != 0.0:
+        eff = mask if entropy_mask is None else mask * entropy_mask
+        if steps is None:
+            entropy_loss = (entropies * eff).sum() / max(num_items, 1.0)
+        else:
+            entropy_loss = (entropies * eff).sum() / xp.maximum(eff.sum(), 1.0) / steps
+        loss = loss - cfg.entropy_coef * entropy_loss
     if xp is not np:
         return loss, {}
 
@@ -219,6 +230,8 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
             return (x * mask).sum(-1) / mask.sum(-1)
 
     m = {"entropy": global_masked_mean(entropies)}
+    if cfg.entropy_coef != 0.0:
+        m["policy_loss"], m["entropy_coef"] = policy_loss, cfg.entropy_coef
     if cfg.beta != 0.0:
         m["kl"] = global_masked_mean(kl)
     if cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
@@ -246,7 +259,7 @@ def trl_entropy_mask(entropies, mask, quantile):
     return ((entropies * mask >= threshold) & mask.astype(bool)).astype(float)
 
 
-def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np, entropy_mask_from=None):
+def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np):
     """TRL's loss and metrics of `rollouts` as one micro-batch (xp: np or mx)."""
     per_group = _full_logps(model, rollouts, cfg.temperature)
     flat = [x for grp in per_group for x in grp]
@@ -266,13 +279,13 @@ def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np, entropy_mask_from
         lp = _pad([np.array(x[0]) for x in flat], T, np)
         ent = _pad([np.array(x[1]) for x in flat], T, np)
     else:
-        lp, ent = _pad([x[0] for x in flat], T, mx), None
+        lp, ent = _pad([x[0] for x in flat], T, mx), _pad([x[1] for x in flat], T, mx)
     flat_rows = lambda v: None if v is None else _pad([np.array(r) for grp in v for r in grp], T, np)
     old_, ref_ = flat_rows(old), flat_rows(ref)
     emask = None
     if cfg.top_entropy_quantile < 1.0:
-        source = ent if entropy_mask_from is None else entropy_mask_from
-        emask = trl_entropy_mask(source, mask, cfg.top_entropy_quantile)
+        emask = trl_entropy_mask(_pad([np.array(x[1]) for x in flat], T, np), mask,
+                                 cfg.top_entropy_quantile)
     if xp is not np:
         cast = lambda v: None if v is None else mx.array(v.astype(np.float32))
         mask, old_, ref_, emask = cast(mask), cast(old_), cast(ref_), cast(emask)
@@ -403,6 +416,14 @@ def test_top_entropy_quantile_matches_trl(model, quantile, loss_type):
     _check(model, rollouts, cfg, old=_perturbed(rollouts, 9, 0.15)(_current(model, rollouts, cfg)))
 
 
+@pytest.mark.parametrize("kw", [dict(loss_type="dapo"), dict(loss_type="bnpo", top_entropy_quantile=0.3),
+                                dict(loss_type="grpo", gradient_accumulation_steps=2)])
+def test_entropy_bonus_matches_trl(model, kw):
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, entropy_coef=0.05, **kw)
+    rollouts = _rollouts(12)
+    _check(model, rollouts, cfg, old=_perturbed(rollouts, 2, 0.2)(_current(model, rollouts, cfg)))
+
+
 def test_temperature_matches_trl(model):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, temperature=0.7, beta=0.04)
     rollouts = _rollouts(6)
@@ -469,6 +490,8 @@ def test_evaluation_equals_the_differentiated_values(model):
     dict(loss_type="sapo", temperature=0.8),
     dict(loss_type="vespo"),
     dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.01),
+    dict(loss_type="dapo", entropy_coef=0.3, top_entropy_quantile=0.5),
+    dict(loss_type="grpo", entropy_coef=0.2, gradient_accumulation_steps=2),
 ])
 @pytest.mark.parametrize("flash", [False, True])
 def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
@@ -507,7 +530,7 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     (dict(num_iterations=0), "num_iterations must be an integer >= 1"),
     (dict(mask_truncated_completions="yes"), "mask_truncated_completions must be True or False"),
     (dict(reward_weights="1"), "reward_weights must be None or a list of numbers"),
-    (dict(entropy_coef=0.1), "entropy_coef: only 0.0 is supported"),
+    (dict(entropy_coef=float("inf")), "entropy_coef must be a finite number"),
     (dict(loss_type="luspo"), "loss_type 'luspo' needs importance_sampling_level='sequence'"),
 ])
 def test_bad_settings_are_named(kw, match):

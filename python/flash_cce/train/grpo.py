@@ -21,7 +21,7 @@ from ..stack import StackConfig
 from ..stack.groups import group_logprobs, group_value_and_grad
 from ..stack.lm import adapters_off
 from . import grpo_loss
-from .grpo_config import GRPOConfig
+from .grpo_config import PER_STEP_MEAN, GRPOConfig
 from .grpo_rollouts import Rollouts, advantages, completion_metrics, loss_mask_counts
 from .reference import AdaptersOff, FrozenModel, Precomputed
 
@@ -106,16 +106,17 @@ def _prepare(model, rollouts, config, reference, stack):
     counts = loss_mask_counts(rollouts, config).reshape(len(groups), G)
     items = int(counts.sum())
     lengths = rollouts.lengths()
-    totals = grpo_loss.Totals(
-        sequences=len(lengths), tokens=items,
-        items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
-        width=int(lengths.max()))
     ref = rollouts.ref_logps
     if config.beta != 0.0 and ref is None:
         ref = _reference(model, rollouts, config, _source(reference), stack)
     entropy_masks = None
     if config.top_entropy_quantile < 1.0:
         entropy_masks = _entropy_masks(model, groups, counts, config, stack)
+    totals = grpo_loss.Totals(
+        sequences=len(lengths), tokens=items,
+        items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
+        width=int(lengths.max()),
+        entropy_tokens=items if entropy_masks is None else int(sum(float(m.sum()) for m in entropy_masks)))
     data = []
     for i, cs in enumerate(rollouts.completions):
         width = max(map(len, cs))
@@ -148,10 +149,15 @@ def _entropy_masks(model, groups, counts, config, stack):
 
 
 def _group_loss(config, d, out, totals):
+    """(the group's share of the loss, its policy term's share, the parts its metrics read)."""
     lp = out["logps"]
     old = mx.stop_gradient(lp) if d["old"] is None else d["old"]
     loss, parts = grpo_loss.per_token(config, lp, old, d["ref"], d["mask"], d["adv"], d["entropy_mask"])
-    return grpo_loss.share(config, loss, d["mask"], totals), parts
+    policy = grpo_loss.share(config, loss, d["mask"], totals)
+    if config.entropy_coef == 0.0:
+        return policy, policy, parts
+    bonus = grpo_loss.entropy_share(config, out["entropy"], d["mask"], d["entropy_mask"], totals)
+    return policy - config.entropy_coef * bonus, policy, parts
 
 
 def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=StackConfig()):
@@ -195,11 +201,11 @@ def grpo_loss_and_metrics(model, rollouts, config=None, reference=None, stack=St
 
 def _reduce(config, data, outs, totals):
     """The batch loss (the sum of the group shares) and TRL's loss metrics."""
-    total = mx.array(0.0)
+    total, policy = mx.array(0.0), mx.array(0.0)
     sums, seq = {}, {"seq_low": [], "seq_high": []}
     for d, out in zip(data, outs):
-        share, parts = _group_loss(config, d, out, totals)
-        total = total + share
+        share, policy_share, parts = _group_loss(config, d, out, totals)
+        total, policy = total + share, policy + policy_share
         for name, value in grpo_loss.metric_sums(config, parts, d["mask"], d["adv"], out["entropy"]).items():
             if name in seq:
                 seq[name].append(np.array(value))
@@ -207,6 +213,11 @@ def _reduce(config, data, outs, totals):
                 s, n = sums.get(name, (0.0, 0.0))
                 sums[name] = (s + float(value[0]), n + float(value[1]))
     metrics = {name: s / max(n, 1.0) for name, (s, n) in sums.items()}
+    if config.entropy_coef != 0.0:
+        # TRL logs the policy term before its division by the accumulation steps.
+        steps = config.gradient_accumulation_steps if config.loss_type in PER_STEP_MEAN else 1
+        metrics["policy_loss"] = policy.item() * steps
+        metrics["entropy_coef"] = float(config.entropy_coef)
     if seq["seq_low"]:
         low, high = np.concatenate(seq["seq_low"]), np.concatenate(seq["seq_high"])
         metrics["clip_ratio/low_min"] = float(np.nanmin(low)) if not np.isnan(low).all() else float("nan")
