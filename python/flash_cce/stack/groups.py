@@ -23,18 +23,12 @@ import numpy as np
 
 from .batch import Group
 from .plan import Scoring, StackConfig
-from .stats import _Run, differentiated, evaluated, token_logprobs
+from .stats import _Run, differentiated, evaluated, token_logprobs, validated
 
 
 def check_groups(groups, vocab, max_length=None):
     """ValueError naming the group and the problem, before anything runs."""
-    if not isinstance(groups, (list, tuple)) or not groups:
-        raise ValueError("groups must be a non-empty list of flash_cce.stack.batch.Group")
-    for i, grp in enumerate(groups):
-        where = f"groups[{i}]"
-        if not isinstance(grp, Group):
-            raise ValueError(f"{where} must be a flash_cce.stack.batch.Group, got {type(grp).__name__}")
-        grp.validate(where)
+    for where, grp in validated(groups, "groups", Group):
         for g, seq in enumerate(grp.sequences()):
             if max_length is not None and len(seq) > max_length:
                 raise ValueError(f"{where}: completion {g} makes {len(seq)} tokens with the prompt, "
