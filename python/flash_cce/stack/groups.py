@@ -23,18 +23,12 @@ import numpy as np
 
 from .batch import Group
 from .plan import Scoring, StackConfig
-from .stats import _Run, differentiated, evaluated, token_logprobs
+from .stats import _Run, differentiated, evaluated, token_logprobs, validated
 
 
 def check_groups(groups, vocab, max_length=None):
     """ValueError naming the group and the problem, before anything runs."""
-    if not isinstance(groups, (list, tuple)) or not groups:
-        raise ValueError("groups must be a non-empty list of flash_cce.stack.batch.Group")
-    for i, grp in enumerate(groups):
-        where = f"groups[{i}]"
-        if not isinstance(grp, Group):
-            raise ValueError(f"{where} must be a flash_cce.stack.batch.Group, got {type(grp).__name__}")
-        grp.validate(where)
+    for where, grp in validated(groups, "groups", Group):
         for g, seq in enumerate(grp.sequences()):
             if max_length is not None and len(seq) > max_length:
                 raise ValueError(f"{where}: completion {g} makes {len(seq)} tokens with the prompt, "
@@ -50,12 +44,12 @@ def _check_temperature(temperature):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-def _units(run, groups, temperature, entropy):
+def _units(run, groups, temperature, entropy, backward):
     for grp in groups:
         plan = run.group_plan(grp)
         yield plan, grp.sequences(), functools.partial(
             _from_hidden, run.lm, group=grp, flash=plan.flash_head, temperature=temperature,
-            entropy=entropy)
+            entropy=entropy, backward=backward)
 
 
 def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entropy=False):
@@ -63,7 +57,7 @@ def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entr
     check_groups(groups, model.args.vocab_size, config.max_length)
     _check_temperature(temperature)
     with _Run(model, config, Scoring(), training=False) as run:
-        return evaluated(run, _units(run, groups, temperature, entropy))
+        return evaluated(run, _units(run, groups, temperature, entropy, backward=False))
 
 
 def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperature=1.0, entropy=False):
@@ -72,10 +66,10 @@ def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperatu
     check_groups(groups, model.args.vocab_size, config.max_length)
     _check_temperature(temperature)
     with _Run(model, config, Scoring(), training=True) as run:
-        return differentiated(run, _units(run, groups, temperature, entropy), loss)
+        return differentiated(run, _units(run, groups, temperature, entropy, backward=True), loss)
 
 
-def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy):
+def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward):
     p = len(group.prompt)
     width = max(map(len, group.completions))
     idx, tgt, at = [], [], []
@@ -84,7 +78,7 @@ def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy):
         idx.extend(rows[b][p - 1:p - 1 + len(c)])
         tgt.extend(c)
         at.extend(b * width + k for k in range(len(c)))
-    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy)
+    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward)
     # [G, width] by a gather from the tokens and one trailing zero (for padding).
     where = np.full(len(group.completions) * width, len(idx), np.int64)
     where[at] = np.arange(len(idx))

@@ -32,15 +32,23 @@ from .lm import LM
 from .plan import StackConfig, attention_block, group_plan, plan, sequences
 from .prefix import sequence_hidden
 
+def validated(items, name, kind):
+    """(where, item) of a non-empty list of `kind` (`Pair`, `Group`), each
+    validated; ValueError naming the list `name`, the item and the problem."""
+    what = f"flash_cce.stack.batch.{kind.__name__}"
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{name} must be a non-empty list of {what}")
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]"
+        if not isinstance(item, kind):
+            raise ValueError(f"{where} must be a {what}, got {type(item).__name__}")
+        item.validate(where)
+        yield where, item
+
+
 def check_pairs(pairs, vocab, max_length=None):
     """ValueError naming the pair and the problem, before anything runs."""
-    if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise ValueError("pairs must be a non-empty list of flash_cce.stack.batch.Pair")
-    for i, p in enumerate(pairs):
-        where = f"pairs[{i}]"
-        if not isinstance(p, Pair):
-            raise ValueError(f"{where} must be a flash_cce.stack.batch.Pair, got {type(p).__name__}")
-        p.validate(where)
+    for where, p in validated(pairs, "pairs", Pair):
         for name, seq, n in (("chosen", p.chosen, p.chosen_prompt_len),
                              ("rejected", p.rejected, p.rejected_prompt_len)):
             if max_length is not None and len(seq) > max_length:
@@ -183,22 +191,19 @@ def _logprobs(lm, h, targets, flash):
     return token_logprobs(lm, h, targets, flash)[0]
 
 
-def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False):
+def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):
     """(log-probs of `targets`, entropies or None) of the final hidden states `h`
-    `[tokens, d]`, both of the head's logits divided by `temperature`."""
+    `[tokens, d]`, both of the head's logits divided by `temperature`.
+    `backward=False`: no gradient flows (the flash head skips its preparation)."""
     h = lm.norm(h)
     if flash:
         # The targets are the batch's tokens, range-checked on the host
         # (`check_pairs`, `check_groups`); the head's own check would evaluate
-        # them mid-step. The head's options are passed only where they are used.
-        options = {}
-        if temperature != 1.0:
-            options["temperature"] = temperature
-        if entropy:
-            options["entropy"] = True
+        # them mid-step.
         out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                              validate_targets=False, **options)
-        return tuple(out) if entropy else (out, None)
+                              validate_targets=False, temperature=temperature, entropy=entropy,
+                              fused_backward=backward)
+        return (out.logp, out.entropy) if entropy else (out, None)
     logits = lm.logits(h).astype(mx.float32)
     if temperature != 1.0:
         logits = logits / temperature

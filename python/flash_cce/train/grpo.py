@@ -14,8 +14,6 @@ one micro-batch of TRL's with one process: docs/grpo.md says how the settings,
 the micro-batches and the normalizers map.
 """
 
-from dataclasses import replace
-
 import mlx.core as mx
 import numpy as np
 
@@ -23,7 +21,7 @@ from ..stack import StackConfig
 from ..stack.groups import group_logprobs, group_value_and_grad
 from ..stack.lm import adapters_off
 from . import grpo_loss
-from .grpo_config import GRPOConfig
+from .grpo_config import PER_STEP_MEAN, GRPOConfig
 from .grpo_rollouts import Rollouts, advantages, completion_metrics, loss_mask_counts
 from .reference import AdaptersOff, FrozenModel, Precomputed
 
@@ -79,7 +77,7 @@ def behaviour_logps(model, rollouts, config, stack=StackConfig()):
     `[G][tokens]`: `Rollouts.old_logps` for the updates after the first of a
     generated batch (where `config.needs_old_logps()`, as TRL computes them)."""
     config = _check(model, rollouts, config, stack)
-    return _unpadded(rollouts, group_logprobs(model, rollouts.groups(), _stack(stack, config),
+    return _unpadded(rollouts, group_logprobs(model, rollouts.groups(), stack,
                                               temperature=config.temperature))
 
 
@@ -89,7 +87,7 @@ def _unpadded(rollouts, outs):
 
 
 def _reference(model, rollouts, config, source, stack):
-    groups, stack = rollouts.groups(), _stack(stack, config)
+    groups = rollouts.groups()
     if isinstance(source, FrozenModel):
         outs = group_logprobs(source.model, groups, stack, temperature=config.temperature)
     else:
@@ -98,42 +96,27 @@ def _reference(model, rollouts, config, source, stack):
     return _unpadded(rollouts, outs)
 
 
-def _head_has(option):
-    import inspect
-
-    from ..head import linear_logprobs
-
-    return option in inspect.signature(linear_logprobs).parameters
-
-
-def _stack(stack, config):
-    # Until the head takes temperature and entropy, scoring needs full logits.
-    if stack.flash_head and not (_head_has("temperature") and _head_has("entropy")):
-        return replace(stack, flash_head=False)
-    return stack
-
-
 def _prepare(model, rollouts, config, reference, stack):
-    """(config, stack, groups, per-group inputs of the loss, batch totals, metrics
+    """(config, groups, per-group inputs of the loss, batch totals, metrics
     of the rollouts) before any group runs with gradients."""
     config = _check(model, rollouts, config, stack)
-    stack = _stack(stack, config)
     groups, G = rollouts.groups(), config.num_generations
     adv, metrics = advantages(rollouts, config)
     metrics.update(completion_metrics(rollouts))
     counts = loss_mask_counts(rollouts, config).reshape(len(groups), G)
     items = int(counts.sum())
     lengths = rollouts.lengths()
-    totals = grpo_loss.Totals(
-        sequences=len(lengths), tokens=items,
-        items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
-        width=int(lengths.max()))
     ref = rollouts.ref_logps
     if config.beta != 0.0 and ref is None:
         ref = _reference(model, rollouts, config, _source(reference), stack)
     entropy_masks = None
     if config.top_entropy_quantile < 1.0:
         entropy_masks = _entropy_masks(model, groups, counts, config, stack)
+    totals = grpo_loss.Totals(
+        sequences=len(lengths), tokens=items,
+        items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
+        width=int(lengths.max()),
+        entropy_tokens=items if entropy_masks is None else int(sum(float(m.sum()) for m in entropy_masks)))
     data = []
     for i, cs in enumerate(rollouts.completions):
         width = max(map(len, cs))
@@ -147,7 +130,7 @@ def _prepare(model, rollouts, config, reference, stack):
             "ref": None if ref is None else _padded(ref[i], G, width),
             "entropy_mask": None if entropy_masks is None else entropy_masks[i],
         })
-    return config, stack, groups, data, totals, metrics
+    return config, groups, data, totals, metrics
 
 
 def _entropy_masks(model, groups, counts, config, stack):
@@ -166,14 +149,15 @@ def _entropy_masks(model, groups, counts, config, stack):
 
 
 def _group_loss(config, d, out, totals):
+    """(the group's share of the loss, its policy term's share, the parts its metrics read)."""
     lp = out["logps"]
     old = mx.stop_gradient(lp) if d["old"] is None else d["old"]
     loss, parts = grpo_loss.per_token(config, lp, old, d["ref"], d["mask"], d["adv"], d["entropy_mask"])
-    return grpo_loss.share(config, loss, d["mask"], totals), parts
-
-
-def _entropy(out):
-    return out.get("entropy")
+    policy = grpo_loss.share(config, loss, d["mask"], totals)
+    if config.entropy_coef == 0.0:
+        return policy, policy, parts
+    bonus = grpo_loss.entropy_share(config, out["entropy"], d["mask"], d["entropy_mask"], totals)
+    return policy - config.entropy_coef * bonus, policy, parts
 
 
 def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=StackConfig()):
@@ -194,14 +178,13 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
     `/high_max` (grpo, bnpo, dr_grpo, dapo, luspo), `cispo_clip_ratio`,
     `vespo/phi_seq_mean`.
     """
-    config, stack, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
-    entropy = _wants_entropy(stack)
+    config, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
 
     def loss(i, out):
         return _group_loss(config, data[i], out, totals)[0]
 
     outs, grads = group_value_and_grad(model, groups, loss, stack, temperature=config.temperature,
-                                       entropy=entropy)
+                                       entropy=True)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, grads, metrics
@@ -209,33 +192,32 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
 
 def grpo_loss_and_metrics(model, rollouts, config=None, reference=None, stack=StackConfig()):
     """(loss, metrics) of `grpo_value_and_grad`, without gradients (evaluation)."""
-    config, stack, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
-    outs = group_logprobs(model, groups, stack, temperature=config.temperature,
-                          entropy=_wants_entropy(stack))
+    config, groups, data, totals, metrics = _prepare(model, rollouts, config, reference, stack)
+    outs = group_logprobs(model, groups, stack, temperature=config.temperature, entropy=True)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, metrics
 
 
-def _wants_entropy(stack):
-    # TRL always logs the entropy; the flash head gives it once it has the option.
-    return not stack.flash_head or _head_has("entropy")
-
-
 def _reduce(config, data, outs, totals):
     """The batch loss (the sum of the group shares) and TRL's loss metrics."""
-    total = mx.array(0.0)
+    total, policy = mx.array(0.0), mx.array(0.0)
     sums, seq = {}, {"seq_low": [], "seq_high": []}
     for d, out in zip(data, outs):
-        share, parts = _group_loss(config, d, out, totals)
-        total = total + share
-        for name, value in grpo_loss.metric_sums(config, parts, d["mask"], d["adv"], _entropy(out)).items():
+        share, policy_share, parts = _group_loss(config, d, out, totals)
+        total, policy = total + share, policy + policy_share
+        for name, value in grpo_loss.metric_sums(config, parts, d["mask"], d["adv"], out["entropy"]).items():
             if name in seq:
                 seq[name].append(np.array(value))
             else:
                 s, n = sums.get(name, (0.0, 0.0))
                 sums[name] = (s + float(value[0]), n + float(value[1]))
     metrics = {name: s / max(n, 1.0) for name, (s, n) in sums.items()}
+    if config.entropy_coef != 0.0:
+        # TRL logs the policy term before its division by the accumulation steps.
+        steps = config.gradient_accumulation_steps if config.loss_type in PER_STEP_MEAN else 1
+        metrics["policy_loss"] = policy.item() * steps
+        metrics["entropy_coef"] = float(config.entropy_coef)
     if seq["seq_low"]:
         low, high = np.concatenate(seq["seq_low"]), np.concatenate(seq["seq_high"])
         metrics["clip_ratio/low_min"] = float(np.nanmin(low)) if not np.isnan(low).all() else float("nan")

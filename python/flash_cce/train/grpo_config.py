@@ -41,7 +41,7 @@ class GRPOConfig:
     off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences whose KL exceeds it
     top_entropy_quantile: float = 1.0  # keep the top quantile of tokens by entropy in the policy term
     mask_truncated_completions: bool = False  # completions without EOS leave the loss
-    entropy_coef: float = 0.0  # entropy bonus (only 0 is supported: see docs/grpo.md)
+    entropy_coef: float = 0.0  # weight of the mean entropy subtracted from the loss (the bonus)
     # Rewards and advantages
     reward_weights: Optional[list] = None  # one per reward function; None: all 1
     multi_objective_aggregation: str = "sum_then_normalize"
@@ -81,8 +81,7 @@ class GRPOConfig:
             _number(self, name)
         _number(self, "top_entropy_quantile", low=0.0, high=1.0)
         _number(self, "top_p", low=0.0, high=1.0, strict=True)
-        if self.entropy_coef != 0.0:
-            raise ValueError(f"entropy_coef: only 0.0 is supported (no entropy bonus), got {self.entropy_coef!r}")
+        _number(self, "entropy_coef")
         for name, low in (("num_generations", 2), ("max_completion_length", 1), ("top_k", 0),
                           ("num_iterations", 1), ("gradient_accumulation_steps", 1)):
             _integer(self, name, low)

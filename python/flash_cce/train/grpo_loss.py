@@ -25,6 +25,7 @@ class Totals:
     tokens: int  # loss tokens in the batch (bnpo's normalizer)
     items: int  # loss tokens of the generation batch (dapo / cispo / vespo: num_items_in_batch)
     width: int  # the batch's longest completion (TRL's padded width)
+    entropy_tokens: int  # loss tokens the entropy mask keeps (all of them without one)
 
 
 def _masked_mean_rows(x, mask):
@@ -107,6 +108,17 @@ def share(cfg, loss, mask, totals):
     if scaled.shape[-1] == 1:
         return scaled.sum() / totals.sequences / steps
     return scaled.sum() / (totals.sequences * totals.width) / steps
+
+
+def entropy_share(cfg, entropy, mask, entropy_mask, totals):
+    """The group's share of TRL's entropy bonus term (before `-entropy_coef`):
+    the batch's mean entropy over the tokens the policy term keeps, with dapo's,
+    cispo's and vespo's normalizer (the generation batch's tokens) where theirs."""
+    kept = mask if entropy_mask is None else mask * entropy_mask
+    total = (entropy * kept).sum()
+    if cfg.loss_type in ("dapo", "cispo", "vespo"):
+        return total / max(totals.items, 1)
+    return total / max(totals.entropy_tokens, 1) / cfg.gradient_accumulation_steps
 
 
 def metric_sums(cfg, parts, mask, adv, entropy):
