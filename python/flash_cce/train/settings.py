@@ -218,6 +218,15 @@ SETTINGS = (
     S("top_entropy_quantile", "float", 1.0, "Keep the top quantile of tokens by entropy in the loss.", low=0,
       high=1),
     S("use_bias_correction_kl", "bool", False, "The KL term times the importance ratio."),
+    S("entropy_coef", "float", 0.0, "Weight of the entropy bonus subtracted from the loss."),
+    S("off_policy_mask_threshold", "float", None, "Drop negative-advantage sequences whose mean old - current "
+      "log-ratio exceeds it (null: off).", low=0, optional=True),
+    S("sapo_temperature_neg", "float", 1.05, "sapo's gate temperature, advantages <= 0.", low=0, low_open=True),
+    S("sapo_temperature_pos", "float", 1.0, "sapo's gate temperature, advantages > 0.", low=0, low_open=True),
+    S("vespo_k_pos", "float", 2.0, "vespo's gamma weight k, positive advantages."),
+    S("vespo_lambda_pos", "float", 3.0, "vespo's gamma weight lambda, positive advantages."),
+    S("vespo_k_neg", "float", 3.0, "vespo's gamma weight k, other advantages."),
+    S("vespo_lambda_neg", "float", 2.0, "vespo's gamma weight lambda, other advantages."),
     S("num_iterations", "int", 1, "Updates per generated batch (mu).", low=1),
     S("steps_per_generation", "int", None, "Micro-batches one generation serves (null: "
       "grad_accumulation_steps).", low=1, optional=True),
