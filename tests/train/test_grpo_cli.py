@@ -203,3 +203,34 @@ def test_demo_learns_to_read_the_color(tmp_path):
     assert valid[0]["reward"] <= 0.1 and valid[-1]["reward"] >= 0.5, [r["reward"] for r in valid]
     assert (run / "plot.png").exists() and (run / "adapters" / "adapters.safetensors").exists()
     assert "Held-out mean reward" in proc.stdout and "Try: mlx_lm.generate" in proc.stdout
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_ranks_equal_one_process(env, tmp_path, loss_type):
+    """mlx.launch with 2 ranks on the CPU (ring backend): each rank samples and
+    trains on half the groups of a generation, sampled as one process samples
+    them, with the whole generation's advantages and loss-token count; the
+    gradients sum (dapo) or average (grpo) over the ranks."""
+    import subprocess
+    import sys
+
+    from runs import console_script
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--iters", "3", "--loss-type", loss_type, "--scale-rewards", "batch")
+    ok(flash_cce(*argv(env, one, 3), *extra))
+    cmd = [*console_script("mlx.launch"), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
+           "flash_cce.train.cli", *map(str, argv(env, two, 3)), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "exited with code" not in out, out
+    a, b = records(one), records(two)
+    assert [r["step"] for r in b] == [1, 2, 3]
+    # The ranks reduce float32 sums in another order than one process (see
+    # test_distributed): 1e-5 relative is far below a step's change.
+    for x, y in zip(a, b):
+        assert x["completions/mean_length"] == y["completions/mean_length"]  # the same tokens sampled
+        # Token means (entropy, clip ratios) are each rank's mean, then averaged, as TRL gathers
+        # them over processes: they differ from one process's where the ranks hold unequal token counts.
+        for k in ("loss", "reward", "reward_std", "rewards/exact_match/mean", "grad_norm"):
+            assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k

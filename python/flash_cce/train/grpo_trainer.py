@@ -16,11 +16,14 @@ The run is as safe as a preference run: every check before anything is written
 run directory's lock, exact resume (weights, optimizer, data order, the
 sampler's random state), a checkpoint on Ctrl-C, validation as the mean reward
 on valid.jsonl's prompts (the best checkpoint: the highest), and adapters in
-mlx-lm's format.
+mlx-lm's format. Under `mlx.launch` each rank takes every world-th group of a
+generation and the whole generation's advantages (`share`).
 """
 
 import json
 import time
+
+import numpy as np
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -103,12 +106,13 @@ class Scorer:
         return [flat[g * G:(g + 1) * G] for g in range(len(idx))]
 
 
-def generate(model, prompts, idx, gcfg, sample, eos, rng, scorer, step, keep_logps):
-    """The Rollouts of prompts `idx` (G completions each, scored)."""
+def generate(model, prompts, idx, gcfg, sample, eos, rng, scorer, step, keep_logps, group_ids=None):
+    """The Rollouts of prompts `idx` (G completions each, scored); `group_ids`:
+    their places in the generation batch (data-parallel ranks sample parts of it)."""
     from .grpo_rollouts import Rollouts
     from .rollout import rollout
 
-    r = rollout(model, [prompts.ids[i] for i in idx], gcfg.num_generations, sample, eos, rng)
+    r = rollout(model, [prompts.ids[i] for i in idx], gcfg.num_generations, sample, eos, rng, group_ids)
     rewards = scorer(prompts, idx, r.completions, step)
     old = [[lp.tolist() for lp in lps] for lps in r.logprobs] if keep_logps else None
     return Rollouts(r.prompts, r.completions, rewards, list(scorer.names), r.truncated, old_logps=old)
@@ -134,6 +138,56 @@ def evaluate(model, prompts, gcfg, sample, eos, scorer, seed, batch_size, num_ba
     return {k: v / total for k, v in sums.items()}
 
 
+def share(model, prompts, idx, gcfg, sample, eos, rng, scorer, step, keep_logps, world):
+    """This rank's part of the generation of prompts `idx`: every world-th group,
+    sampled as one process samples it, carrying the advantages and the loss-token
+    count of the whole generation (TRL's gathered rewards and num_items_in_batch)."""
+    import mlx.core as mx
+
+    from .grpo_rollouts import loss_mask_counts, reward_table
+
+    rank, size = world.rank(), world.size()
+    mine = generate(model, prompts, idx[rank::size], gcfg, sample, eos, rng, scorer, step, keep_logps,
+                    range(rank, len(idx), size))
+    if size == 1:
+        return mine
+    G, n = gcfg.num_generations, len(mine.prompts)
+    table = np.concatenate([reward_table(mine), mine.lengths()[:, None], mine.flat_truncated()[:, None]], axis=1)
+    every = np.array(mx.distributed.all_gather(mx.array(table.astype(np.float32)), group=world))
+    every = every.reshape(size, n, G, -1).transpose(1, 0, 2, 3).reshape(len(idx) * G, -1)  # in group order
+    whole = _Gathered(every[:, :-2], every[:, -2], every[:, -1], mine.reward_names)
+    adv = generation_advantages(whole, gcfg)[0].reshape(len(idx), G)[rank::size]
+    items = mx.distributed.all_sum(mx.array(int(loss_mask_counts(mine, gcfg).sum())), group=world).item()
+    mine.advantages, mine.num_items_in_batch = adv.tolist(), int(items)
+    mine.whole = whole
+    return mine
+
+
+class _Gathered:
+    """A whole generation's rewards, lengths and truncation flags: what the
+    advantages and TRL's reward and completion metrics read of Rollouts."""
+
+    def __init__(self, rewards, lengths, truncated, reward_names):
+        self.rewards = [[None if v != v else float(v) for v in row] for row in rewards.tolist()]
+        self.rewards = [[r] for r in self.rewards]  # [completion][1][function]: one group of all
+        self._lengths, self._truncated = lengths.astype(np.int64), truncated.astype(bool)
+        self.reward_names, self.advantages = reward_names, None
+
+    def lengths(self):
+        return self._lengths
+
+    def flat_truncated(self):
+        return self._truncated
+
+
+def generation_advantages(rollouts, gcfg):
+    """(advantages, TRL's reward and completion metrics) of a whole generation."""
+    from .grpo_rollouts import advantages, completion_metrics
+
+    adv, metrics = advantages(rollouts, gcfg)
+    return adv, dict(metrics, **completion_metrics(rollouts))
+
+
 def _to_json(rollouts):
     return {k: v for k, v in asdict(rollouts).items() if k in ("prompts", "completions", "rewards",
                                                                 "reward_names", "truncated", "old_logps")}
@@ -145,7 +199,7 @@ def _from_json(d):
     return Rollouts(**d)
 
 
-def first_generation(model, tokenizer, prompts, cfg, gcfg, scorer, seed, batch_size):
+def first_generation(model, tokenizer, prompts, cfg, gcfg, scorer, seed, batch_size, world):
     """(Rollouts, seconds) of a fresh run's first generation: made before the run
     writes anything, so that a reward function that fails on it stops the run clean."""
     from .trainer import batch_indices
@@ -154,8 +208,8 @@ def first_generation(model, tokenizer, prompts, cfg, gcfg, scorer, seed, batch_s
     idx = batch_indices(len(prompts), batch_size * (gcfg.steps_per_generation or gcfg.gradient_accumulation_steps),
                         0, seed)
     rng = RolloutRng(seed, stream=TRAIN_STREAM)
-    r = generate(model, prompts, idx, gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), rng, scorer, 0,
-                 gcfg.needs_old_logps())
+    r = share(model, prompts, idx, gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), rng, scorer, 0,
+              gcfg.needs_old_logps(), world)
     return r, time.perf_counter() - tic
 
 
@@ -170,7 +224,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     from . import checkpoint
     from .checkpoint import Interrupted
     from .grpo import grpo_value_and_grad
-    from .trainer import GB, MetricsLog, _progress, batch_indices
+    from .trainer import GB, MetricsLog, _progress, batch_indices, sum_over_ranks
 
     world = mx.distributed.init()
     rank = world.rank()
@@ -190,7 +244,10 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         checkpoint.set_rng_state(state.pop("rng"))
         log(f"Resumed from {ckpt} at step {state['step']}")
     rng = RolloutRng.from_state(state["sampler"])
-    buffer = None if state["generation"] is None else _from_json(state["generation"]).split(spg, gcfg)
+    buffer, generation_metrics = None, {}
+    if state["generation"] is not None:
+        pending = _from_json(state["generation"])
+        buffer, generation_metrics = pending.split(spg, gcfg), generation_advantages(pending, gcfg)[1]
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
     def emit(record):
@@ -234,10 +291,12 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                         rng.draws += 1
                         t0 -= seconds
                     else:  # TRL's trainer_state.global_step: the optimizer steps done
-                        whole = generate(model, train_prompts, idx, gcfg, sample, eos, rng, scorer, step - 1,
-                                         gcfg.needs_old_logps())
+                        whole = share(model, train_prompts, idx, gcfg, sample, eos, rng, scorer, step - 1,
+                                      gcfg.needs_old_logps(), world)
                     state["generation"] = _to_json(whole) if gcfg.generate_every > accum else None
                     buffer = whole.split(spg, gcfg)
+                    # TRL logs these over the whole (gathered) generation
+                    generation_metrics = generation_advantages(getattr(whole, "whole", whole), gcfg)[1]
                     rollout_time += time.perf_counter() - t0
                 part = buffer[state["micro"] % spg]
                 state["micro"] += 1
@@ -247,6 +306,14 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                 tokens += int(sum(len(c) for cs in part.completions for c in cs))
                 for k, v in dict(metrics, loss=loss.item()).items():
                     sums[k] = sums.get(k, 0.0) + v / accum
+            if world.size() > 1:  # TRL: dapo's family sums over the whole batch, the others average
+                grads = sum_over_ranks(grads, world)
+                if gcfg.loss_type not in ("dapo", "cispo", "vespo"):
+                    grads = tree_map(lambda x: x / world.size(), grads)
+                sums = _mean_over_ranks(sums, world)
+                if gcfg.loss_type in ("dapo", "cispo", "vespo"):  # each rank's loss is its share of the sum
+                    sums["loss"] *= world.size()
+            sums.update(generation_metrics)
             if args.max_grad_norm is not None:
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
@@ -273,6 +340,8 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                     line = f"step {step}: val reward {last_eval['reward']:.4f}"
                     (bar.write if bar is not None else log)(line)
             stop = should_stop is not None and should_stop()
+            if should_stop is not None and world.size() > 1:  # every rank stops after the same step
+                stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
             if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
                 ckpt = save(step, best=is_best)
             if stop and step < args.iters:
@@ -283,6 +352,14 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         if log_file is not None:
             log_file.close()
     return last_eval
+
+
+def _mean_over_ranks(metrics, world):
+    import mlx.core as mx
+
+    keys = sorted(metrics)
+    total = mx.distributed.all_sum(mx.array([metrics[k] for k in keys], mx.float32), group=world).tolist()
+    return {k: v / world.size() for k, v in zip(keys, total)}
 
 
 def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
@@ -301,19 +378,23 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
 
     world = mx.distributed.init()
     rank = world.rank()
-    if world.size() > 1:
-        raise RunError("objective grpo: data-parallel runs (mlx.launch) are not supported yet; run one process")
+    if rank != 0:  # one voice and one writer: rank 0
+        log = lambda *a, **k: None  # noqa: E731
     run_dir, resume = Path(cfg["run_dir"]), cfg["resume"]
-    check_writable(run_dir)
-    if resume is None and has_checkpoints(run_dir):
-        raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
-                       f"--resume {run_dir}, or pick a new --run-dir")
-    foreign = [f for f in foreign_files(run_dir) if f not in own_files] if resume is None else []
-    if foreign:
-        raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
-                       f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
-    check_lock(run_dir)
+    if rank == 0:
+        check_writable(run_dir)
+        if resume is None and has_checkpoints(run_dir):
+            raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
+                           f"--resume {run_dir}, or pick a new --run-dir")
+        foreign = [f for f in foreign_files(run_dir) if f not in own_files] if resume is None else []
+        if foreign:
+            raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
+                           f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
+        check_lock(run_dir)
     gcfg = check_settings(cfg)
+    if world.size() > 1 and gcfg.generate_every > gcfg.gradient_accumulation_steps:
+        raise RunError("num_iterations: a generation that serves several optimizer steps needs one process "
+                       "(data-parallel runs keep no generation across steps yet)")
     check_model(cfg["model"], cfg["num_layers"])
     if cfg["data"] is None:
         raise RunError("data: give --data (a directory with train.jsonl and valid.jsonl of prompts)")
@@ -339,6 +420,9 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
                                                 cfg["truncation"], cfg["chat_template"], cfg["enable_thinking"])
         log(format_prompt_summary(split, prompts[split], report))
     need = cfg["batch_size"] * (gcfg.steps_per_generation or gcfg.gradient_accumulation_steps)
+    if need % world.size():
+        raise RunError(f"batch_size: got {cfg['batch_size']}; allowed: batch_size x steps_per_generation ({need}) "
+                       f"divisible by the {world.size()} ranks")
     if len(prompts["train"]) < need:
         raise RunError(f"batch_size: got {cfg['batch_size']}; allowed: batch_size x steps_per_generation ({need}) "
                        f"at most the {len(prompts['train'])} usable training prompts")
@@ -359,20 +443,22 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
     if resume is None:
         try:
             first = first_generation(model, tokenizer, prompts["train"], cfg, gcfg, scorer, cfg["seed"],
-                                     cfg["batch_size"])
+                                     cfg["batch_size"], world)
         except RewardError as e:
             raise RunError(str(e)) from None
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
     lock = Lock(run_dir)
-    stale = check_lock(run_dir)
-    if stale:
-        log(stale)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock.acquire()
+    if rank == 0:
+        stale = check_lock(run_dir)
+        if stale:
+            log(stale)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
     try:
-        _atomic_yaml({k: (None if k in TRANSIENT else v) for k, v in cfg.items()}, run_dir / CONFIG)
-        if resume is not None:
+        if rank == 0:
+            _atomic_yaml({k: (None if k in TRANSIENT else v) for k, v in cfg.items()}, run_dir / CONFIG)
+        if rank == 0 and resume is not None:
             saved = json.loads((Path(resume) / "trainer_state.json").read_text())
             set_aside(run_dir, saved["step"], saved.get("best_step"), log)
         with Stop(log) as stop:
