@@ -475,6 +475,8 @@ def test_entropy_bonus_matches_trl(model, kw):
          loss_type="grpo", off_policy_mask_threshold=0.0),
     dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
          vllm_importance_sampling_clip_max=0.9, loss_type="vespo"),
+    dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=1.02,
+         vllm_importance_sampling_clip_max=2.0, loss_type="vespo"),
     dict(vllm_importance_sampling_correction=False, off_policy_mask_threshold=0.0),
 ])
 def test_sampler_correction_matches_trl(model, kw, with_old):
