@@ -8,6 +8,7 @@ optionally the behaviour policy's and a reference's per-token log-probs.
 """
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -103,7 +104,7 @@ class Rollouts:
                 _tokens(c, vocab, at)
                 r = self.rewards[i][g]
                 if not isinstance(r, (list, tuple)) or len(r) != k or not all(
-                        x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)
+                        x is None or (isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
                                       and not math.isinf(x)) for x in r):
                     raise ValueError(f"{at}: rewards must be {k} numbers or None (one per reward function "
                                      f"{list(self.reward_names)}), got {r!r}")
