@@ -645,6 +645,8 @@ def test_bad_reference_and_weights_are_named(model):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, beta=0.1)
     with pytest.raises(ValueError, match="reference: a Precomputed table holds pairs"):
         grpo_value_and_grad(model, _rollouts(), cfg, reference=Precomputed({}))
+    with pytest.raises(ValueError, match="the model has no LoRA adapters to switch off"):
+        grpo_value_and_grad(tiny_model("llama"), _rollouts(), cfg)
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, reward_weights=[1.0])
     with pytest.raises(ValueError, match=r"reward_weights has 1 weights for 2 reward functions"):
         grpo_value_and_grad(model, _rollouts(), cfg)

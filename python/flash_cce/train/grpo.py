@@ -19,7 +19,7 @@ import numpy as np
 
 from ..stack import StackConfig
 from ..stack.groups import group_logprobs, group_value_and_grad
-from ..stack.lm import adapters_off
+from ..stack.lm import adapters_off, lora_modules
 from . import grpo_loss
 from .grpo_config import PER_STEP_MEAN, GRPOConfig
 from .grpo_rollouts import Rollouts, advantages, completion_metrics, loss_mask_counts
@@ -51,8 +51,11 @@ def _padded(rows, G, width):
     return mx.array(out)
 
 
-def _source(reference):
+def _source(reference, model):
     if reference is None:
+        if not lora_modules(model):
+            raise ValueError("reference: beta != 0 needs reference log-probs, and the model has no LoRA "
+                             "adapters to switch off; pass reference=FrozenModel(...) or Rollouts.ref_logps")
         return AdaptersOff()
     if isinstance(reference, Precomputed):
         raise ValueError("reference: a Precomputed table holds pairs' summed log-probs; give GRPO's "
@@ -69,7 +72,7 @@ def reference_logps(model, rollouts, config, reference=None, stack=StackConfig()
     that several updates of one generated batch compute them once. `reference`:
     None (the model with its adapters off), `AdaptersOff` or `FrozenModel`."""
     config = _check(model, rollouts, config, stack)
-    return _reference(model, rollouts, config, _source(reference), stack)
+    return _reference(model, rollouts, config, _source(reference, model), stack)
 
 
 def behaviour_logps(model, rollouts, config, stack=StackConfig()):
@@ -108,7 +111,7 @@ def _prepare(model, rollouts, config, reference, stack):
     lengths = rollouts.lengths()
     ref = rollouts.ref_logps
     if config.beta != 0.0 and ref is None:
-        ref = _reference(model, rollouts, config, _source(reference), stack)
+        ref = _reference(model, rollouts, config, _source(reference, model), stack)
     entropy_masks = None
     if config.top_entropy_quantile < 1.0:
         entropy_masks = _entropy_masks(model, groups, counts, config, stack)
