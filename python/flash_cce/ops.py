@@ -59,6 +59,12 @@ def _tempered(h, softcap, temperature, stream):
     return h, None if softcap is None else softcap / temperature
 
 
+def _stats(out):
+    """TokenStats from the backends' order (logp, lse, entropy, is_top1, mean_logit)."""
+    logp, lse, entropy, is_top1, mean_logit = out
+    return TokenStats(logp, entropy, lse, is_top1, mean_logit)
+
+
 def native_stats(device):
     """Whether the native kernels of `device` compute the entropy statistics;
     calls that request them elsewhere (a Metal GPU) run the fallback."""
@@ -187,7 +193,7 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     if native and native_stats(stream):
         out = _ext.forward_stats(h, w, targets, scales, biases, **kw,
                                  fused_backward=fused_backward, tuning=tuning, stream=stream)
-        return TokenStats(*out)
+        return _stats(out)
     lead = targets.shape
     if targets.size == 0:
         zeros = [mx.zeros(lead, mx.float32) for _ in range(4)]
@@ -198,7 +204,7 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
         out = fallback.forward(h.reshape(-1, h_in.shape[-1]), w, targets.reshape(-1),
                                scales, biases, **kw, stats=entropy)
     out = [a.reshape(lead) for a in out]
-    return TokenStats(*out[:1], out[2], out[1], *out[3:]) if entropy else tuple(out)
+    return _stats(out) if entropy else tuple(out)
 
 
 def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,

@@ -64,7 +64,11 @@ def oracle(H64, W, y, softcap=None, temperature=1.0, g=None, g_lse=None, g_ent=N
     onehot[np.arange(M)[keep], y[keep]] = 1.0
     ent_part = p * ge[:, None] * (z - mean_z[:, None]) * dcap
     ds = (g[:, None] * onehot + (gl - g)[:, None] * p) * dcap - ent_part
-    out.update(dS=ds, dh=ds @ W, dW=ds.T @ H64, ent_part=ent_part)
+    # The fused backward keeps the entropy's rows relative to the maximum m:
+    # p |g_e| dcap (|z - m| + |sum p z - m|) bounds the terms it sums and subtracts.
+    ent_rel = p * np.abs(ge)[:, None] * dcap * (np.abs(z - m[:, None])
+                                                + np.abs(mean_z - m)[:, None])
+    out.update(dS=ds, dh=ds @ W, dW=ds.T @ H64, ent_part=ent_part, ent_rel=ent_rel)
     return out
 
 
@@ -115,6 +119,17 @@ def check_stats(h, w, y, scales=None, biases=None, group_size=64, softcap=None,
     rel = (V + 4) * U32 + 4 * dz + uop
     tol_dh = UNIT[h.dtype] * np.abs(ref["dh"]) + rel * (dS @ np.abs(W)) + ent_err @ np.abs(W)
     np.testing.assert_array_less(np.abs(to64(dh) - ref["dh"]), tol_dh + 1e-12)
+
+    # The same gradient through autodiff: the fused backward where the native
+    # forward keeps its state (one more rounding of P and of the fp32 sums of
+    # the entropy's rows relative to the maximum: ent_rel).
+    def loss(h):
+        st = fc.flash_cce_forward(h, w, y, scales, biases, entropy=True, **kw)
+        return (g * st.logp + g_lse * st.lse + g_ent * st.entropy).sum()
+
+    auto = mx.grad(loss)(h)
+    tol_auto = tol_dh + (uop + (V + H + 8) * U32) * (ref["ent_rel"] @ np.abs(W))
+    np.testing.assert_array_less(np.abs(to64(auto) - ref["dh"]), tol_auto + 1e-12)
     if want_dw:
         assert dw.shape == w.shape and dw.dtype == w.dtype
         rel_w = (M + 4) * U32 + 4 * dz + uop

@@ -147,7 +147,34 @@ def trl_completion_metrics(lengths, truncated):
             "completions/max_terminated_length": term.max()}
 
 
-def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mask=None):
+def trl_sampler_ratio(cfg, old, sampling, mask):
+    """TRL's vLLM importance-sampling ratio (`_generate_and_score_completions`)."""
+    diff = (old - sampling) * mask
+    if cfg.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(-1, keepdims=True)
+    ratio = np.exp(diff)
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if cfg.vllm_importance_sampling_mode.endswith("truncate"):
+        return np.clip(ratio, low, high)
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    return np.where((ratio < low) | (ratio > high), 0.0, ratio)
+
+
+def trl_sampler_metrics(cfg, old, sampling, mask, ratio):
+    b = mask.astype(bool)
+    delta = np.abs(old - sampling)[b]
+    flat = ratio.ravel() if ratio.shape[1] == 1 else ratio[b]
+    f = lambda fn, x: fn(x) if x.size else 0.0
+    return {"sampling/sampling_logp_difference/mean": f(np.mean, delta),
+            "sampling/sampling_logp_difference/max": f(np.max, delta),
+            "sampling/importance_sampling_ratio/min": f(np.min, flat),
+            "sampling/importance_sampling_ratio/mean": f(np.mean, flat),
+            "sampling/importance_sampling_ratio/max": f(np.max, flat)}
+
+
+def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mask=None, sampling=None,
+             is_ratio=None):
     """TRL's `_compute_loss` after the forward, on `[B, T]` arrays of module `xp`
     (numpy float64 for values, mlx for gradients). Returns (loss, metrics)."""
     sg = (lambda x: x) if xp is np else mx.stop_gradient
@@ -160,7 +187,7 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
         return (x * mask).sum(-1, keepdims=True) / xp.maximum(mask.sum(-1, keepdims=True), 1.0)
 
     if cfg.off_policy_mask_threshold is not None:
-        avg_seq_kl = row_mean(old - sg(lp))
+        avg_seq_kl = row_mean((old if sampling is None else sampling) - sg(lp))
         opm = ((adv >= 0) | (avg_seq_kl <= cfg.off_policy_mask_threshold)).astype(mask.dtype)
     log_ratio = lp - old
     liw = log_ratio if cfg.importance_sampling_level == "token" else row_mean(log_ratio)
@@ -181,6 +208,9 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
         ptl = -(1 / (1 + xp.exp(-t * (coef_1 - 1)))) * 4 / t * adv
     else:  # vespo, get_gamma_weights without vLLM's ratio
         seq = (xp.clip(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdims=True)
+        if is_ratio is not None:
+            with np.errstate(divide="ignore"):  # a masked ratio's log is -inf, clamped
+                seq = seq + xp.clip(xp.log(is_ratio), math.log(1e-8), 20.0).sum(-1, keepdims=True)
         log_w = xp.clip(seq, math.log(1e-8), 20.0)
         k = xp.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
         lam = xp.maximum(xp.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
@@ -191,6 +221,8 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
         ptl = ptl * opm
     if entropy_mask is not None:
         ptl = ptl * entropy_mask
+    if is_ratio is not None and cfg.loss_type != "vespo":
+        ptl = ptl * is_ratio
     if cfg.beta != 0.0:
         ptl = ptl + cfg.beta * kl
     B, steps = mask.shape[0], cfg.gradient_accumulation_steps
@@ -259,7 +291,7 @@ def trl_entropy_mask(entropies, mask, quantile):
     return ((entropies * mask >= threshold) & mask.astype(bool)).astype(float)
 
 
-def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np):
+def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np, sampling=None):
     """TRL's loss and metrics of `rollouts` as one micro-batch (xp: np or mx)."""
     per_group = _full_logps(model, rollouts, cfg.temperature)
     flat = [x for grp in per_group for x in grp]
@@ -281,7 +313,13 @@ def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np):
     else:
         lp, ent = _pad([x[0] for x in flat], T, mx), _pad([x[1] for x in flat], T, mx)
     flat_rows = lambda v: None if v is None else _pad([np.array(r) for grp in v for r in grp], T, np)
-    old_, ref_ = flat_rows(old), flat_rows(ref)
+    old_, ref_, sampling_ = flat_rows(old), flat_rows(ref), flat_rows(sampling)
+    is_ratio = None
+    if sampling is not None and cfg.vllm_importance_sampling_correction:
+        if old_ is None:  # TRL computes the old log-probs whenever it corrects
+            old_ = _pad([np.array(x[0]) for x in flat], T, np)
+        is_ratio = trl_sampler_ratio(cfg, old_, sampling_, mask)
+        m.update(trl_sampler_metrics(cfg, old_, sampling_, mask, is_ratio))
     emask = None
     if cfg.top_entropy_quantile < 1.0:
         emask = trl_entropy_mask(_pad([np.array(x[1]) for x in flat], T, np), mask,
@@ -289,8 +327,9 @@ def trl_batch(model, rollouts, cfg, old=None, ref=None, xp=np):
     if xp is not np:
         cast = lambda v: None if v is None else mx.array(v.astype(np.float32))
         mask, old_, ref_, emask = cast(mask), cast(old_), cast(ref_), cast(emask)
+        sampling_, is_ratio = cast(sampling_), cast(is_ratio)
         adv = mx.array(adv.astype(np.float32))
-    loss, lm_ = trl_loss(xp, cfg, lp, old_, ref_, mask, adv, ent, float(num_items), emask)
+    loss, lm_ = trl_loss(xp, cfg, lp, old_, ref_, mask, adv, ent, float(num_items), emask, sampling_, is_ratio)
     m.update(lm_)
     return loss, m
 
@@ -305,13 +344,15 @@ def _close(got, want, what):
     assert abs(got - want) <= REL * max(1.0, abs(want)) + ABS, (what, got, want)
 
 
-def _check(model, rollouts, cfg, old=None, ref=None, **kw):
+def _check(model, rollouts, cfg, old=None, ref=None, sampling=None, **kw):
     if old is not None:
         rollouts.old_logps = old
     if ref is not None:
         rollouts.ref_logps = ref
+    if sampling is not None:
+        rollouts.sampling_logps = sampling
     loss, grads, metrics = grpo_value_and_grad(model, rollouts, cfg, stack=STACK, **kw)
-    want_loss, want_metrics = trl_batch(model, rollouts, cfg, old, ref)
+    want_loss, want_metrics = trl_batch(model, rollouts, cfg, old, ref, sampling=sampling)
     _close(loss, want_loss, "loss")
     assert set(metrics) == set(want_metrics), set(metrics) ^ set(want_metrics)
     for k, v in want_metrics.items():
@@ -424,6 +465,32 @@ def test_entropy_bonus_matches_trl(model, kw):
     _check(model, rollouts, cfg, old=_perturbed(rollouts, 2, 0.2)(_current(model, rollouts, cfg)))
 
 
+@pytest.mark.parametrize("with_old", [False, True])
+@pytest.mark.parametrize("kw", [
+    dict(),  # sequence_mask, clip_max 3
+    dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1.5),
+    dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.9,
+         vllm_importance_sampling_clip_max=1.1),
+    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.2,
+         loss_type="grpo", off_policy_mask_threshold=0.0),
+    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5,
+         vllm_importance_sampling_clip_max=0.9, loss_type="vespo"),
+    dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=1.02,
+         vllm_importance_sampling_clip_max=2.0, loss_type="vespo"),
+    dict(vllm_importance_sampling_correction=False, off_policy_mask_threshold=0.0),
+])
+def test_sampler_correction_matches_trl(model, kw, with_old):
+    """The sampler's log-probs 0.2 from the trainer's: ratios on both sides of
+    the clip bounds (a masked ratio 1 pads vespo's sum over the batch width)."""
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, mask_truncated_completions=True, **kw)
+    rollouts = _rollouts(13)
+    cur = _current(model, rollouts, cfg)
+    old = _perturbed(rollouts, 4, 0.1)(cur) if with_old else None
+    _, _, metrics = _check(model, rollouts, cfg, old=old, sampling=_perturbed(rollouts, 5, 0.2)(cur))
+    if cfg.vllm_importance_sampling_correction:
+        assert metrics["sampling/importance_sampling_ratio/min"] < metrics["sampling/importance_sampling_ratio/max"]
+
+
 def test_temperature_matches_trl(model):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, temperature=0.7, beta=0.04)
     rollouts = _rollouts(6)
@@ -481,7 +548,7 @@ def test_evaluation_equals_the_differentiated_values(model):
 
 # ----------------------------------------------------------------- gradients
 
-@pytest.mark.parametrize("kw", [
+GRADIENT_CASES = [
     dict(loss_type="dapo"),
     dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.05),
     dict(loss_type="bnpo", delta=1.2, beta=0.05, use_bias_correction_kl=True),
@@ -492,8 +559,14 @@ def test_evaluation_equals_the_differentiated_values(model):
     dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.01),
     dict(loss_type="dapo", entropy_coef=0.3, top_entropy_quantile=0.5),
     dict(loss_type="grpo", entropy_coef=0.2, gradient_accumulation_steps=2),
-])
-@pytest.mark.parametrize("flash", [False, True])
+    dict(loss_type="dapo", vllm_importance_sampling_mode="token_truncate"),
+    dict(loss_type="vespo", vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.1),
+]
+
+
+# Every case through the flash head; the first three also through full logits.
+@pytest.mark.parametrize("kw, flash", [(kw, True) for kw in GRADIENT_CASES]
+                         + [(kw, False) for kw in GRADIENT_CASES[:3]])
 def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     """The gradient of TRL's loss (the transcription in MLX, through
     `model(tokens)` of each sequence) equals grpo_value_and_grad's."""
@@ -503,11 +576,14 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     rollouts.old_logps = _perturbed(rollouts, 12, 0.15)(cur)
     if cfg.beta:
         rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(cur)
+    if "vllm_importance_sampling_mode" in kw:
+        rollouts.sampling_logps = _perturbed(rollouts, 14, 0.2)(cur)
     stack = StackConfig(flash_head=flash, prefix_packing=False)
     _, grads, _ = grpo_value_and_grad(model, rollouts, cfg, stack=stack)
 
     def plain():
-        return trl_batch(model, rollouts, cfg, rollouts.old_logps, rollouts.ref_logps, xp=mx)[0]
+        return trl_batch(model, rollouts, cfg, rollouts.old_logps, rollouts.ref_logps, xp=mx,
+                         sampling=rollouts.sampling_logps)[0]
 
     _, want = nn.value_and_grad(model, plain)()
     diff, scale = max_diff(grads, want)
@@ -569,6 +645,8 @@ def test_bad_reference_and_weights_are_named(model):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, beta=0.1)
     with pytest.raises(ValueError, match="reference: a Precomputed table holds pairs"):
         grpo_value_and_grad(model, _rollouts(), cfg, reference=Precomputed({}))
+    with pytest.raises(ValueError, match="the model has no LoRA adapters to switch off"):
+        grpo_value_and_grad(tiny_model("llama"), _rollouts(), cfg)
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, reward_weights=[1.0])
     with pytest.raises(ValueError, match=r"reward_weights has 1 weights for 2 reward functions"):
         grpo_value_and_grad(model, _rollouts(), cfg)

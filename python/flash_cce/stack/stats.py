@@ -6,7 +6,11 @@ its `Plan` says and returns, per pair, float32 scalars:
 - `c_sum`, `c_n`: summed log-probs and count of the chosen response's tokens,
 - `r_sum`, `r_n`: the same of the rejected response (0 unless `scoring.rejected`),
 - `nll_sum`, `nll_n`: the chosen sequence's summed negative log-likelihood and
-  its token count (0 unless `scoring.nll`).
+  its token count (0 unless `scoring.nll`),
+- with `scoring.entropy`: `c_ent`, `r_ent`, the entropy of the softmax at each
+  scored token of the chosen (rejected) response, float32 `[c_n]` (`[r_n]`),
+  and their sums `c_ent_sum`, `r_ent_sum`; differentiable, from the same head
+  call as the log-probs (the fused head returns both in one pass).
 
 `value_and_grad(model, pairs, scoring, loss, config)` also differentiates
 `loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
@@ -102,17 +106,17 @@ class _Run(contextlib.ExitStack):
         return sequence_hidden(self.lm, seqs, plan.prompt_len, segment_size=plan.segment_size,
                                pack=plan.packed, stack=stack, pad_to=plan.pad_to)
 
-    def pair(self, pair):
+    def pair(self, pair, training=True):
         """(plan, sequences, statistics of the hidden states) of a pair."""
         plan = self.plan(pair)
         return plan, sequences(pair, self.scoring), functools.partial(
-            _from_hidden, self.lm, pair=pair, plan=plan, scoring=self.scoring)
+            _from_hidden, self.lm, pair=pair, plan=plan, scoring=self.scoring, training=training)
 
 
 def statistics(model, pairs, scoring, config=StackConfig()):
     """Per pair, its statistics (see the module), evaluated, without gradients."""
     with _Run(model, config, scoring, training=False) as run:
-        return evaluated(run, map(run.pair, pairs))
+        return evaluated(run, (run.pair(pair, training=False) for pair in pairs))
 
 
 def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
@@ -165,8 +169,10 @@ def differentiated(run, units, loss):
     return out, grads
 
 
-def _from_hidden(lm, h, rows, *, pair, plan, scoring):
-    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and its rows."""
+def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
+    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and
+    its rows. Without `training` no gradient flows: the head skips the state it
+    keeps for the backward."""
     seqs = sequences(pair, scoring)
     plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
     idx, tgt, groups = [], [], []
@@ -179,16 +185,18 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head)
+    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+                             entropy=scoring.entropy, backward=training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
         stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
         stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+    if scoring.entropy:
+        for k, name in enumerate(("c", "r")):
+            rows_k = np.nonzero(g[:, k])[0]
+            stats[f"{name}_ent"] = ent[mx.array(rows_k)] if rows_k.size else mx.zeros((0,))
+            stats[f"{name}_ent_sum"] = stats[f"{name}_ent"].sum()
     return stats
-
-
-def _logprobs(lm, h, targets, flash):
-    return token_logprobs(lm, h, targets, flash)[0]
 
 
 def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..stack import StackConfig
 from ..stack.groups import group_logprobs, group_value_and_grad
-from ..stack.lm import adapters_off
+from ..stack.lm import adapters_off, lora_modules
 from . import grpo_loss
 from .grpo_config import PER_STEP_MEAN, GRPOConfig
 from .grpo_rollouts import Rollouts, advantages, completion_metrics, loss_mask_counts
@@ -51,8 +51,11 @@ def _padded(rows, G, width):
     return mx.array(out)
 
 
-def _source(reference):
+def _source(reference, model):
     if reference is None:
+        if not lora_modules(model):
+            raise ValueError("reference: beta != 0 needs reference log-probs, and the model has no LoRA "
+                             "adapters to switch off; pass reference=FrozenModel(...) or Rollouts.ref_logps")
         return AdaptersOff()
     if isinstance(reference, Precomputed):
         raise ValueError("reference: a Precomputed table holds pairs' summed log-probs; give GRPO's "
@@ -69,7 +72,7 @@ def reference_logps(model, rollouts, config, reference=None, stack=StackConfig()
     that several updates of one generated batch compute them once. `reference`:
     None (the model with its adapters off), `AdaptersOff` or `FrozenModel`."""
     config = _check(model, rollouts, config, stack)
-    return _reference(model, rollouts, config, _source(reference), stack)
+    return _reference(model, rollouts, config, _source(reference, model), stack)
 
 
 def behaviour_logps(model, rollouts, config, stack=StackConfig()):
@@ -108,10 +111,24 @@ def _prepare(model, rollouts, config, reference, stack):
     lengths = rollouts.lengths()
     ref = rollouts.ref_logps
     if config.beta != 0.0 and ref is None:
-        ref = _reference(model, rollouts, config, _source(reference), stack)
+        ref = _reference(model, rollouts, config, _source(reference, model), stack)
     entropy_masks = None
     if config.top_entropy_quantile < 1.0:
         entropy_masks = _entropy_masks(model, groups, counts, config, stack)
+    correct = rollouts.sampling_logps is not None and config.vllm_importance_sampling_correction
+    old = rollouts.old_logps
+    if correct:
+        mode = config.vllm_importance_sampling_mode
+        if config.loss_type == "vespo" and mode.startswith("sequence"):
+            raise ValueError("vllm_importance_sampling_mode must be 'token_truncate' or 'token_mask' for "
+                             f"loss_type 'vespo', got {mode!r}")
+        if config.loss_type == "luspo" and mode.startswith("token"):
+            # A token ratio makes TRL's luspo average over padded positions (see luspo's check).
+            raise ValueError("vllm_importance_sampling_mode must be 'sequence_truncate' or 'sequence_mask' "
+                             f"for loss_type 'luspo', got {mode!r}")
+        if old is None:
+            # TRL computes the old log-probs after generation whenever it corrects.
+            old = _unpadded(rollouts, group_logprobs(model, groups, stack, temperature=config.temperature))
     totals = grpo_loss.Totals(
         sequences=len(lengths), tokens=items,
         items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
@@ -126,10 +143,15 @@ def _prepare(model, rollouts, config, reference, stack):
         data.append({
             "mask": mx.array(mask),
             "adv": mx.array(adv[i * G:(i + 1) * G].astype(np.float32))[:, None],
-            "old": None if rollouts.old_logps is None else _padded(rollouts.old_logps[i], G, width),
+            "old": None if old is None else _padded(old[i], G, width),
+            "sampling": None if rollouts.sampling_logps is None else _padded(rollouts.sampling_logps[i], G, width),
             "ref": None if ref is None else _padded(ref[i], G, width),
             "entropy_mask": None if entropy_masks is None else entropy_masks[i],
         })
+        d = data[-1]
+        d["is_ratio"] = grpo_loss.sampler_ratio(config, d["old"], d["sampling"], d["mask"]) if correct else None
+    if correct:
+        metrics.update(_sampler_metrics(config, data))
     return config, groups, data, totals, metrics
 
 
@@ -148,11 +170,33 @@ def _entropy_masks(model, groups, counts, config, stack):
     return [mx.array(((e * m >= threshold) & m).astype(np.float32)) for e, m in zip(ents, masks)]
 
 
+def _sampler_metrics(config, data):
+    """TRL's `sampling/*` metrics: |old - sampler| over the loss tokens, and the
+    correction's ratios (per sequence, or per loss token); 0 where there are none."""
+    diffs, ratios = [], []
+    for d in data:
+        mask = np.array(d["mask"]) > 0
+        diffs.append(np.abs(np.array(d["old"]) - np.array(d["sampling"]))[mask])
+        r = np.array(d["is_ratio"])
+        ratios.append(r[:, 0] if r.shape[-1] == 1 else r[mask])
+    diffs, ratios = np.concatenate(diffs), np.concatenate(ratios)
+
+    def stat(fn, x):
+        return float(fn(x)) if x.size else 0.0
+
+    return {"sampling/sampling_logp_difference/mean": stat(np.mean, diffs),
+            "sampling/sampling_logp_difference/max": stat(np.max, diffs),
+            "sampling/importance_sampling_ratio/min": stat(np.min, ratios),
+            "sampling/importance_sampling_ratio/mean": stat(np.mean, ratios),
+            "sampling/importance_sampling_ratio/max": stat(np.max, ratios)}
+
+
 def _group_loss(config, d, out, totals):
     """(the group's share of the loss, its policy term's share, the parts its metrics read)."""
     lp = out["logps"]
     old = mx.stop_gradient(lp) if d["old"] is None else d["old"]
-    loss, parts = grpo_loss.per_token(config, lp, old, d["ref"], d["mask"], d["adv"], d["entropy_mask"])
+    loss, parts = grpo_loss.per_token(config, lp, old, d["ref"], d["mask"], d["adv"], d["entropy_mask"],
+                                      d["sampling"], d["is_ratio"], totals.width)
     policy = grpo_loss.share(config, loss, d["mask"], totals)
     if config.entropy_coef == 0.0:
         return policy, policy, parts

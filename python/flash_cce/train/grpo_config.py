@@ -12,6 +12,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # Loss types whose loss TRL divides by the gradient accumulation steps; the
 # others divide by the token count of the whole generation batch.
@@ -42,6 +43,12 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0  # keep the top quantile of tokens by entropy in the policy term
     mask_truncated_completions: bool = False  # completions without EOS leave the loss
     entropy_coef: float = 0.0  # weight of the mean entropy subtracted from the loss (the bonus)
+    # The sampler-vs-trainer correction, where the rollouts carry the sampler's
+    # log-probs (TRL applies it to vLLM's): the loss weighted by exp(old - sampler)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    vllm_importance_sampling_clip_min: Optional[float] = None
     # Rewards and advantages
     reward_weights: Optional[list] = None  # one per reward function; None: all 1
     multi_objective_aggregation: str = "sum_then_normalize"
@@ -67,12 +74,14 @@ class GRPOConfig:
         _choice(self, "importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
         _choice(self, "scale_rewards", SCALE_REWARDS)
         _choice(self, "multi_objective_aggregation", AGGREGATIONS)
-        for name in ("mask_truncated_completions", "use_bias_correction_kl"):
+        _choice(self, "vllm_importance_sampling_mode", IS_MODES)
+        for name in ("mask_truncated_completions", "use_bias_correction_kl", "vllm_importance_sampling_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _number(self, "beta", low=0.0)
         _number(self, "epsilon", low=0.0)
-        for name in ("epsilon_high", "delta", "off_policy_mask_threshold", "min_p"):
+        for name in ("epsilon_high", "delta", "off_policy_mask_threshold", "min_p",
+                     "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min"):
             if getattr(self, name) is not None:
                 _number(self, name, low=0.0, optional=True)
         for name in ("sapo_temperature_neg", "sapo_temperature_pos", "temperature"):
@@ -91,6 +100,14 @@ class GRPOConfig:
                 isinstance(self.reward_weights, (list, tuple))
                 and all(_is_number(w) for w in self.reward_weights)):
             raise ValueError(f"reward_weights must be None or a list of numbers, got {self.reward_weights!r}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({low}) must be less than "
+                             f"vllm_importance_sampling_clip_max ({high})")
+        truncate = self.vllm_importance_sampling_mode.endswith("truncate")
+        if self.vllm_importance_sampling_correction and truncate and low is None and high is None:
+            raise ValueError("vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max must be "
+                             "set when vllm_importance_sampling_mode is a *_truncate mode")
         if self.loss_type == "luspo" and (self.importance_sampling_level != "sequence" or self.beta != 0.0):
             # TRL's token-level luspo (and its KL term) average over padded positions,
             # whose values depend on the padding TRL runs through the model.

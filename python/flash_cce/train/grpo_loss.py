@@ -32,10 +32,17 @@ def _masked_mean_rows(x, mask):
     return (x * mask).sum(-1, keepdims=True) / mx.maximum(mask.sum(-1, keepdims=True), 1.0)
 
 
-def gamma_weights(cfg, adv, log_ratio, mask):
-    """VESPO's phi(w) per sequence `[G, 1]` (TRL's `get_gamma_weights`), no gradient."""
+def gamma_weights(cfg, adv, log_ratio, mask, is_ratio=None, width=None):
+    """VESPO's phi(w) per sequence `[G, 1]` (TRL's `get_gamma_weights`), no
+    gradient; `is_ratio`: the sampler correction's per-token ratio, which TRL
+    sums over the batch's padded `width` (its padding holds the ratio of a zero
+    log difference)."""
     lower = math.log(1e-8)
     seq = (mx.clip(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdims=True)
+    if is_ratio is not None:
+        seq = seq + mx.clip(mx.log(is_ratio), lower, 20.0).sum(-1, keepdims=True)
+        pad = mx.clip(mx.log(_bounded(cfg, mx.array(1.0))), lower, 20.0)
+        seq = seq + (width - is_ratio.shape[-1]) * pad
     log_w = mx.clip(seq, lower, 20.0)
     w = mx.exp(log_w)
     nonneg = adv >= 0
@@ -46,10 +53,32 @@ def gamma_weights(cfg, adv, log_ratio, mask):
     return mx.stop_gradient(phi)
 
 
-def per_token(cfg, lp, old, ref, mask, adv, entropy_mask=None):
+def sampler_ratio(cfg, old, sampling, mask):
+    """TRL's importance-sampling ratio of the behaviour policy to the sampler,
+    `[G, T]` (token modes) or `[G, 1]` (sequence modes: exp of the summed log
+    difference), truncated or masked to [clip_min, clip_max]."""
+    diff = (old - sampling) * mask
+    if cfg.vllm_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdims=True)
+    return _bounded(cfg, mx.exp(diff))
+
+
+def _bounded(cfg, ratio):
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if cfg.vllm_importance_sampling_mode.endswith("truncate"):
+        return mx.clip(ratio, low, high)
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    return mx.where((ratio < low) | (ratio > high), 0.0, ratio)
+
+
+def per_token(cfg, lp, old, ref, mask, adv, entropy_mask=None, sampling=None, is_ratio=None, width=None):
     """(per-token loss, parts): TRL's `per_token_loss` (`[G, T]`, or `[G, 1]` for a
     sequence-level ratio without a token-level term) and the arrays its metrics
-    read: `coef_1` (the ratio, capped at `delta` where set), `kl`, `phi`."""
+    read: `coef_1` (the ratio, capped at `delta` where set), `kl`, `phi`.
+    `sampling`: the sampler's log-probs (the off-policy mask reads them);
+    `is_ratio`: `sampler_ratio`, which weights the loss; `width`: the batch's
+    longest completion."""
     log_ratio = lp - old
     if cfg.importance_sampling_level == "token":
         log_w = log_ratio
@@ -74,16 +103,18 @@ def per_token(cfg, lp, old, ref, mask, adv, entropy_mask=None):
         t = mx.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
         loss = -(mx.sigmoid(t * (coef_1 - 1)) * 4 / t) * adv
     else:  # vespo
-        phi = gamma_weights(cfg, adv, log_ratio, mask)
+        phi = gamma_weights(cfg, adv, log_ratio, mask, is_ratio, width)
         loss = -phi * adv * lp
     if cfg.off_policy_mask_threshold is not None:
         # DeepSeek-V3.2's off-policy sequence mask: keep a sequence with a
         # non-negative advantage or a mean KL(old || current) within the threshold.
-        seq_kl = _masked_mean_rows(old - mx.stop_gradient(lp), mask)
+        seq_kl = _masked_mean_rows((old if sampling is None else sampling) - mx.stop_gradient(lp), mask)
         keep = (adv >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)
         loss = loss * keep.astype(mx.float32)
     if entropy_mask is not None:
         loss = loss * entropy_mask
+    if is_ratio is not None and cfg.loss_type != "vespo":
+        loss = loss * is_ratio
     if kl is not None:
         loss = loss + cfg.beta * kl
     return loss, {"coef_1": coef_1, "kl": kl, "phi": phi}

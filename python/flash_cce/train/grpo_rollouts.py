@@ -8,6 +8,7 @@ optionally the behaviour policy's and a reference's per-token log-probs.
 """
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -29,6 +30,10 @@ class Rollouts:
     - `old_logps[i][g]` (optional): the behaviour policy's log-prob of each
       completion token (of logits / temperature); None: the current policy's
       (on-policy; TRL's `old_per_token_logps` = current, detached),
+    - `sampling_logps[i][g]` (optional): the sampler's per-token log-probs, where
+      they may differ from the trainer's (TRL's `sampling_per_token_logps`):
+      the loss is then corrected by their ratio to the old ones (the
+      `vllm_importance_sampling_*` settings),
     - `ref_logps[i][g]` (optional): the reference's per-token log-probs,
       precomputed; None: computed from the `reference` the objective is given,
     - `advantages[i][g]` (optional): advantages computed over a larger generation
@@ -43,6 +48,7 @@ class Rollouts:
     reward_names: list
     truncated: list
     old_logps: Optional[list] = None
+    sampling_logps: Optional[list] = None
     ref_logps: Optional[list] = None
     advantages: Optional[list] = None
     num_items_in_batch: Optional[int] = None
@@ -70,7 +76,8 @@ class Rollouts:
             raise ValueError(f"reward_weights has {len(cfg.reward_weights)} weights for {k} reward functions "
                              f"{list(self.reward_names)}")
         per_group = ["completions", "rewards", "truncated"]
-        per_group += [f for f in ("old_logps", "ref_logps", "advantages") if getattr(self, f) is not None]
+        per_group += [f for f in ("old_logps", "sampling_logps", "ref_logps", "advantages")
+                      if getattr(self, f) is not None]
         for f in per_group:
             v = getattr(self, f)
             if not isinstance(v, (list, tuple)) or len(v) != n:
@@ -97,13 +104,13 @@ class Rollouts:
                 _tokens(c, vocab, at)
                 r = self.rewards[i][g]
                 if not isinstance(r, (list, tuple)) or len(r) != k or not all(
-                        x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)
+                        x is None or (isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
                                       and not math.isinf(x)) for x in r):
                     raise ValueError(f"{at}: rewards must be {k} numbers or None (one per reward function "
                                      f"{list(self.reward_names)}), got {r!r}")
                 if not isinstance(self.truncated[i][g], (bool, np.bool_)):
                     raise ValueError(f"{at}: truncated must be True or False, got {self.truncated[i][g]!r}")
-                for f in ("old_logps", "ref_logps"):
+                for f in ("old_logps", "sampling_logps", "ref_logps"):
                     v = getattr(self, f)
                     if v is not None and (len(v[i][g]) != len(c) or not np.all(np.isfinite(v[i][g]))):
                         raise ValueError(f"{at}: {f} must be {len(c)} finite log-probs, one per completion token")
@@ -131,7 +138,8 @@ class Rollouts:
         out = []
         for s in range(0, groups, size):
             part = {f: (getattr(self, f)[s:s + size] if getattr(self, f) is not None else None)
-                    for f in ("prompts", "completions", "rewards", "truncated", "old_logps", "ref_logps")}
+                    for f in ("prompts", "completions", "rewards", "truncated", "old_logps", "sampling_logps",
+                              "ref_logps")}
             out.append(replace(self, **part, advantages=adv[s:s + size], num_items_in_batch=items))
         return out
 
