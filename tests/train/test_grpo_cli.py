@@ -99,6 +99,8 @@ def test_a_run_logs_trls_metrics_and_writes_adapters_mlx_lm_loads(env, straight)
 
     model, _ = load(str(env[1]), adapter_path=str(run / "adapters"))  # mlx-lm's adapter format
     assert "Try: mlx_lm.generate" in proc.stdout
+    one_line_error(flash_cce("eval", run), "objective: flash-cce eval scores the preference objectives",
+                   "mean reward")
 
 
 def test_resume_equals_an_uninterrupted_run(env, straight, tmp_path):
