@@ -183,15 +183,17 @@ def test_prompt_ids_and_truncation():
 def test_settings_are_the_grpo_config_fields_with_its_defaults():
     """Every GRPOConfig field is a setting of the same name (the CLI passes them
     through, grad_accumulation_steps as gradient_accumulation_steps;
-    repetition_penalty is not sampled) and the default settings make the
-    default GRPOConfig."""
+    repetition_penalty is not sampled, the vllm_* correction has no separate
+    sampler to correct) and the default settings make the default GRPOConfig."""
     from dataclasses import asdict, fields
 
     from flash_cce.train import settings
     from flash_cce.train.grpo_config import GRPOConfig
     from flash_cce.train.grpo_trainer import grpo_config
 
-    names = {f.name for f in fields(GRPOConfig)} - {"gradient_accumulation_steps", "repetition_penalty"}
+    # The sampler is the policy itself (as TRL's own generation, not vLLM's): no sampler correction.
+    vllm = {f.name for f in fields(GRPOConfig) if f.name.startswith("vllm_")}
+    names = {f.name for f in fields(GRPOConfig)} - {"gradient_accumulation_steps", "repetition_penalty"} - vllm
     assert names <= set(settings.BY_NAME), names - set(settings.BY_NAME)
     ours = asdict(grpo_config(settings.resolve({"objective": "grpo"})))
     # TRL 1.16's GRPOConfig.max_completion_length defaults to 256, as the setting does.
