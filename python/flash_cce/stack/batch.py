@@ -1,5 +1,6 @@
-"""The tokenised preference pair and the tokenised unpaired example: the data
-types the data layer, the objectives and the trainer share."""
+"""The tokenised preference pair, the tokenised unpaired example and the group
+(one prompt, several completions): the data types the data layer, the
+objectives and the trainer share."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -64,3 +65,26 @@ class Example:
         self.as_pair().validate(where)
         if self.kl_completion is not None and not (isinstance(self.kl_completion, list) and self.kl_completion):
             raise ValueError(f"{where}: kl_completion must be None or a non-empty list of tokens")
+
+
+@dataclass
+class Group:
+    """One prompt and its completions as token ids (GRPO's group; a pair whose
+    prompts agree is a group of two). The prompt is encoded once for all of them."""
+
+    prompt: list
+    completions: list
+
+    def sequences(self):
+        return [list(self.prompt) + list(c) for c in self.completions]
+
+    def validate(self, where="group"):
+        """Raises ValueError for an empty prompt, no completions or an empty completion."""
+        if not isinstance(self.prompt, (list, tuple)) or not self.prompt:
+            # The first completion token is predicted from the prompt's last position.
+            raise ValueError(f"{where}: the prompt must be a non-empty list of token ids")
+        if not isinstance(self.completions, (list, tuple)) or not self.completions:
+            raise ValueError(f"{where}: completions must be a non-empty list")
+        for g, c in enumerate(self.completions):
+            if not isinstance(c, (list, tuple)) or not c:
+                raise ValueError(f"{where}: completions[{g}] must be a non-empty list of token ids")

@@ -1,5 +1,5 @@
-"""How the stack runs a pair: the choices of `StackConfig`, resolved once per
-pair shape into a `Plan` that every part of the stack then follows.
+"""How the stack runs a pair or a group: the choices of `StackConfig`, resolved
+once per shape into a `Plan` that every part of the stack then follows.
 
 A `Plan` fixes the prompt encoded once for both responses and its layout
 (`prefix`), the checkpoint segments (`segmented`) or the compiled layers
@@ -99,11 +99,24 @@ def plan(lm, config, pair, scoring, compiles):
     saying whether `lm` can take `compiled`'s layers, asked only where the plan
     would run them (it walks the model's parameters)."""
     prompt_len = pair.chosen_prompt_len if shares(pair, config, scoring) else None
+    return _plan(lm, config, sequences(pair, scoring), prompt_len,
+                 len(pair.chosen) + len(pair.rejected), compiles)
+
+
+def group_plan(lm, config, group, compiles):
+    """The `Plan` of a `Group` (as `plan`): its prompt is encoded once for all
+    its completions where `config.prefix_sharing` and it has more than one."""
+    seqs = group.sequences()
+    shared = config.prefix_sharing and len(seqs) > 1
+    return _plan(lm, config, seqs, len(group.prompt) if shared else None,
+                 sum(map(len, seqs)), compiles)
+
+
+def _plan(lm, config, seqs, prompt_len, tokens, compiles):
+    # `tokens`: the sequences' tokens, the measure of the default thresholds.
     if prompt_len and config.pad_to:
         prompt_len -= prompt_len % config.pad_to
-    packed = bool(prompt_len) and packed_layout(lm, sequences(pair, scoring), prompt_len,
-                                                config.prefix_packing)
-    tokens = len(pair.chosen) + len(pair.rejected)
+    packed = bool(prompt_len) and packed_layout(lm, seqs, prompt_len, config.prefix_packing)
     segment_size = config.segment_size
     if segment_size is None:
         segment_size = DEFAULT_SEGMENT_SIZE if tokens >= SEGMENT_FROM_TOKENS else 0

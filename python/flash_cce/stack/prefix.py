@@ -1,19 +1,20 @@
-"""Prefix sharing: encode a pair's prompt once, continue both responses from it.
+"""Prefix sharing: encode a prompt once, continue each of its responses from it
+(a pair's two, or a group's G).
 
-Two layouts, both exact (the same function as two separate forwards):
+Two layouts, both exact (the same function as a forward per sequence):
 
-- Packed (one pass over the stack): a batch of three rows, the prompt at
-  positions 0.. and each response at positions P.. (per-row RoPE offsets), padded
-  to one width. Each response row attends to the prompt row's keys/values plus
-  its own (`attention.PackedMask`, which `attention.routed` serves). The layers
-  run once on 3 x width tokens, so this is the layout when the prompt and the
-  responses are of similar length (width = max of the three) and the attention
-  is routed.
+- Packed (one pass over the stack): a batch of n + 1 rows for n responses, the
+  prompt at positions 0.. and each response at positions P.. (per-row RoPE
+  offsets), padded to one width. Each response row attends to the prompt row's
+  keys/values plus its own (`attention.PackedMask`, which `attention.routed`
+  serves). The layers run once on (n + 1) x width tokens, so this is the layout
+  when the prompt and the responses are of similar length (width = the longest
+  row) and the attention is routed.
 - Two passes: a forward over the prompt alone (batch 1) records every layer's
-  keys and values; the chosen and rejected responses then run as one batch of
-  two padded rows at positions P.., attending to the recorded prompt keys/values
-  plus their own (the mlx-lm KV-cache protocol, `caches.PrefixCache`, so stock
-  mlx-lm attention layers, sliding windows and Gemma 4's shared KV layers work
+  keys and values; the responses then run as one batch of n padded rows at
+  positions P.., attending to the recorded prompt keys/values plus their own
+  (the mlx-lm KV-cache protocol, `caches.PrefixCache`, so stock mlx-lm
+  attention layers, sliding windows and Gemma 4's shared KV layers work
   unchanged). Its caches are functional: they concatenate instead of
   writing into a buffer, so the gradient of the responses' loss flows back into
   the prompt's keys and values, and from there into the prompt forward.
@@ -31,11 +32,12 @@ from .segmented import run_stack
 
 
 def packing_pays(prompt_len, widths):
-    """Whether the packed layout runs no more tokens than two separate forwards:
-    3 rows of max(P, responses) vs 2 rows of P + the longest response."""
+    """Whether the packed layout runs no more tokens than separate forwards:
+    n + 1 rows of max(P, responses) vs n rows of P + the longest response, for
+    n responses (a pair: 3 rows against 2)."""
     widths = list(widths)
     width = max([prompt_len] + widths)
-    return 3 * width <= 2 * (prompt_len + max(widths))
+    return (len(widths) + 1) * width <= len(widths) * (prompt_len + max(widths))
 
 
 def _packable(lm):

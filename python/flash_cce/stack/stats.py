@@ -33,18 +33,26 @@ from .attention import routed
 from .batch import Pair
 from .layers import training_layers
 from .lm import LM
-from .plan import StackConfig, attention_block, plan, sequences
+from .plan import StackConfig, attention_block, group_plan, plan, sequences
 from .prefix import sequence_hidden
+
+def validated(items, name, kind):
+    """(where, item) of a non-empty list of `kind` (`Pair`, `Group`), each
+    validated; ValueError naming the list `name`, the item and the problem."""
+    what = f"flash_cce.stack.batch.{kind.__name__}"
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{name} must be a non-empty list of {what}")
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]"
+        if not isinstance(item, kind):
+            raise ValueError(f"{where} must be a {what}, got {type(item).__name__}")
+        item.validate(where)
+        yield where, item
+
 
 def check_pairs(pairs, vocab, max_length=None):
     """ValueError naming the pair and the problem, before anything runs."""
-    if not isinstance(pairs, (list, tuple)) or not pairs:
-        raise ValueError("pairs must be a non-empty list of flash_cce.stack.batch.Pair")
-    for i, p in enumerate(pairs):
-        where = f"pairs[{i}]"
-        if not isinstance(p, Pair):
-            raise ValueError(f"{where} must be a flash_cce.stack.batch.Pair, got {type(p).__name__}")
-        p.validate(where)
+    for where, p in validated(pairs, "pairs", Pair):
         for name, seq, n in (("chosen", p.chosen, p.chosen_prompt_len),
                              ("rejected", p.rejected, p.rejected_prompt_len)):
             if max_length is not None and len(seq) > max_length:
@@ -87,27 +95,28 @@ class _Run(contextlib.ExitStack):
             self.plans[key] = plan(self.lm, self.config, pair, self.scoring, lambda: self.compiles)
         return self.plans[key]
 
-    def hidden(self, pair, plan, stack=None):
-        """`sequence_hidden` of the pair's sequences as `plan` lays them out."""
-        return sequence_hidden(self.lm, sequences(pair, self.scoring), plan.prompt_len,
-                               segment_size=plan.segment_size, pack=plan.packed, stack=stack,
-                               pad_to=plan.pad_to)
+    def group_plan(self, group):
+        key = ("group", len(group.prompt), tuple(map(len, group.completions)))
+        if key not in self.plans:
+            self.plans[key] = group_plan(self.lm, self.config, group, lambda: self.compiles)
+        return self.plans[key]
 
-    def stats(self, pair, plan, h, rows, training=True):
-        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring, training)
+    def hidden(self, seqs, plan, stack=None):
+        """`sequence_hidden` of `seqs` as `plan` lays them out."""
+        return sequence_hidden(self.lm, seqs, plan.prompt_len, segment_size=plan.segment_size,
+                               pack=plan.packed, stack=stack, pad_to=plan.pad_to)
+
+    def pair(self, pair, training=True):
+        """(plan, sequences, statistics of the hidden states) of a pair."""
+        plan = self.plan(pair)
+        return plan, sequences(pair, self.scoring), functools.partial(
+            _from_hidden, self.lm, pair=pair, plan=plan, scoring=self.scoring, training=training)
 
 
 def statistics(model, pairs, scoring, config=StackConfig()):
     """Per pair, its statistics (see the module), evaluated, without gradients."""
-    out = []
     with _Run(model, config, scoring, training=False) as run:
-        for pair in pairs:
-            plan = run.plan(pair)
-            stack = compiled.stack_for(run.lm, backward=False) if plan.compiled else None
-            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack), training=False)
-            mx.eval(stats)
-            out.append(stats)
-    return out
+        return evaluated(run, (run.pair(pair, training=False) for pair in pairs))
 
 
 def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
@@ -115,36 +124,52 @@ def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
     of `loss(i, stats)` with respect to `model.trainable_parameters()` (a tree of
     theirs). Each pair's statistics and the running sum are evaluated before the
     next pair runs."""
-    grads, out = None, []
     with _Run(model, config, scoring, training=True) as run:
-        for i, pair in enumerate(pairs):
-            plan = run.plan(pair)
-            if plan.compiled:
-                # The loss's autodiff reaches the last hidden states; the compiled
-                # layers take their cotangent through the stack.
-                stack = compiled.stack_for(run.lm)
-                h, rows = run.hidden(pair, plan, stack)
+        return differentiated(run, map(run.pair, pairs), loss)
 
-                def of_hidden(h):
-                    stats = run.stats(pair, plan, h, rows)
-                    return loss(i, stats), stats
 
-                (_, stats), ct = mx.value_and_grad(of_hidden)(h)
-                g = stack.backward(ct)
-            else:
-                def of_model():
-                    # The backward (and a segment's recomputed forward) is built here.
-                    stats = run.stats(pair, plan, *run.hidden(pair, plan))
-                    return loss(i, stats), stats
+def evaluated(run, units):
+    """Per unit `(plan, sequences, stats_of_hidden)`, its statistics, evaluated."""
+    out = []
+    for plan, seqs, stats_of in units:
+        stack = compiled.stack_for(run.lm, backward=False) if plan.compiled else None
+        stats = stats_of(*run.hidden(seqs, plan, stack))
+        mx.eval(stats)
+        out.append(stats)
+    return out
 
-                (_, stats), g = nn.value_and_grad(model, of_model)()
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            out.append(tree_map(mx.stop_gradient, stats))
-            mx.eval(grads, out[-1])
+
+def differentiated(run, units, loss):
+    """(statistics per unit, gradients of the sum over the units of
+    `loss(i, stats)`), one unit at a time (see `value_and_grad`)."""
+    grads, out = None, []
+    for i, (plan, seqs, stats_of) in enumerate(units):
+        if plan.compiled:
+            # The loss's autodiff reaches the last hidden states; the compiled
+            # layers take their cotangent through the stack.
+            stack = compiled.stack_for(run.lm)
+            h, rows = run.hidden(seqs, plan, stack)
+
+            def of_hidden(h):
+                stats = stats_of(h, rows)
+                return loss(i, stats), stats
+
+            (_, stats), ct = mx.value_and_grad(of_hidden)(h)
+            g = stack.backward(ct)
+        else:
+            def of_model():
+                # The backward (and a segment's recomputed forward) is built here.
+                stats = stats_of(*run.hidden(seqs, plan))
+                return loss(i, stats), stats
+
+            (_, stats), g = nn.value_and_grad(run.lm.model, of_model)()
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        out.append(tree_map(mx.stop_gradient, stats))
+        mx.eval(grads, out[-1])
     return out, grads
 
 
-def _from_hidden(lm, h, rows, pair, plan, scoring, training=True):
+def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
     """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and
     its rows. Without `training` no gradient flows: the head skips the state it
     keeps for the backward."""
@@ -160,8 +185,8 @@ def _from_hidden(lm, h, rows, pair, plan, scoring, training=True):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp, ent = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
-                        scoring.entropy, training)
+    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+                             entropy=scoring.entropy, backward=training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
         stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
@@ -174,20 +199,25 @@ def _from_hidden(lm, h, rows, pair, plan, scoring, training=True):
     return stats
 
 
-def _logprobs(lm, h, targets, flash, entropy=False, training=True):
-    """(log-probs, entropies or None) of `targets` under the head."""
+def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):
+    """(log-probs of `targets`, entropies or None) of the final hidden states `h`
+    `[tokens, d]`, both of the head's logits divided by `temperature`.
+    `backward=False`: no gradient flows (the flash head skips its preparation)."""
     h = lm.norm(h)
     if flash:
-        # The targets are the pair's tokens, range-checked on the host
-        # (`check_pairs`); the head's own check would evaluate them mid-step.
+        # The targets are the batch's tokens, range-checked on the host
+        # (`check_pairs`, `check_groups`); the head's own check would evaluate
+        # them mid-step.
         out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                              validate_targets=False, entropy=entropy,
-                              fused_backward=training)
+                              validate_targets=False, temperature=temperature, entropy=entropy,
+                              fused_backward=backward)
         return (out.logp, out.entropy) if entropy else (out, None)
     logits = lm.logits(h).astype(mx.float32)
-    picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = mx.logsumexp(logits, axis=-1)
+    picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
     if not entropy:
-        return picked - lse, None
-    p = mx.softmax(logits, axis=-1)
-    return picked - lse, lse - (p * logits).sum(axis=-1)
+        return picked, None
+    # H = logsumexp(z) - sum(softmax(z) * z)
+    return picked, lse - (mx.softmax(logits, axis=-1) * logits).sum(axis=-1)

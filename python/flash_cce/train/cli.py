@@ -57,7 +57,9 @@ def build_parser():
                        formatter_class=fmt)
     d.add_argument("--run-dir", default="flash-cce-demo")
     d.add_argument("--iters", type=settings.flag_type(settings.BY_NAME["iters"]), default=None,
-                   help="Optimizer steps (default: the demo's 150).")
+                   help="Optimizer steps (default: the demo's 150; grpo's 300).")
+    d.add_argument("--objective", default="orpo", choices=("orpo", "grpo"),
+                   help="orpo: preference pairs; grpo: online RL with a verifiable reward.")
     return parser
 
 
@@ -195,8 +197,9 @@ def _run(args, argv):
         _plot(args)
     elif args.command == "demo":
         from .demo import run_demo
+        from .grpo_demo import run_grpo_demo
 
-        run_demo(args.run_dir, iters=args.iters)
+        (run_grpo_demo if args.objective == "grpo" else run_demo)(args.run_dir, iters=args.iters)
     elif args.command == "spin":
         _spin(args)
     elif args.command == "train":

@@ -177,6 +177,17 @@ class Encoder:
             return self._chat(prompt, response, where)
         return self._text(prompt, response)
 
+    def encode_prompt(self, prompt, where="record"):
+        """The token ids of a prompt alone, as `encode_one` begins a sequence
+        (a conversation with the chat template's generation prompt)."""
+        if isinstance(prompt, list) and self.chat_template is False:
+            raise DataError(f"{where}: chat messages need chat_template 'auto' or true")
+        if isinstance(prompt, str) and self.chat_template is True:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list):
+            return self._template(prompt, True)
+        return list(self.tokenizer.encode(prompt)) if prompt else []
+
     def encode_example(self, rec, where="record"):
         """The Example of an unpaired record."""
         tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)

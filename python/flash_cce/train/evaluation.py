@@ -42,6 +42,9 @@ def run_eval(cfg, adapters, split, log=print):
     from .preflight import quantize_model
     from .trainer import evaluate_pairs, prepare_model
 
+    if cfg["objective"] == "grpo":
+        raise RunError("objective: flash-cce eval scores the preference objectives; a grpo run's validation "
+                       "is its mean reward, in its metrics.jsonl (flash-cce plot draws it)")
     objective = objective_config(cfg)
     check_model(cfg["model"])
     records = read_data(cfg, (split,))

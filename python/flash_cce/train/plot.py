@@ -1,5 +1,5 @@
 """`flash-cce plot RUN_DIR`: a PNG of a run's loss, preference accuracy, margins
-and memory curves.
+and memory curves (a GRPO run's: loss, mean reward, entropy, memory).
 
 Drawn with numpy and written with zlib (no plotting library needed): four panels,
 training steps as a thin light line, validation as a thick dark line, each panel
@@ -34,6 +34,13 @@ PANELS = (
     ("PREFERENCE ACCURACY", "rewards/accuracies"),
     ("REWARD MARGIN", "rewards/margins"),
     ("MEMORY GB  THIN: ACTIVE  THICK: PEAK", ("active_memory_gb", "peak_memory_gb")),
+)
+# GRPO runs (their records carry TRL's "reward"): rewards instead of preferences.
+GRPO_PANELS = (
+    ("LOSS", "loss"),
+    ("MEAN REWARD", "reward"),
+    ("ENTROPY", "entropy"),
+    PANELS[3],
 )
 
 
@@ -124,7 +131,8 @@ def plot_run(run_dir, output=None, width=1000, height=700):
     img = np.full((height, width, 3), 255, np.uint8)
     _text(img, 20, 12, f"FLASH-CCE RUN {run_dir.name}   THIN: TRAIN  THICK: VALID", scale=2)
     pw, ph = width // 2 - 70, height // 2 - 90
-    for i, (title, key) in enumerate(PANELS):
+    panels = GRPO_PANELS if any("reward" in r for r in records) else PANELS
+    for i, (title, key) in enumerate(panels):
         box = (50 + (i % 2) * (width // 2), 70 + (i // 2) * (height // 2), pw, ph)
         if isinstance(key, tuple):  # memory: both train-step curves
             series = [(TRAIN, *_series(records, key[0], "train"), 2),

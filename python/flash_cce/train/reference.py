@@ -171,6 +171,26 @@ def _adapters_print(adapters):
     return file_fingerprint(Path(adapters) / "adapters.safetensors")
 
 
+def reference_source(cfg, log):
+    """`AdaptersOff()` or a `FrozenModel` of the reference model (with a warm
+    start's adapters, see `warm_start`), as the settings `cfg` ask."""
+    if _kind(cfg) != "model":
+        if cfg.get("init_adapters"):
+            log("Reference: the base model (adapters off), not the warm start (warm_reference base)")
+        return AdaptersOff()
+    from .preflight import load_model, quantize_model
+
+    ref_path, warm = cfg["reference_model"] or cfg["model"], warm_start(cfg)
+    ref_model, _ = load_model(dict(cfg, model=ref_path))
+    if warm:
+        ref_model = _warm_model(cfg, ref_model, warm)
+    if cfg["reference_quantize"]:
+        quantize_model(ref_model, cfg["reference_quantize"])
+    what = f"the warm-started model ({ref_path} with the adapters of {warm})" if warm else f"the frozen model {ref_path}"
+    log(f"Reference: {what}" + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
+    return FrozenModel(ref_model)
+
+
 def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
     """`objective` with the source of its reference log-probs as the settings
     `cfg` ask (for dpo and kto); with `pairs` (kto: examples with their KL
@@ -181,22 +201,7 @@ def with_reference(cfg, objective, model, log, pairs=None, run_dir=None):
         return objective
     kind, ref_path = _kind(cfg), cfg["reference_model"] or cfg["model"]
     warm = warm_start(cfg)
-    if kind == "model":
-        from .preflight import load_model, quantize_model
-
-        ref_model, _ = load_model(dict(cfg, model=ref_path))
-        if warm:
-            ref_model = _warm_model(cfg, ref_model, warm)
-        if cfg["reference_quantize"]:
-            quantize_model(ref_model, cfg["reference_quantize"])
-        source = FrozenModel(ref_model)
-        what = f"the warm-started model ({ref_path} with the adapters of {warm})" if warm else f"the frozen model {ref_path}"
-        log(f"Reference: {what}"
-            + (f" ({cfg['reference_quantize']['bits']}-bit)" if cfg["reference_quantize"] else ""))
-    else:
-        source = AdaptersOff()
-        if cfg.get("init_adapters"):
-            log("Reference: the base model (adapters off), not the warm start (warm_reference base)")
+    source = reference_source(cfg, log)
     if pairs is None:
         return replace(objective, reference=source)
     obj = get(objective.name)

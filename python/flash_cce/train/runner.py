@@ -217,6 +217,10 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     from .reference import with_reference
     from .rundir import set_aside
 
+    if cfg["objective"] == "grpo":  # online RL: its own loop (grpo_trainer)
+        from .grpo_trainer import run_grpo
+
+        return run_grpo(cfg, log=log, on_eval=on_eval, hint=hint, own_files=own_files)
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731

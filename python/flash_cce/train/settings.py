@@ -41,6 +41,7 @@ class Setting:
     resume: str = "fixed"  # "free": a resumed run may change it
     fields: tuple = ()  # a table's settings
     flag: bool = True
+    aliases: tuple = ()  # more flag names
 
     def allowed(self):
         """What is allowed, in words."""
@@ -52,6 +53,7 @@ class Setting:
         else:
             text = {"int": "an integer", "float": "a number", "bool": "true or false",
                     "str": "a string", "path": "a path", "str_list": "a list of strings",
+                    "float_list": "a list of numbers",
                     "auto_int": "auto or an integer", "auto_bool": "auto, true or false"}[self.kind]
             bounds = []
             if self.low is not None:
@@ -112,6 +114,7 @@ LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "nca_pair", "sppo_hard", "apo
               "apo_zero_unpaired")
 FINGERPRINT_FIELDS = tuple(S(split, "str", None, f"{split}.jsonl's fingerprint.", optional=True)
                            for split in ("train", "valid", "test"))
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CONTROLLER_FIELDS = (
     S("law", "str", "pid", "Control law.", choices=("p", "pd", "pid")),
     S("scale", "str", "log", "Errors and weights as ratios (log: w = w0 exp(u), e = log(target / NLL)) "
@@ -161,11 +164,13 @@ SETTINGS = (
     # The objective.
     S("objective", "str", "orpo", "Training objective (docs/objectives.md); kto reads unpaired data "
       "(prompt, completion, label), the others pairs.",
-      choices=("orpo", "simpo", "orpo_margin", "dpo", "cpo", "kto", "sft"), commands=BOTH),
-    S("beta", "float", 0.1, "Objective strength (ORPO's lambda, SimPO/DPO/CPO/KTO's beta).", low=0, commands=BOTH),
+      choices=("orpo", "simpo", "orpo_margin", "dpo", "cpo", "kto", "sft", "grpo"), commands=BOTH),
+    S("beta", "float", 0.1, "Objective strength (ORPO's lambda, SimPO/DPO/CPO/KTO's beta, GRPO's KL weight: "
+      "0.0 by default for grpo, as TRL).", low=0, commands=BOTH),
     S("gamma", "float", 0.5, "Target margin of simpo / orpo_margin / cpo's simpo loss.", low=0, commands=BOTH),
-    S("loss_type", "str", None, "TRL's loss_type of dpo, cpo or kto (null: sigmoid for dpo and cpo, kto for kto).",
-      choices=tuple(dict.fromkeys(LOSS_TYPES)), optional=True, commands=BOTH),
+    S("loss_type", "str", None, "TRL's loss_type of dpo, cpo, kto or grpo (null: sigmoid for dpo and cpo, kto "
+      "for kto, dapo for grpo).", choices=tuple(dict.fromkeys(LOSS_TYPES + GRPO_LOSS_TYPES)), optional=True,
+      commands=BOTH),
     S("label_smoothing", "float", 0.0, "Label noise of dpo's robust and cpo's sigmoid/simpo losses; "
       "dpo's exo_pair epsilon (> 0 there).", low=0, high=0.5, high_open=True, commands=BOTH),
     S("discopop_tau", "float", 0.05, "Temperature of dpo's discopop loss.", low=0, low_open=True,
@@ -199,6 +204,43 @@ SETTINGS = (
     S("warm_reference", "str", "init", "DPO/KTO's reference with init_adapters: the warm-started model "
       "(init: the base with those adapters, TRL's SFT -> DPO recipe) or the base model (base).",
       choices=("init", "base")),
+    # GRPO (objective grpo): TRL's GRPOConfig fields, names and defaults (docs/grpo.md).
+    S("reward_funcs", "str_list", None, "Reward functions: module:function, file.py:function or a built-in "
+      "(exact_match[=COLUMN], format[=REGEX], length[=CACHE]); the flag once per function.", optional=True,
+      aliases=("--reward",)),
+    S("reward_weights", "float_list", None, "Weight of each reward function (null: 1 each).", optional=True),
+    S("num_generations", "int", 8, "Completions sampled per prompt (a group).", low=2),
+    S("max_completion_length", "int", 512, "Longest completion (tokens).", low=1),
+    S("temperature", "float", 1.0, "Sampling temperature (the log-probs are of logits / temperature).", low=0,
+      low_open=True),
+    S("top_p", "float", 1.0, "Nucleus sampling mass (1: off).", low=0, low_open=True, high=1),
+    S("top_k", "int", 0, "Top-k sampling (0: off).", low=0),
+    S("min_p", "float", None, "Min-p sampling (null: off).", low=0, high=1, high_open=True, optional=True),
+    S("epsilon", "float", 0.2, "Lower clip of the importance ratio.", low=0),
+    S("epsilon_high", "float", None, "Upper clip (null: epsilon).", low=0, optional=True),
+    S("delta", "float", None, "Two-sided clip: the ratio capped at delta (null: off).", low=0, optional=True),
+    S("importance_sampling_level", "str", "token", "Importance ratios per token or per sequence.",
+      choices=("token", "sequence")),
+    S("scale_rewards", "str", "group", "Advantages divided by the group's or the batch's reward std, or not.",
+      choices=("group", "batch", "none")),
+    S("multi_objective_aggregation", "str", "sum_then_normalize", "Several reward functions: weighted sum "
+      "then normalise, or normalise each then sum.", choices=("sum_then_normalize", "normalize_then_sum")),
+    S("mask_truncated_completions", "bool", False, "Completions without EOS leave the loss."),
+    S("top_entropy_quantile", "float", 1.0, "Keep the top quantile of tokens by entropy in the loss.", low=0,
+      high=1),
+    S("use_bias_correction_kl", "bool", False, "The KL term times the importance ratio."),
+    S("entropy_coef", "float", 0.0, "Weight of the entropy bonus subtracted from the loss."),
+    S("off_policy_mask_threshold", "float", None, "Drop negative-advantage sequences whose mean old - current "
+      "log-ratio exceeds it (null: off).", low=0, optional=True),
+    S("sapo_temperature_neg", "float", 1.05, "sapo's gate temperature, advantages <= 0.", low=0, low_open=True),
+    S("sapo_temperature_pos", "float", 1.0, "sapo's gate temperature, advantages > 0.", low=0, low_open=True),
+    S("vespo_k_pos", "float", 2.0, "vespo's gamma weight k, positive advantages."),
+    S("vespo_lambda_pos", "float", 3.0, "vespo's gamma weight lambda, positive advantages."),
+    S("vespo_k_neg", "float", 3.0, "vespo's gamma weight k, other advantages."),
+    S("vespo_lambda_neg", "float", 2.0, "vespo's gamma weight lambda, other advantages."),
+    S("num_iterations", "int", 1, "Updates per generated batch (mu).", low=1),
+    S("steps_per_generation", "int", None, "Micro-batches one generation serves (null: "
+      "grad_accumulation_steps).", low=1, optional=True),
     # How it is computed (exact either way: a resumed run may change these).
     S("prefix_sharing", "bool", True, "Encode each prompt once for both responses.", commands=BOTH, resume="free"),
     S("flash_head", "bool", True, "Log-probs from the flash-CCE head (no [tokens, vocab] logits).",
@@ -253,6 +295,8 @@ SETTINGS = (
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
+# Defaults that differ by objective (TRL's GRPOConfig has beta 0.0).
+OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0}}
 
 # Flags that set one field of a table.
 NESTED_FLAGS = {
@@ -314,6 +358,10 @@ def check_value(setting, value, key=None):
         if isinstance(value, list) and value and all(isinstance(x, str) and x for x in value):
             return list(value)
         _fail(key, value, setting)
+    if kind == "float_list":
+        if isinstance(value, list) and value and all(_number(x) and math.isfinite(x) for x in value):
+            return [float(x) for x in value]
+        _fail(key, value, setting)
     ok = {"int": _int, "float": _number, "bool": _bool,
           "str": lambda v: isinstance(v, str), "path": lambda v: isinstance(v, str) and v != ""}[kind]
     if not ok(value):
@@ -360,8 +408,9 @@ def check(cfg):
         if k not in BY_NAME:
             raise SettingsError(f"unknown key {k!r}{_near(k, BY_NAME)}; see `flash-cce train -h` for the settings")
     out = {}
+    own = OBJECTIVE_DEFAULTS.get(cfg.get("objective"), {})
     for s in SETTINGS:
-        out[s.name] = check_value(s, cfg[s.name] if s.name in cfg else _copy(s.default))
+        out[s.name] = check_value(s, cfg[s.name] if s.name in cfg else _copy(own.get(s.name, s.default)))
     _check_together(out)
     return out
 
@@ -470,6 +519,12 @@ def resolve(flags, config_path=None, base=None):
     return out
 
 
+# GRPOConfig's fields (reward_funcs ... steps_per_generation in SETTINGS): grpo's alone.
+_names = [x.name for x in SETTINGS]
+GRPO_SETTINGS = tuple(_names[_names.index("reward_funcs"):_names.index("steps_per_generation") + 1])
+del _names
+
+
 def _objectives_but(*names):
     return tuple(o for o in BY_NAME["objective"].choices if o not in names)
 
@@ -478,7 +533,7 @@ def _objectives_but(*names):
 APPLIES_TO = {
     "beta": _objectives_but("sft"),
     "gamma": ("simpo", "orpo_margin", "cpo"),
-    "loss_type": ("dpo", "cpo", "kto"),
+    "loss_type": ("dpo", "cpo", "kto", "grpo"),
     "label_smoothing": ("dpo", "cpo"),
     "discopop_tau": ("dpo",),
     "cpo_alpha": ("cpo",),
@@ -488,12 +543,13 @@ APPLIES_TO = {
     "pref_weight": ("orpo", "orpo_margin", "cpo"),
     "adaptive_weight": ("orpo", "orpo_margin", "cpo"),
     "controller": ("orpo", "orpo_margin", "cpo"),
-    "reference": ("dpo", "kto"),
-    "reference_model": ("dpo", "kto"),
-    "reference_quantize": ("dpo", "kto"),
+    "reference": ("dpo", "kto", "grpo"),
+    "reference_model": ("dpo", "kto", "grpo"),
+    "reference_quantize": ("dpo", "kto", "grpo"),
     "precompute_ref_log_probs": ("dpo", "kto"),
-    "warm_reference": ("dpo", "kto"),
+    "warm_reference": ("dpo", "kto", "grpo"),
     "nll_on_prompt": ("orpo", "orpo_margin", "sft"),
+    **{name: ("grpo",) for name in GRPO_SETTINGS},
 }
 
 
@@ -567,6 +623,10 @@ def add_flags(parser, command):
         if s.kind == "bool":
             parser.add_argument(s.flag_name, dest=s.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=_help(s))
+        elif s.kind in ("str_list", "float_list"):  # the flag once per item
+            parser.add_argument(s.flag_name, *s.aliases, dest=s.name, default=None, action="append",
+                                type=float if s.kind == "float_list" else str, metavar=s.name.upper(),
+                                help=_help(s))
         elif s.kind == "auto_bool":  # the flag alone means true
             parser.add_argument(s.flag_name, dest=s.name, default=None, type=flag_type(s), nargs="?",
                                 const=True, metavar=s.name.upper(), help=_help(s))

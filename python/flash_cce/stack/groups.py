@@ -1,0 +1,93 @@
+"""Groups through the stack: one prompt encoded once for its G completions.
+
+`group_logprobs(model, groups, config)` returns, per `Group`, the per-token
+log-probs of its completions (and their entropies), and
+`group_value_and_grad(model, groups, loss, config)` also differentiates
+`loss(i, out)`, group i's share of an objective, summing the gradients of
+`model.trainable_parameters()`. A group runs as a pair does (a pair is a group
+of two): the prompt once, the completions as one batch after it (or packed
+rows), checkpointed segments or compiled layers, the flash head on the
+completion tokens only; one group's activations are held at a time.
+
+Per group the output is a dict of float32 arrays `[G, T]`, T its longest
+completion, zero past each completion's end:
+
+- `logps`: `log softmax(logits / temperature)` of each completion token,
+- `entropy` (with `entropy=True`): the entropy of that softmax at each position.
+"""
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from .batch import Group
+from .plan import Scoring, StackConfig
+from .stats import _Run, differentiated, evaluated, token_logprobs, validated
+
+
+def check_groups(groups, vocab, max_length=None):
+    """ValueError naming the group and the problem, before anything runs."""
+    for where, grp in validated(groups, "groups", Group):
+        for g, seq in enumerate(grp.sequences()):
+            if max_length is not None and len(seq) > max_length:
+                raise ValueError(f"{where}: completion {g} makes {len(seq)} tokens with the prompt, "
+                                 f"more than max_length={max_length}")
+            bad = [t for t in seq if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"{where}: tokens must be ints in [0, {vocab}), got {bad[0]!r}")
+
+
+def _check_temperature(temperature):
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _units(run, groups, temperature, entropy, backward):
+    for grp in groups:
+        plan = run.group_plan(grp)
+        yield plan, grp.sequences(), functools.partial(
+            _from_hidden, run.lm, group=grp, flash=plan.flash_head, temperature=temperature,
+            entropy=entropy, backward=backward)
+
+
+def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entropy=False):
+    """Per group, its outputs (see the module), evaluated, without gradients."""
+    check_groups(groups, model.args.vocab_size, config.max_length)
+    _check_temperature(temperature)
+    with _Run(model, config, Scoring(), training=False) as run:
+        return evaluated(run, _units(run, groups, temperature, entropy, backward=False))
+
+
+def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperature=1.0, entropy=False):
+    """(outputs per group, gradients): the gradients of the sum over the groups
+    of `loss(i, out)` with respect to `model.trainable_parameters()`."""
+    check_groups(groups, model.args.vocab_size, config.max_length)
+    _check_temperature(temperature)
+    with _Run(model, config, Scoring(), training=True) as run:
+        return differentiated(run, _units(run, groups, temperature, entropy, backward=True), loss)
+
+
+def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward):
+    p = len(group.prompt)
+    width = max(map(len, group.completions))
+    idx, tgt, at = [], [], []
+    for b, c in enumerate(group.completions):
+        # rows[b][j] predicts token j + 1 of sequence b: completion token k is j = p + k - 1.
+        idx.extend(rows[b][p - 1:p - 1 + len(c)])
+        tgt.extend(c)
+        at.extend(b * width + k for k in range(len(c)))
+    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward)
+    # [G, width] by a gather from the tokens and one trailing zero (for padding).
+    where = np.full(len(group.completions) * width, len(idx), np.int64)
+    where[at] = np.arange(len(idx))
+    where = mx.array(where)
+
+    def padded(x):
+        return mx.concatenate([x, mx.zeros((1,), x.dtype)])[where].reshape(-1, width)
+
+    out = {"logps": padded(lp)}
+    if entropy:
+        out["entropy"] = padded(ent)
+    return out
