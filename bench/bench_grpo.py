@@ -152,6 +152,11 @@ def main():
     ap.add_argument("--groups", type=int, help="prompts per step")
     ap.add_argument("--prompt", type=int, help="prompt length (tokens)")
     ap.add_argument("--repeats", type=int, help="timed runs per provider (median)")
+    ap.add_argument("--phases", nargs="+", default=["rollout", "update"], choices=("rollout", "update"),
+                    help="what to time")
+    ap.add_argument("--rollout-completions", nargs="*", type=int,
+                    help="completion lengths whose rollouts are timed (default: all of --completions)")
+    ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
     ap.add_argument("--json", default="bench_grpo.json", help="where to write results")
     args = ap.parse_args()
     shape = dict(FULL if args.full else SMALL)
@@ -167,11 +172,25 @@ def main():
     G, prompts = shape["generations"], make_prompts(shape["groups"], shape["prompt"], vocab)
     results = dict(device=str(mx.default_device()), machine=platform.machine(), mlx=mx.__version__,
                    shape={k: v for k, v in shape.items()}, rows=[])
+
+    def chosen(steps):
+        steps = available(steps)
+        return {k: v for k, v in steps.items() if not args.providers or k in args.providers}
+
+    rollout_lengths = shape["completions"] if args.rollout_completions is None else args.rollout_completions
     for length in shape["completions"]:
         tokens = G * len(prompts) * length
-        gen = measure(available(rollout_steps(model, prompts, G, length)), shape["repeats"])
-        upd = measure(available(update_steps(model, make_rollouts(prompts, G, length, vocab), length)),
-                      shape["repeats"])
+        gen, upd = {}, {}
+        if "rollout" in args.phases and length in rollout_lengths:
+            print(f"rollout, completions of {length}: {list(chosen(rollout_steps(model, prompts, G, length)))}",
+                  flush=True)
+            gen = measure(chosen(rollout_steps(model, prompts, G, length)), shape["repeats"])
+            print({k: row(v, tokens) for k, v in gen.items()}, flush=True)
+        if "update" in args.phases:
+            print(f"update, completions of {length}", flush=True)
+            upd = measure(chosen(update_steps(model, make_rollouts(prompts, G, length, vocab), length)),
+                          shape["repeats"])
+            print({k: row(v) for k, v in upd.items()}, flush=True)
         r = dict(completion=length, rollout={k: row(v, tokens) for k, v in gen.items()},
                  update={k: row(v) for k, v in upd.items()})
         for phase in ("rollout", "update"):
@@ -182,8 +201,8 @@ def main():
                     v["flash_cce_memory_ratio"] = round(ours["peak_gb"] / v["peak_gb"], 3) if v["peak_gb"] else None
         results["rows"].append(r)
         print(json.dumps(r))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+        with open(args.json, "w") as f:  # after every length: a run cut short keeps what it measured
+            json.dump(results, f, indent=1)
     print(f"wrote {args.json}")
 
 
