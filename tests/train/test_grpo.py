@@ -478,6 +478,7 @@ def test_entropy_bonus_matches_trl(model, kw):
     dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=1.02,
          vllm_importance_sampling_clip_max=2.0, loss_type="vespo"),
     dict(vllm_importance_sampling_correction=False, off_policy_mask_threshold=0.0),
+    dict(vllm_importance_sampling_mode="token_truncate", top_entropy_quantile=0.4),
 ])
 def test_sampler_correction_matches_trl(model, kw, with_old):
     """The sampler's log-probs 0.2 from the trainer's: ratios on both sides of
@@ -647,6 +648,14 @@ def test_bad_reference_and_weights_are_named(model):
         grpo_value_and_grad(model, _rollouts(), cfg, reference=Precomputed({}))
     with pytest.raises(ValueError, match="the model has no LoRA adapters to switch off"):
         grpo_value_and_grad(tiny_model("llama"), _rollouts(), cfg)
+    rollouts = _rollouts()
+    rollouts.sampling_logps = [[[-1.0] * len(c) for c in cs] for cs in rollouts.completions]
+    for loss_type, mode in (("vespo", "sequence_mask"), ("luspo", "token_mask")):
+        cfg = GRPOConfig(num_generations=G, max_completion_length=10, loss_type=loss_type,
+                         importance_sampling_level="sequence" if loss_type == "luspo" else "token",
+                         vllm_importance_sampling_mode=mode)
+        with pytest.raises(ValueError, match=f"vllm_importance_sampling_mode must be .* for loss_type '{loss_type}'"):
+            grpo_value_and_grad(model, rollouts, cfg)
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, reward_weights=[1.0])
     with pytest.raises(ValueError, match=r"reward_weights has 1 weights for 2 reward functions"):
         grpo_value_and_grad(model, _rollouts(), cfg)

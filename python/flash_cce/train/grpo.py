@@ -99,36 +99,43 @@ def _reference(model, rollouts, config, source, stack):
     return _unpadded(rollouts, outs)
 
 
+def _check_sampler(config, rollouts):
+    """Whether the sampler correction applies; ValueError for a mode the loss type cannot take."""
+    if rollouts.sampling_logps is None or not config.vllm_importance_sampling_correction:
+        return False
+    mode = config.vllm_importance_sampling_mode
+    if config.loss_type == "vespo" and mode.startswith("sequence"):
+        raise ValueError("vllm_importance_sampling_mode must be 'token_truncate' or 'token_mask' for "
+                         f"loss_type 'vespo', got {mode!r}")
+    if config.loss_type == "luspo" and mode.startswith("token"):
+        # A token ratio makes TRL's luspo average over padded positions (see luspo's check).
+        raise ValueError("vllm_importance_sampling_mode must be 'sequence_truncate' or 'sequence_mask' "
+                         f"for loss_type 'luspo', got {mode!r}")
+    return True
+
+
 def _prepare(model, rollouts, config, reference, stack):
     """(config, groups, per-group inputs of the loss, batch totals, metrics
     of the rollouts) before any group runs with gradients."""
     config = _check(model, rollouts, config, stack)
+    correct = _check_sampler(config, rollouts)
+    source = _source(reference, model) if config.beta != 0.0 and rollouts.ref_logps is None else None
     groups, G = rollouts.groups(), config.num_generations
     adv, metrics = advantages(rollouts, config)
     metrics.update(completion_metrics(rollouts))
     counts = loss_mask_counts(rollouts, config).reshape(len(groups), G)
-    items = int(counts.sum())
-    lengths = rollouts.lengths()
-    ref = rollouts.ref_logps
-    if config.beta != 0.0 and ref is None:
-        ref = _reference(model, rollouts, config, _source(reference, model), stack)
-    entropy_masks = None
-    if config.top_entropy_quantile < 1.0:
-        entropy_masks = _entropy_masks(model, groups, counts, config, stack)
-    correct = rollouts.sampling_logps is not None and config.vllm_importance_sampling_correction
-    old = rollouts.old_logps
-    if correct:
-        mode = config.vllm_importance_sampling_mode
-        if config.loss_type == "vespo" and mode.startswith("sequence"):
-            raise ValueError("vllm_importance_sampling_mode must be 'token_truncate' or 'token_mask' for "
-                             f"loss_type 'vespo', got {mode!r}")
-        if config.loss_type == "luspo" and mode.startswith("token"):
-            # A token ratio makes TRL's luspo average over padded positions (see luspo's check).
-            raise ValueError("vllm_importance_sampling_mode must be 'sequence_truncate' or 'sequence_mask' "
-                             f"for loss_type 'luspo', got {mode!r}")
-        if old is None:
-            # TRL computes the old log-probs after generation whenever it corrects.
-            old = _unpadded(rollouts, group_logprobs(model, groups, stack, temperature=config.temperature))
+    ref = rollouts.ref_logps if source is None else _reference(model, rollouts, config, source, stack)
+    old, entropy_masks = rollouts.old_logps, None
+    # TRL computes the old log-probs after generation whenever it corrects; the
+    # entropy mask needs the batch's entropies before any gradient: one forward.
+    needs_old, needs_entropy = correct and old is None, config.top_entropy_quantile < 1.0
+    if needs_old or needs_entropy:
+        outs = group_logprobs(model, groups, stack, temperature=config.temperature, entropy=needs_entropy)
+        if needs_old:
+            old = _unpadded(rollouts, outs)
+        if needs_entropy:
+            entropy_masks = _entropy_masks(outs, counts, config)
+    items, lengths = int(counts.sum()), rollouts.lengths()
     totals = grpo_loss.Totals(
         sequences=len(lengths), tokens=items,
         items=items if rollouts.num_items_in_batch is None else rollouts.num_items_in_batch,
@@ -137,30 +144,23 @@ def _prepare(model, rollouts, config, reference, stack):
     data = []
     for i, cs in enumerate(rollouts.completions):
         width = max(map(len, cs))
-        mask = np.zeros((G, width), np.float32)
-        for g, c in enumerate(cs):
-            mask[g, :counts[i, g]] = 1.0
-        data.append({
-            "mask": mx.array(mask),
-            "adv": mx.array(adv[i * G:(i + 1) * G].astype(np.float32))[:, None],
-            "old": None if old is None else _padded(old[i], G, width),
-            "sampling": None if rollouts.sampling_logps is None else _padded(rollouts.sampling_logps[i], G, width),
-            "ref": None if ref is None else _padded(ref[i], G, width),
-            "entropy_mask": None if entropy_masks is None else entropy_masks[i],
-        })
-        d = data[-1]
+        mask = (np.arange(width)[None, :] < counts[i][:, None]).astype(np.float32)
+        d = {"mask": mx.array(mask), "adv": mx.array(adv[i * G:(i + 1) * G].astype(np.float32))[:, None],
+             "entropy_mask": None if entropy_masks is None else entropy_masks[i]}
+        for name, rows in (("old", old), ("sampling", rollouts.sampling_logps), ("ref", ref)):
+            d[name] = None if rows is None else _padded(rows[i], G, width)
         d["is_ratio"] = grpo_loss.sampler_ratio(config, d["old"], d["sampling"], d["mask"]) if correct else None
+        data.append(d)
     if correct:
-        metrics.update(_sampler_metrics(config, data))
+        metrics.update(_sampler_metrics(data))
     return config, groups, data, totals, metrics
 
 
-def _entropy_masks(model, groups, counts, config, stack):
+def _entropy_masks(outs, counts, config):
     """TRL's `get_high_entropy_mask` over the batch: per group, 1 where a loss
     token's entropy is at least the (1 - top_entropy_quantile) quantile of the
     batch's loss tokens' entropies. The entropies come from a forward without
     gradients (the mask carries none); the loss pass's metric recomputes them."""
-    outs = group_logprobs(model, groups, stack, temperature=config.temperature, entropy=True)
     ents = [np.array(o["entropy"]) for o in outs]
     masks = [np.arange(e.shape[1])[None, :] < counts[i][:, None] for i, e in enumerate(ents)]
     pool = np.concatenate([e[m] for e, m in zip(ents, masks)]).astype(np.float32)
@@ -170,7 +170,7 @@ def _entropy_masks(model, groups, counts, config, stack):
     return [mx.array(((e * m >= threshold) & m).astype(np.float32)) for e, m in zip(ents, masks)]
 
 
-def _sampler_metrics(config, data):
+def _sampler_metrics(data):
     """TRL's `sampling/*` metrics: |old - sampler| over the loss tokens, and the
     correction's ratios (per sequence, or per loss token); 0 where there are none."""
     diffs, ratios = [], []
