@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from . import settings
-from .checkpoint import ADAPTER_CONFIG
+from .checkpoint import ADAPTER_CONFIG, find_checkpoint
 from .preflight import RunError, model_ref
 
 SPLITS = ("train", "valid", "test")
@@ -79,11 +79,15 @@ def check_data(cfg, saved, ckpt_name, log=print):
 
 
 def adapter_dir(path):
-    """The adapter directory a warm start reads: `path` itself, or a run
-    directory's latest adapters, resolved (config.yaml names the checkpoint)."""
+    """The adapter directory a warm start reads, resolved: the checkpoint that a
+    run directory's latest adapters (or its `adapters`, `best`) come from, so that
+    config.yaml names adapters that later steps of that run leave alone; else
+    `path` itself (a checkpoint, or adapters saved by mlx_lm)."""
     path = Path(path).expanduser()
-    if not (path / ADAPTER_CONFIG).is_file() and (path / "adapters" / ADAPTER_CONFIG).is_file():
-        path = path / "adapters"
+    try:
+        return str(find_checkpoint(path))
+    except ValueError:
+        pass
     return str(path.resolve()) if path.exists() else str(path.absolute())
 
 
