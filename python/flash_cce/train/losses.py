@@ -193,8 +193,10 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     nll = _nll(stats, nll_tokens)
     terms = cfg.pref_weight * pref / n + cpo_alpha * nll
     metrics = _reward_metrics(beta * lw, beta * ll)
+    # TRL computes no NLL when its weight is 0 and logs 0.0; the chosen NLL itself
+    # is `chosen_nll` (what the adaptive weight holds).
     metrics.update({"logps/chosen": logps_w.mean(), "logps/rejected": logps_l.mean(),
-                    "nll_loss": nll.sum()})
+                    "nll_loss": nll.sum() if cpo_alpha != 0 else mx.zeros(()), "chosen_nll": nll.sum()})
     return terms, metrics
 
 

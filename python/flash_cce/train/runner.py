@@ -9,11 +9,13 @@ writes config.yaml and trains.
 
 import json
 import os
+import shlex
 import signal
 from pathlib import Path
 
 from . import settings
 from .checkpoint import find_checkpoint, run_dir_of
+from .plot import plot_on_eval
 from .preflight import (RunError, check_capture, check_init_adapters, check_model, encode, load_model,
                         model_ref, read_data)
 from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints
@@ -59,7 +61,7 @@ def training_args(cfg, progress=True):
 
     args = TrainingArgs(**{k: cfg[k] for k in ("batch_size", "iters", "grad_accumulation_steps",
                                                "max_grad_norm", "steps_per_eval", "val_batches",
-                                               "save_every", "keep_checkpoints", "seed")},
+                                               "save_every", "keep_checkpoints", "seed", "steps_per_report")},
                         progress=cfg["progress"] and progress)
     args.validate()
     return args
@@ -164,15 +166,15 @@ def _atomic_yaml(cfg, path):
 def generate_hint(cfg, run_dir, records):
     """An mlx_lm.generate command that prompts the model as it was trained."""
     rec = records[0][0]
-    strings = isinstance(rec["completion" if "completion" in rec else "chosen"], str)
+    strings = isinstance(rec[next(k for k in ("completion", "chosen", "text") if k in rec)], str)
     plain = strings and cfg["chat_template"] != True  # noqa: E712 (auto or False)
     prompt = rec.get("prompt") if strings else None
-    cmd = f"mlx_lm.generate --model {cfg['model']} --adapter-path {run_dir / 'adapters'}"
+    cmd = ["mlx_lm.generate", "--model", cfg["model"], "--adapter-path", str(run_dir / "adapters")]
     if plain:
-        cmd += " --ignore-chat-template"  # trained as plain text, not as a chat turn
-    if isinstance(prompt, str) and prompt and '"' not in prompt and "\n" not in prompt:
-        cmd += f' --prompt "{prompt}"'
-    return cmd
+        cmd.append("--ignore-chat-template")  # trained as plain text, not as a chat turn
+    if isinstance(prompt, str) and prompt and "\n" not in prompt:
+        cmd += ["--prompt", prompt]
+    return shlex.join(cmd)
 
 
 def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
@@ -236,6 +238,9 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
     if resume is not None:
         check_adapter_shapes(read_adapters(resume, "resume"), model, "resume")
     log(trainable_summary(model))
+    from .report import run_summary
+
+    log(run_summary(cfg))
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
     lock = Lock(run_dir)
@@ -256,16 +261,17 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=()):
         with Stop(log) as stop:
             try:
                 last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
-                             run_dir=run_dir, adapter_config=cfg, resume=resume, on_eval=on_eval, log=log,
+                             run_dir=run_dir, adapter_config=cfg, resume=resume,
+                             on_eval=plot_on_eval(run_dir, on_eval) if rank == 0 else on_eval, log=log,
                              should_stop=stop, gpu_capture=cfg["gpu_capture"],
                              controller=controller)
             except Interrupted as e:
-                e.resume_command = f"flash-cce train --resume {run_dir}"
+                e.resume_command = shlex.join(["flash-cce", "train", "--resume", str(run_dir)])
                 raise
         if cfg["test"]:
             from .trainer import evaluate_pairs
 
-            r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"])
+            r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"], cfg["test_batches"])
             log(f"test: loss {r['loss']:.4f}, accuracy {r.get('rewards/accuracies', float('nan')):.3f}")
     finally:
         lock.release()

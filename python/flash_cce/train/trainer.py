@@ -42,6 +42,7 @@ class TrainingArgs:
     seed: int = settings.field("seed")
     memory_canary: float = field(default=0.25, metadata={"help": "Warn when active memory grows by this fraction after the first steps."})
     progress: bool = settings.field("progress")
+    steps_per_report: int = settings.field("steps_per_report")
 
     def validate(self):
         for f in fields(self):
@@ -50,14 +51,21 @@ class TrainingArgs:
 
 
 def build_schedule(learning_rate, iters, warmup=0, schedule="cosine", min_learning_rate=0.0):
-    """Linear warmup from 0 over `warmup` steps, then cosine decay to
-    `min_learning_rate` at `iters` (or a constant rate)."""
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {schedule!r}")
+    """Linear warmup from 0 over `warmup` steps, then cosine or linear decay to
+    `min_learning_rate` at `iters` (or a constant rate); `schedule` may also be
+    mlx_lm.lora's mapping, built as mlx_lm builds it (the other arguments unused)."""
+    if isinstance(schedule, dict):
+        from mlx_lm.tuner.utils import build_schedule as mlx_lm_schedule
+
+        return mlx_lm_schedule(schedule)
+    if schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"lr_schedule must be 'cosine', 'linear' or 'constant', got {schedule!r}")
     if not 0 <= warmup < iters:
         raise ValueError(f"warmup must be in [0, iters={iters}), got {warmup}")
     if schedule == "cosine":
         main = optim.cosine_decay(learning_rate, iters - warmup, min_learning_rate)
+    elif schedule == "linear":
+        main = optim.linear_schedule(learning_rate, min_learning_rate, iters - warmup)
     else:
         main = lambda step: mx.array(learning_rate, mx.float32)  # noqa: E731
     if warmup == 0:
@@ -160,12 +168,13 @@ class MemoryCanary:
         return None
 
 
-def _progress(args, start, rank):
-    if not args.progress or rank != 0:
+def _progress(args, start, rank, log):
+    """A bar on a terminal, else a line per `steps_per_report` steps (rank 0 only)."""
+    if rank != 0:
         return None
-    from tqdm import tqdm
+    from .report import Reporter, use_bar
 
-    return tqdm(total=args.iters, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return Reporter(args.iters, start, args.steps_per_report, use_bar(args.progress), log)
 
 
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
@@ -201,7 +210,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
 
     if writer and resume is None and any((run_dir / "checkpoints").glob("step-*")):
         raise ValueError(f"run_dir: {run_dir} already holds checkpoints; pass resume or a new run_dir")
-    state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed)
+    state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed, num_tokens=0)
     mx.random.seed(args.seed)
     if resume is not None:
         loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
@@ -223,6 +232,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         values = evaluate_pairs(model, val_pairs, objective, args.batch_size, args.val_batches, evaluate)
         record = dict(split="valid", step=step, eval_time=time.perf_counter() - tic,
                       **{k: v for k, v in values.items()})
+        record.update({f"eval_{k}": v for k, v in values.items()})  # TRL's names of validation metrics
         emit(record)
         if on_eval is not None:
             on_eval(record)
@@ -248,7 +258,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
     canary = MemoryCanary(args.memory_canary)
-    bar = _progress(args, state["step"], rank)
+    bar = _progress(args, state["step"], rank, log)
     accum = args.grad_accumulation_steps
     try:
         first = state["step"] + 1
@@ -285,22 +295,22 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             state["step"] = step
             elapsed = time.perf_counter() - tic
             active = mx.get_active_memory()
+            state["num_tokens"] = state.get("num_tokens", 0) + int(tokens)  # TRL's num_tokens: all so far
             record = dict(split="train", step=step, **sums, grad_norm=float(norm.item()),
                           learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
+                          num_tokens=state["num_tokens"],
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
             if controller is not None:
                 record["pref_weight"] = objective.pref_weight
-                controller.update(sums["nll_loss"])
+                controller.update(sums.get("chosen_nll", sums["nll_loss"]))
             warning = canary.check(step, active)
             if warning:
                 record["memory_warning"] = warning
                 log(f"[warning] {warning}")
             emit(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                acc=f"{record.get('rewards/accuracies', float('nan')):.2f}")
-                bar.update(1)
+                bar.step(record)
 
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
