@@ -214,3 +214,57 @@ def test_linear_schedule_decays_to_min_learning_rate():
 def test_docs_table_is_the_mapping():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     assert mlx_lm_config.table_markdown() in doc
+
+
+def test_an_mlx_lm_config_trains_sft_on_trl_messages(tmp_path, capsys):
+    """mlx_lm's example file (model and data pointed at the tiny ones, fewer steps) trains with
+    only the objective added, on TRL's conversational SFT records."""
+    import json
+
+    from test_trainer import tiny_setup
+
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=8, n_valid=4)
+    for split in ("train", "valid"):
+        recs = [json.loads(line) for line in (data_dir / f"{split}.jsonl").read_text().splitlines()]
+        (data_dir / f"{split}.jsonl").write_text("".join(
+            json.dumps({"messages": [{"role": "user", "content": r["prompt"]},
+                                     {"role": "assistant", "content": r["chosen"]}]}) + "\n" for r in recs))
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(f"""model: "{model_dir}"
+train: true
+fine_tune_type: lora
+optimizer: adamw
+data: "{data_dir}"
+seed: 0
+num_layers: 2
+batch_size: 4
+iters: 4
+val_batches: 25
+learning_rate: 1e-3
+steps_per_report: 2
+steps_per_eval: 2
+grad_accumulation_steps: 1
+resume_adapter_file: null
+adapter_path: "{tmp_path / 'adapters'}"
+save_every: 2
+test: false
+test_batches: 100
+max_seq_length: 2048
+grad_checkpoint: false
+lora_parameters:
+  keys: ["self_attn.q_proj", "self_attn.v_proj"]
+  rank: 8
+  scale: 20.0
+  dropout: 0.0
+lr_schedule:
+  name: cosine_decay
+  warmup: 1
+  warmup_init: 1e-7
+  arguments: [1e-3, 4, 1e-7]
+objective: sft
+""")
+    assert main(["train", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "train: 8 pairs" in out and "mlx_lm.lora's cosine_decay(0.001, 4, 1e-07)" in out
+    saved = json.loads((tmp_path / "adapters" / "adapters" / "adapter_config.json").read_text())
+    assert saved["lora_parameters"]["keys"] == ["self_attn.q_proj", "self_attn.v_proj"]
