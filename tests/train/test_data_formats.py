@@ -184,11 +184,12 @@ SFT = [
     {"prompt": USER, "completion": RED},
     {"text": Q + " red ."},
     {"messages": _parts(USER) + RED},
+    {"messages": USER + RED + [{"role": "user", "content": "what color is the ball ?"}] + BLUE},
 ]
 
 
 @pytest.mark.parametrize("rec", SFT, ids=["messages", "prompt-completion", "prompt-completion-messages",
-                                         "text", "messages-text-parts"])
+                                         "text", "messages-text-parts", "messages-two-turns"])
 def test_sft_records_tokenise_as_trl_sft(tok, tmp_path, rec):
     (pair,), report = load_pairs(_write(tmp_path / "s.jsonl", [rec]), tok, kind="sft")
     ids, mask = trl_sft(tok._tokenizer, _plain(rec))
@@ -198,7 +199,8 @@ def test_sft_records_tokenise_as_trl_sft(tok, tmp_path, rec):
     elif "text" in rec:
         assert pair.chosen_prompt_len == 0  # all of it trained, as TRL
     else:  # messages: the turns before the last, as mlx_lm's mask_prompt
-        assert pair.chosen_prompt_len == len(trl_tokenize(tok._tokenizer, USER, add_generation_prompt=True))
+        before = _plain(rec)["messages"][:-1]
+        assert pair.chosen_prompt_len == len(trl_tokenize(tok._tokenizer, before, add_generation_prompt=True))
 
 
 def test_sft_needs_no_rejected_and_reads_pairs(tok, tmp_path):
