@@ -46,49 +46,21 @@ def test_mlx_lm_defaults_file_trains_as_mlx_lm_would(tmp_path):
     assert cfg["lora_parameters"] == {"rank": 8, "dropout": 0.0, "scale": 20.0, "keys": None}
 
 
+# mlx_lm's examples/lora_config.yaml's settings, its commented-out lr_schedule and
+# optimizer_config switched on.
+EXAMPLE = dict(
+    model="mlx_model", train=True, fine_tune_type="lora", optimizer="adamw",
+    optimizer_config={"adamw": {"betas": [0.9, 0.999], "weight_decay": 0.05}}, data="/path/to/training/data",
+    seed=0, num_layers=16, batch_size=4, iters=1000, val_batches=25, learning_rate=1e-5, steps_per_report=10,
+    steps_per_eval=200, grad_accumulation_steps=1, resume_adapter_file=None, adapter_path="adapters",
+    save_every=100, test=False, test_batches=100, max_seq_length=2048, grad_checkpoint=True, mask_prompt=True,
+    lora_parameters={"keys": ["self_attn.q_proj", "self_attn.v_proj"], "rank": 8, "scale": 20.0, "dropout": 0.0},
+    lr_schedule={"name": "cosine_decay", "warmup": 100, "warmup_init": 1e-7, "arguments": [1e-5, 1000, 1e-7]},
+)
+
+
 def test_example_config_with_schedule_and_adamw(tmp_path):
-    """mlx_lm's examples/lora_config.yaml's settings, its commented-out lr_schedule and
-    optimizer_config switched on."""
-    text = """
-model: "mlx_model"
-train: true
-fine_tune_type: lora
-optimizer: adamw
-optimizer_config:
-  adamw:
-    betas: [0.9, 0.999]
-    weight_decay: 0.05
-data: "/path/to/training/data"
-seed: 0
-num_layers: 16
-batch_size: 4
-iters: 1000
-val_batches: 25
-learning_rate: 1e-5
-steps_per_report: 10
-steps_per_eval: 200
-grad_accumulation_steps: 1
-resume_adapter_file: null
-adapter_path: "adapters"
-save_every: 100
-test: false
-test_batches: 100
-max_seq_length: 2048
-grad_checkpoint: true
-mask_prompt: true
-lora_parameters:
-  keys: ["self_attn.q_proj", "self_attn.v_proj"]
-  rank: 8
-  scale: 20.0
-  dropout: 0.0
-lr_schedule:
-  name: cosine_decay
-  warmup: 100
-  warmup_init: 1e-7
-  arguments: [1e-5, 1000, 1e-7]
-"""
-    path = tmp_path / "c.yaml"
-    path.write_text(text)
+    path = _yaml(tmp_path, EXAMPLE)
     cfg = resolve_config({}, path)
     assert cfg["weight_decay"] == 0.05 and cfg["segment_size"] == 1 and cfg["nll_on_prompt"] is False
     assert cfg["test_batches"] == 100 and cfg["run_dir"] == "adapters"
@@ -229,40 +201,12 @@ def test_an_mlx_lm_config_trains_sft_on_trl_messages(tmp_path, capsys):
         (data_dir / f"{split}.jsonl").write_text("".join(
             json.dumps({"messages": [{"role": "user", "content": r["prompt"]},
                                      {"role": "assistant", "content": r["chosen"]}]}) + "\n" for r in recs))
-    path = tmp_path / "lora_config.yaml"
-    path.write_text(f"""model: "{model_dir}"
-train: true
-fine_tune_type: lora
-optimizer: adamw
-data: "{data_dir}"
-seed: 0
-num_layers: 2
-batch_size: 4
-iters: 4
-val_batches: 25
-learning_rate: 1e-3
-steps_per_report: 2
-steps_per_eval: 2
-grad_accumulation_steps: 1
-resume_adapter_file: null
-adapter_path: "{tmp_path / 'adapters'}"
-save_every: 2
-test: false
-test_batches: 100
-max_seq_length: 2048
-grad_checkpoint: false
-lora_parameters:
-  keys: ["self_attn.q_proj", "self_attn.v_proj"]
-  rank: 8
-  scale: 20.0
-  dropout: 0.0
-lr_schedule:
-  name: cosine_decay
-  warmup: 1
-  warmup_init: 1e-7
-  arguments: [1e-3, 4, 1e-7]
-objective: sft
-""")
+    path = _yaml(tmp_path, dict(
+        EXAMPLE, model=str(model_dir), data=str(data_dir), adapter_path=str(tmp_path / "adapters"), num_layers=2,
+        iters=4, learning_rate=1e-3, steps_per_report=2, steps_per_eval=2, save_every=2, grad_checkpoint=False,
+        mask_prompt=False, lr_schedule={"name": "cosine_decay", "warmup": 1, "warmup_init": 1e-7,
+                                        "arguments": [1e-3, 4, 1e-7]},
+        objective="sft"))
     assert main(["train", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "train: 8 pairs" in out and "mlx_lm.lora's cosine_decay(0.001, 4, 1e-07)" in out

@@ -257,21 +257,12 @@ class Encoder:
         else:
             tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)
         pair = Pair(tokens, tokens, n, n)
-        try:
-            pair.validate(where)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        return pair
+        return _valid(pair, where)
 
     def encode_example(self, rec, where="record"):
         """The Example of an unpaired record."""
         tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)
-        example = Example(tokens, n, rec["label"])
-        try:
-            example.validate(where)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        return example
+        return _valid(Example(tokens, n, rec["label"]), where)
 
     def encode(self, rec, where="record"):
         if "prompt" not in rec:
@@ -279,11 +270,16 @@ class Encoder:
         chosen, cp = self.encode_one(rec["prompt"], rec["chosen"], where)
         rejected, rp = self.encode_one(rec["prompt"], rec["rejected"], where)
         pair = Pair(chosen, rejected, cp, rp)
-        try:
-            pair.validate(where)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        return pair
+        return _valid(pair, where)
+
+
+def _valid(item, where):
+    """`item` (a Pair or an Example) once its `validate` passes; DataError otherwise."""
+    try:
+        item.validate(where)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return item
 
 
 def truncate(pair, max_len, mode):
