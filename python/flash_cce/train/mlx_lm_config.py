@@ -307,15 +307,15 @@ def train_summary():
     """`flash-cce -h`'s summary of the train flags."""
     from .settings import NESTED_FLAGS, SETTINGS
 
-    flags = [s.flag_name for s in SETTINGS if "train" in s.commands and s.flag]
-    flags += ["--" + f.replace("_", "-") for f in NESTED_FLAGS]
-    lines, line = [], "  "
-    for f in flags:
-        if len(line) + len(f) > 98:
-            lines.append(line.rstrip())
-            line = "  "
-        line += f + " "
-    lines.append(line.rstrip())
+    ours = [s.flag_name for s in SETTINGS if "train" in s.commands and s.flag]
+    ours += ["--" + f.replace("_", "-") for f in NESTED_FLAGS]
     return ("train flags (flash-cce train -h explains each; -c/--config FILE reads them from YAML, "
-            "mlx_lm.lora's files too):\n" + "\n".join(lines)
-            + "\n  mlx_lm.lora's: " + " ".join("--" + d.replace("_", "-") for d in FLAGS))
+            "mlx_lm.lora's files too):\n" + _wrapped(ours)
+            + "\nmlx_lm.lora's flags, read as ours:\n" + _wrapped(["--" + d.replace("_", "-") for d in FLAGS]))
+
+
+def _wrapped(words, width=98):
+    import textwrap
+
+    return "\n".join(textwrap.wrap(" ".join(words), width, initial_indent="  ", subsequent_indent="  ",
+                                    break_on_hyphens=False))
