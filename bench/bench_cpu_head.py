@@ -7,6 +7,13 @@ Providers, measured in one process:
   numpy_sgemm     one fp32 GEMM of the same size through numpy's BLAS: the
                   practical GEMM ceiling of the machine
 
+Modes (--modes): `fwd` (fused_backward=False, forward-only use), `fwd-fused`
+(the training forward, fused_backward=True, evaluated without a backward: what
+a reference or evaluation call wastes when it leaves fused_backward on),
+`fwd+bwd` (dh through mx.grad), and the same with entropy=True: `ent-fwd`,
+`ent-fwd+bwd` (loss sum(logp + 0.1 entropy)). Only flash_cce runs the
+fwd-fused and ent-* modes.
+
 GFLOP/s counts 2*M*V*H per GEMM the algorithm performs: 1 for a forward
 (fused_backward=False), 2 for forward + backward through mx.grad (the fused
 forward also forms sum_v p_v dcap_v W_v, so dh needs no second pass). Extra
@@ -62,14 +69,26 @@ def measure(fn, repeats):
     return statistics.median(times), peak
 
 
+MODES = ("fwd", "fwd-fused", "fwd+bwd", "ent-fwd", "ent-fwd+bwd")
+GEMMS = {"fwd": 1, "fwd-fused": 2, "fwd+bwd": 2, "ent-fwd": 1, "ent-fwd+bwd": 2}
+
+
 def ours(h, w, y, q, mode):
     kw = dict(group_size=GROUP_SIZE, softcap=SOFTCAP, **q)
-
-    def fwd():
-        return fc.flash_cce_forward(h, w, y, fused_backward=False, **kw)
-
-    grad = mx.grad(lambda h: fc.flash_cce_forward(h, w, y, **kw)[0].sum())
-    return fwd if mode == "fwd" else (lambda: grad(h))
+    if mode in ("fwd", "fwd-fused"):
+        return lambda: fc.flash_cce_forward(h, w, y, fused_backward=mode == "fwd-fused", **kw)
+    if mode == "ent-fwd":
+        return lambda: list(fc.flash_cce_forward(h, w, y, fused_backward=False, entropy=True,
+                                                 **kw))
+    if mode == "ent-fwd+bwd":
+        def loss(h):
+            st = fc.flash_cce_forward(h, w, y, entropy=True, **kw)
+            return (st.logp + 0.1 * st.entropy).sum()
+    else:
+        def loss(h):
+            return fc.flash_cce_forward(h, w, y, **kw)[0].sum()
+    grad = mx.grad(loss)
+    return lambda: grad(h)
 
 
 def logits_of(h, w, q):
@@ -111,6 +130,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["512,1024,32768", "2048,2048,65536"])
     ap.add_argument("--kinds", nargs="+", default=["fp32", "bf16", "4bit"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--compose-max-mvh", type=float, default=2e10,
                     help="run MLX's composition only up to this M*V*H (it is slow on CPU)")
     ap.add_argument("--out", default="bench/results/cpu_head.json")
@@ -126,9 +146,10 @@ def main():
                          ms=t_np * 1e3, gflops=flops / t_np / 1e9, extra_mb=None))
         for kind in args.kinds:
             h, w, y, q = make(M, H, V, kind)
-            for mode, gemms in (("fwd", 1), ("fwd+bwd", 2)):
+            for mode in args.modes:
+                gemms = GEMMS[mode]
                 providers = [("flash_cce", ours(h, w, y, q, mode), args.repeats)]
-                if M * V * H <= args.compose_max_mvh:
+                if mode in ("fwd", "fwd+bwd") and M * V * H <= args.compose_max_mvh:
                     providers += [
                         ("mlx_compose", compose(h, w, y, q, mode, False), 1),
                         ("mlx_fast_ce", compose(h, w, y, q, mode, True), 1),

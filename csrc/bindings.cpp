@@ -91,22 +91,42 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(), "Returns [logp, lse] (float32, shape h.shape[:-1]).");
 
   m.def(
+      "forward_stats",
+      [](const array& h, const array& w, const array& targets,
+         const std::optional<array>& scales, const std::optional<array>& biases,
+         int group_size, std::optional<int> bits, std::optional<float> softcap,
+         int ignore_index, bool fused_backward, nb::handle tuning,
+         flash_cce::mx::StreamOrDevice s) {
+        return flash_cce::flash_cce_forward(h, w, targets, scales, biases, group_size, bits,
+                                            softcap, ignore_index, fused_backward,
+                                            tuning_from(tuning), s, true);
+      },
+      "h"_a, "w"_a, "targets"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
+      nb::kw_only(), "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
+      "ignore_index"_a = -100, "fused_backward"_a = true, "tuning"_a = nb::none(),
+      "stream"_a = nb::none(),
+      "Returns [logp, lse, entropy, is_top1, mean_logit] (shape h.shape[:-1]).");
+
+  m.def(
       "backward",
       [](const array& h, const array& w, const array& targets, const array& lse,
          const array& g, const std::optional<array>& g_lse,
          const std::optional<array>& scales, const std::optional<array>& biases,
          int group_size, std::optional<int> bits, std::optional<float> softcap,
          int ignore_index, bool compute_dw, nb::handle tuning,
-         flash_cce::mx::StreamOrDevice s) {
+         flash_cce::mx::StreamOrDevice s, const std::optional<array>& entropy,
+         const std::optional<array>& g_entropy) {
         return flash_cce::flash_cce_backward(h, w, targets, lse, g, g_lse, scales, biases,
                                              group_size, bits, softcap, ignore_index,
-                                             compute_dw, tuning_from(tuning), s);
+                                             compute_dw, tuning_from(tuning), s, entropy,
+                                             g_entropy);
       },
       "h"_a, "w"_a, "targets"_a, "lse"_a, "g"_a, "g_lse"_a = nb::none(),
       "scales"_a = nb::none(), "biases"_a = nb::none(), nb::kw_only(), "group_size"_a = 64,
       "bits"_a = nb::none(), "softcap"_a = nb::none(), "ignore_index"_a = -100,
       "compute_dw"_a = false, "tuning"_a = nb::none(), "stream"_a = nb::none(),
-      "Returns [dh] or [dh, dw].");
+      "entropy"_a = nb::none(), "g_entropy"_a = nb::none(),
+      "Returns [dh] or [dh, dw]; entropy and g_entropy add the entropy's gradient.");
 
   m.def(
       "check_tuning",

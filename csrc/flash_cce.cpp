@@ -222,6 +222,23 @@ mx::array rowwise(const mx::array& a, mx::StreamOrDevice s) {
 
 namespace {
 
+// The forward primitive's outputs: logp, lse (+ entropy, is_top1, mean_logit)
+// (+ gsum (+ gsum_ent)); the first fused output is at fused_at(cfg).
+size_t fused_at(const HeadConfig& cfg) {
+  return cfg.stats ? 5 : 2;
+}
+
+std::vector<mx::Shape> forward_shapes(const HeadConfig& cfg, int M, int H) {
+  std::vector<mx::Shape> shapes(fused_at(cfg), mx::Shape{M});
+  if (cfg.fused) {
+    shapes.push_back({M, H});
+    if (cfg.stats) {
+      shapes.push_back({M, H});
+    }
+  }
+  return shapes;
+}
+
 // All outputs of the forward primitive, with h's leading shape restored.
 std::vector<mx::array> forward_outputs(
     const mx::array& h,
@@ -235,16 +252,17 @@ std::vector<mx::array> forward_outputs(
   auto in = head_inputs(h, w, targets, scales, biases, stream);
   const int M = in[0].shape(0);
   const int H = in[0].shape(1);
-  std::vector<mx::Shape> shapes{{M}, {M}};
-  if (cfg.fused) {
-    shapes.push_back({M, H});
+  auto shapes = forward_shapes(cfg, M, H);
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  if (cfg.stats) {
+    dtypes[3] = mx::bool_;
   }
   auto out = mx::array::make_arrays(
-      std::move(shapes), std::vector<mx::Dtype>(cfg.fused ? 3 : 2, mx::float32),
+      std::move(shapes), std::move(dtypes),
       std::make_shared<FlashCCEForward>(stream, cfg), std::move(in));
   for (size_t i = 0; i < out.size(); ++i) {
     auto shape = lead;
-    if (i == 2) {
+    if (out[i].ndim() == 2) {
       shape.push_back(H);
     }
     out[i] = mx::reshape(out[i], shape, stream);
@@ -266,19 +284,29 @@ std::vector<mx::array> flash_cce_forward(
     int ignore_index,
     bool fused_backward,
     const HeadTuning& tuning,
-    mx::StreamOrDevice s) {
+    mx::StreamOrDevice s,
+    bool stats) {
   auto cfg = check_head_args(
       h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
   check_tuning(tuning);
   cfg.tuning = tuning;
+  cfg.stats = stats;
+  auto stream = mx::to_stream(s);
+  if (stats && !supports_stats(stream)) {
+    fail("the entropy statistics have no native kernel on this device; use backend='fallback'");
+  }
   const auto lead = lead_shape(h);
   if (rows(h) == 0) {
-    return {mx::zeros(lead, mx::float32, s), mx::zeros(lead, mx::float32, s)};
+    std::vector<mx::array> out(fused_at(cfg), mx::zeros(lead, mx::float32, s));
+    if (stats) {
+      out[3] = mx::zeros(lead, mx::bool_, s);
+    }
+    return out;
   }
-  auto stream = mx::to_stream(s);
   cfg.fused = fused_backward && supports_fused(stream, h.dtype());
   auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
-  return {out[0], out[1]};
+  out.erase(out.begin() + fused_at(cfg), out.end());
+  return out;
 }
 
 std::vector<mx::array> flash_cce_backward(
@@ -296,11 +324,17 @@ std::vector<mx::array> flash_cce_backward(
     int ignore_index,
     bool compute_dw,
     const HeadTuning& tuning,
-    mx::StreamOrDevice s) {
+    mx::StreamOrDevice s,
+    const std::optional<mx::array>& entropy,
+    const std::optional<mx::array>& g_entropy) {
   auto cfg = check_head_args(
       h, w, targets, scales, biases, group_size, bits, softcap, ignore_index);
   check_tuning(tuning);
   cfg.tuning = tuning;
+  if (entropy.has_value() != g_entropy.has_value()) {
+    fail("g_entropy and entropy (the forward's output) must be given together");
+  }
+  cfg.stats = g_entropy.has_value();
   if (compute_dw && cfg.quantized) {
     fail("compute_dw needs a dense w: a quantized head is frozen");
   }
@@ -309,6 +343,13 @@ std::vector<mx::array> flash_cce_backward(
   check_rowwise(g, lead, "g");
   if (g_lse) {
     check_rowwise(*g_lse, lead, "g_lse");
+  }
+  if (cfg.stats) {
+    check_rowwise(*entropy, lead, "entropy");
+    check_rowwise(*g_entropy, lead, "g_entropy");
+    if (!supports_stats(mx::to_stream(s))) {
+      fail("the entropy's gradient has no native kernel on this device; use backend='fallback'");
+    }
   }
   if (rows(h) == 0) {
     std::vector<mx::array> out{mx::zeros_like(h, s)};
@@ -323,8 +364,11 @@ std::vector<mx::array> flash_cce_backward(
   const int H = in[0].shape(1);
   auto g_lse_flat =
       g_lse ? rowwise(*g_lse, stream) : mx::zeros({M}, mx::float32, stream);
-  // Order: h, w, targets, lse, g, g_lse (+ scales, biases).
+  // Order: h, w, targets, lse, g, g_lse (+ entropy, g_entropy) (+ scales, biases).
   in.insert(in.begin() + 3, {rowwise(lse, stream), rowwise(g, stream), g_lse_flat});
+  if (cfg.stats) {
+    in.insert(in.begin() + 6, {rowwise(*entropy, stream), rowwise(*g_entropy, stream)});
+  }
   std::vector<mx::Shape> shapes{{M, H}};
   std::vector<mx::Dtype> dtypes{h.dtype()};
   if (compute_dw) {
@@ -397,7 +441,13 @@ mx::array fused_dh(const std::vector<mx::array>& in, mx::Dtype out_dtype,
   for (size_t i = 3; i < 7; ++i) {
     flat.push_back(rowwise(in[i], s));
   }
-  for (size_t i = 7; i < in.size(); ++i) {
+  size_t rest = 7;
+  if (cfg.stats) {
+    flat.push_back(mx::contiguous(mx::reshape(in[7], {-1, H}, s), false, s));
+    flat.push_back(rowwise(in[8], s));
+    rest = 9;
+  }
+  for (size_t i = rest; i < in.size(); ++i) {
     flat.push_back(mx::contiguous(in[i], false, s));
   }
   auto shape = flat[0].shape();
@@ -419,6 +469,12 @@ std::vector<mx::array> FlashCCEForward::vjp(
   auto s = stream();
   const mx::array g = cotangents.size() > 0 ? cotangents[0] : mx::zeros_like(outputs[0], s);
   const mx::array g_lse = cotangents.size() > 1 ? cotangents[1] : mx::zeros_like(outputs[1], s);
+  // The entropy's cotangent; is_top1 and the mean logit are statistics.
+  std::optional<mx::array> entropy, g_ent;
+  if (cfg_.stats) {
+    entropy = outputs[2];
+    g_ent = cotangents.size() > 2 ? cotangents[2] : mx::zeros_like(outputs[2], s);
+  }
 
   bool want_dw = false;
   for (int a : argnums) {
@@ -426,7 +482,12 @@ std::vector<mx::array> FlashCCEForward::vjp(
   }
   std::vector<mx::array> grads;
   if (cfg_.fused && !want_dw) {
-    std::vector<mx::array> in{outputs[2], w, targets, outputs[0], outputs[1], g, g_lse};
+    const size_t at = fused_at(cfg_);
+    std::vector<mx::array> in{outputs[at], w, targets, outputs[0], outputs[1], g, g_lse};
+    if (cfg_.stats) {
+      in.push_back(outputs[at + 1]);
+      in.push_back(*g_ent);
+    }
     for (size_t i = 3; i < primals.size(); ++i) {
       in.push_back(primals[i]);
     }
@@ -435,7 +496,7 @@ std::vector<mx::array> FlashCCEForward::vjp(
     grads = flash_cce_backward(
       h, w, targets, outputs[1], g, g_lse, opt_input(primals, 3),
       opt_input(primals, 4), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
-      cfg_.ignore_index, want_dw, cfg_.tuning, s);
+      cfg_.ignore_index, want_dw, cfg_.tuning, s, entropy, g_ent);
   }
 
   // Integer targets and a frozen quantized head get zero cotangents.
@@ -464,12 +525,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEForward::vmap(
 
 std::vector<mx::Shape> FlashCCEForward::output_shapes(
     const std::vector<mx::array>& inputs) {
-  const int M = inputs[0].shape(0);
-  std::vector<mx::Shape> out{{M}, {M}};
-  if (cfg_.fused) {
-    out.push_back(inputs[0].shape());
-  }
-  return out;
+  return forward_shapes(cfg_, inputs[0].shape(0), inputs[0].shape(1));
 }
 
 bool FlashCCEForward::is_equivalent(const mx::Primitive& other) const {
@@ -485,11 +541,21 @@ std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEBackward::vmap(
         "is not supported");
   }
   auto in = inputs;
-  batch_front(in, axes, {0, 2, 3, 4, 5}, "flash_cce_backward");
+  const size_t at = cfg_.stats ? 8 : 6; // scales
+  std::vector<size_t> rowwise_at{0, 2, 3, 4, 5};
+  std::optional<mx::array> entropy, g_ent;
+  if (cfg_.stats) {
+    rowwise_at.insert(rowwise_at.end(), {6, 7});
+  }
+  batch_front(in, axes, rowwise_at, "flash_cce_backward");
+  if (cfg_.stats) {
+    entropy = in[6];
+    g_ent = in[7];
+  }
   auto out = flash_cce_backward(
-      in[0], in[1], in[2], in[3], in[4], in[5], opt_input(in, 6),
-      opt_input(in, 7), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
-      cfg_.ignore_index, false, cfg_.tuning, stream());
+      in[0], in[1], in[2], in[3], in[4], in[5], opt_input(in, at),
+      opt_input(in, at + 1), cfg_.group_size, opt_bits(cfg_), opt_cap(cfg_),
+      cfg_.ignore_index, false, cfg_.tuning, stream(), entropy, g_ent);
   return {out, {0}};
 }
 
@@ -511,7 +577,11 @@ std::pair<std::vector<mx::array>, std::vector<int>> FlashCCEFusedDh::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
   auto in = inputs;
-  batch_front(in, axes, {0, 2, 3, 4, 5, 6}, "the fused backward");
+  std::vector<size_t> rowwise_at{0, 2, 3, 4, 5, 6};
+  if (cfg_.stats) {
+    rowwise_at.insert(rowwise_at.end(), {7, 8});
+  }
+  batch_front(in, axes, rowwise_at, "the fused backward");
   return {{fused_dh(in, out_dtype_, cfg_, stream())}, {0}};
 }
 
@@ -578,30 +648,48 @@ void FlashCCEForward::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
   dispatch_cpu(stream(), cfg_, 3, inputs, outputs,
                [](const HeadProblem& p, Arrays&, Arrays& out) {
+                 const size_t at = fused_at(p.cfg);
+                 StatsOut st;
+                 if (p.cfg.stats) {
+                   st = {out[2].data<float>(), out[3].data<bool>(), out[4].data<float>(),
+                         p.cfg.fused ? out[at + 1].data<float>() : nullptr};
+                 }
                  cpu::forward(p, out[0].data<float>(), out[1].data<float>(),
-                              p.cfg.fused ? out[2].data<float>() : nullptr);
+                              p.cfg.fused ? out[at].data<float>() : nullptr, st);
                });
 }
 
 void FlashCCEFusedDh::eval_cpu(const std::vector<mx::array>& inputs,
                                std::vector<mx::array>& outputs) {
-  dispatch_cpu(stream(), cfg_, 7, inputs, outputs,
+  dispatch_cpu(stream(), cfg_, cfg_.stats ? 9 : 7, inputs, outputs,
                [](HeadProblem p, Arrays& in, Arrays& out) {
                  p.h_dtype = out[0].dtype();
+                 const bool st = p.cfg.stats;
                  cpu::fused_dh(p, in[0].data<float>(), in[3].data<float>(),
                                in[4].data<float>(), in[5].data<float>(),
-                               in[6].data<float>(), out[0].data<void>());
+                               in[6].data<float>(), out[0].data<void>(),
+                               st ? in[7].data<float>() : nullptr,
+                               st ? in[8].data<float>() : nullptr);
                });
 }
 
 void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  dispatch_cpu(stream(), cfg_, 6, inputs, outputs,
+  dispatch_cpu(stream(), cfg_, cfg_.stats ? 8 : 6, inputs, outputs,
                [](const HeadProblem& p, Arrays& in, Arrays& out) {
+                 EntropyGrad ent;
+                 if (p.cfg.stats) {
+                   ent = {in[6].data<float>(), in[7].data<float>()};
+                 }
                  cpu::backward(p, in[3].data<float>(), in[4].data<float>(),
                                in[5].data<float>(), out[0].data<void>(),
-                               out.size() > 1 ? out[1].data<void>() : nullptr);
+                               out.size() > 1 ? out[1].data<void>() : nullptr, ent);
                });
+}
+
+// The entropy statistics have CPU kernels only so far.
+bool supports_stats(const mx::Stream& s) {
+  return s.device == mx::Device::cpu;
 }
 
 // Whether the forward on this stream can also emit the gradient state (third

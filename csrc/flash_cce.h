@@ -28,6 +28,9 @@ struct HeadConfig {
   // The forward also emits sum_v softmax_v * dcap_v * W_v per row, so that the
   // gradient for h needs no second pass over the vocabulary (2 GEMMs, not 3).
   bool fused = false;
+  // The forward also returns the entropy statistics (entropy, is_top1,
+  // mean logit) and the backward takes the entropy's cotangent.
+  bool stats = false;
   // Kernel choices and launch sizes (tuning.h).
   HeadTuning tuning;
 
@@ -66,9 +69,11 @@ std::vector<mx::array> flash_cce_forward(
     int ignore_index,
     bool fused_backward = true,
     const HeadTuning& tuning = {},
-    mx::StreamOrDevice s = {});
+    mx::StreamOrDevice s = {},
+    bool stats = false);
 
-// Gradient of sum(g * logp + g_lse * lse) -> {dh} or {dh, dw}.
+// Gradient of sum(g * logp + g_lse * lse) -> {dh} or {dh, dw}. With `entropy`
+// (the forward's) and `g_entropy`, also of sum(g_entropy * entropy).
 std::vector<mx::array> flash_cce_backward(
     const mx::array& h,
     const mx::array& w,
@@ -84,7 +89,12 @@ std::vector<mx::array> flash_cce_backward(
     int ignore_index,
     bool compute_dw,
     const HeadTuning& tuning = {},
-    mx::StreamOrDevice s = {});
+    mx::StreamOrDevice s = {},
+    const std::optional<mx::array>& entropy = std::nullopt,
+    const std::optional<mx::array>& g_entropy = std::nullopt);
+
+// True when the native kernels of stream `s` compute the entropy statistics.
+bool supports_stats(const mx::Stream& s);
 
 // True when eval_gpu has a native kernel in this build (CUDA or Metal).
 bool has_gpu_kernels();
@@ -114,7 +124,8 @@ bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);
 // Primitives ------------------------------------------------------------------
 
 // Inputs: h[M,H], w, targets[M] int32 (+ scales, biases).
-// Outputs: logp[M], lse[M] (+ gsum[M,H] float32 when cfg.fused).
+// Outputs: logp[M], lse[M] (+ entropy[M], is_top1[M] bool, mean_logit[M] when
+// cfg.stats) (+ gsum[M,H] float32 when cfg.fused, + gsum_ent[M,H] with both).
 class FlashCCEForward : public mx::Primitive {
  public:
   FlashCCEForward(mx::Stream stream, HeadConfig cfg)
@@ -144,7 +155,8 @@ class FlashCCEForward : public mx::Primitive {
   HeadConfig cfg_;
 };
 
-// Inputs: h, w, targets, lse, g, g_lse (+ scales, biases). Outputs: dh (+ dw).
+// Inputs: h, w, targets, lse, g, g_lse (+ entropy, g_ent when cfg.stats)
+// (+ scales, biases). Outputs: dh (+ dw).
 class FlashCCEBackward : public mx::Primitive {
  public:
   FlashCCEBackward(mx::Stream stream, HeadConfig cfg, bool compute_dw)
@@ -173,7 +185,8 @@ class FlashCCEBackward : public mx::Primitive {
 
 // The gradient for h from the fused forward's state: dh = g dcap_y W_y +
 // (g_lse - g) gsum in one pass over [M, H]. Inputs: gsum[M,H] float32, w,
-// targets, logp, lse, g, g_lse (+ scales, biases). Output: dh[M,H] in out_dtype.
+// targets, logp, lse, g, g_lse (+ gsum_ent[M,H], g_ent when cfg.stats)
+// (+ scales, biases). Output: dh[M,H] in out_dtype.
 class FlashCCEFusedDh : public mx::Primitive {
  public:
   FlashCCEFusedDh(mx::Stream stream, HeadConfig cfg, mx::Dtype out_dtype)

@@ -20,17 +20,37 @@ struct HeadProblem {
   const int32_t* targets = nullptr; // [M]
 };
 
+// The forward's entropy statistics (cfg.stats), each [M]: the entropy of the
+// softmax, whether the target is the first arg-max, the mean logit; with
+// cfg.fused also gsum_ent[M, H] = sum_v p_v (s_v - sum_u p_u s_u) dcap_v W_v,
+// the entropy's share of the fused backward.
+struct StatsOut {
+  float* entropy = nullptr;
+  bool* top1 = nullptr;
+  float* mean = nullptr;
+  float* gsum_ent = nullptr;
+};
+
+// The entropy's cotangent in the backward: entropy[M] (the forward's) and
+// g_ent[M]; null pointers when it takes none.
+struct EntropyGrad {
+  const float* entropy = nullptr;
+  const float* g_ent = nullptr;
+};
+
 namespace cpu {
 // logp[M], lse[M] (float32). Out-of-range targets give NaN. When gsum is not
 // null it receives sum_v softmax_v * dcap_v * W_v per row, [M, H] float32.
-void forward(const HeadProblem& p, float* logp, float* lse, float* gsum);
+void forward(const HeadProblem& p, float* logp, float* lse, float* gsum,
+             const StatsOut& stats = {});
 // dh[M, H] in h_dtype; dw[V, H] in w_dtype when not null (dense weights only).
 void backward(const HeadProblem& p, const float* lse, const float* g,
-              const float* g_lse, void* dh, void* dw);
-// dh[M, H] (in p.h_dtype) = g dcap_y W_y + (g_lse - g) gsum for each row;
-// p.h is unused.
+              const float* g_lse, void* dh, void* dw, const EntropyGrad& ent = {});
+// dh[M, H] (in p.h_dtype) = g dcap_y W_y + (g_lse - g) gsum - g_ent gsum_ent for
+// each row (gsum_ent and g_ent only with cfg.stats); p.h is unused.
 void fused_dh(const HeadProblem& p, const float* gsum, const float* logp, const float* lse,
-              const float* g, const float* g_lse, void* dh);
+              const float* g, const float* g_lse, void* dh, const float* gsum_ent = nullptr,
+              const float* g_ent = nullptr);
 } // namespace cpu
 
 } // namespace flash_cce

@@ -120,25 +120,30 @@ class PackedH {
 
 // One thread's working set.
 struct Work {
+  int t;          // the thread's index
   MatView wblock; // [n, H] the current block's weight rows
   float* wrows;   // [VB, H] fp32 rows: dequantized weights, or staged dW rows
-  float* s;       // [M, VB] the block's logits, then its dS or probabilities
-  float* acc;   // [M, H] this thread's share of a [M, H] result, or null
+  float* s;       // [tiles * M, VB] the block's logits, then its dS or probabilities
+  float* acc;   // [tiles * M, H] this thread's share of a [M, H] result (or two), or null
   float* r0;    // [M] per-row state (running max, or masked g)
   float* r1;    // [M] (running sum, or g_lse - g)
   float* dcap;  // [VB] softcap derivative of one row
+  float* z;     // [VB] one row's logits kept beside its probabilities
   GemmScratch gemm;
 };
 
 // Per-thread working sets carved from one MLX allocation. `acc0`, when given,
-// is thread 0's [M, H] accumulator (an output buffer), saving one copy.
+// is thread 0's [M, H] accumulator (an output buffer), saving one copy. With
+// `tiles` = 2 the logits tile and the accumulator hold two [M, ...] halves (the
+// entropy's weighted rows below the softmax's).
 class Workspace {
  public:
   Workspace(int threads, const HeadProblem& p, bool with_acc, bool with_rows,
-            int64_t max_n, float* acc0 = nullptr)
-      : M_(p.M), H_(p.H), rows_(with_rows ? VB * p.H : 0),
-        acc_(with_acc ? p.M * p.H : 0), acc0_(acc0),
-        per_thread_(rows_ + p.M * VB + 2 * p.M + VB + sgemm_scratch_floats(max_n)),
+            int64_t max_n, float* acc0 = nullptr, int tiles = 1)
+      : M_(p.M), H_(p.H), tiles_(tiles), rows_(with_rows ? VB * p.H : 0),
+        acc_(with_acc ? tiles * p.M * p.H : 0), acc0_(acc0),
+        per_thread_(rows_ + tiles * p.M * VB + 2 * p.M + 2 * VB +
+                    sgemm_scratch_floats(max_n)),
         threads_(threads),
         scratch_(threads * per_thread_ + (threads - (acc0 ? 1 : 0)) * acc_) {}
 
@@ -152,12 +157,14 @@ class Workspace {
 
   Work at(int t) {
     Work w;
+    w.t = t;
     w.wrows = scratch_.base() + t * per_thread_;
     w.s = w.wrows + rows_;
-    w.r0 = w.s + M_ * VB;
+    w.r0 = w.s + tiles_ * M_ * VB;
     w.r1 = w.r0 + M_;
     w.dcap = w.r1 + M_;
-    w.gemm = sgemm_scratch(w.dcap + VB);
+    w.z = w.dcap + VB;
+    w.gemm = sgemm_scratch(w.z + VB);
     float* accs = scratch_.base() + threads_ * per_thread_;
     w.acc = !acc_ ? nullptr : acc0_ ? (t == 0 ? acc0_ : accs + (t - 1) * acc_)
                                     : accs + t * acc_;
@@ -165,7 +172,7 @@ class Workspace {
   }
 
  private:
-  int64_t M_, H_, rows_, acc_;
+  int64_t M_, H_, tiles_, rows_, acc_;
   float* acc0_;
   int64_t per_thread_;
   int threads_;
@@ -211,30 +218,65 @@ int threads_for(const HeadProblem& p) {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Per-thread running entropy terms, relative to the thread's running maximum
+// m: R = sum_v e^(s_v - m) (s_v - m), the sum of the logits, and the first
+// arg-max. entropy = log S - R / S, with S the running sum: both terms are
+// >= 0, so nothing cancels against lse.
+struct RunStats {
+  std::vector<float> r, total;
+  std::vector<int32_t> arg;
+  RunStats(int threads, int64_t M) : r(threads * M, 0.0f), total(threads * M, 0.0f),
+                                     arg(threads * M, 0) {}
+};
+
+// The block's softmax weights e^(s - m) of one row in place, and their
+// products with s - m in d; returns their sum (and adds R's share to r).
+float exp_row(float* row, float* d, int64_t n, float m, float& r) {
+  for (int64_t j = 0; j < n; ++j) {
+    d[j] = row[j] - m;
+  }
+  scaled_exp_shifted(row, n, m, 1.0f);
+  float part = 0.0f, rpart = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    part += row[j];
+    d[j] *= row[j];
+    rpart += d[j];
+  }
+  r += rpart;
+  return part;
+}
+
 } // namespace
 
-void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
+void forward(const HeadProblem& p, float* logp, float* lse, float* gsum,
+             const StatsOut& st) {
   const int64_t M = p.M, H = p.H;
   const int T = threads_for(p);
-  Workspace ws(T, p, gsum != nullptr, p.cfg.quantized, gsum ? std::max(VB, H) : VB, gsum);
+  const bool stats = p.cfg.stats;
+  const int tiles = stats && gsum ? 2 : 1;
+  Workspace ws(T, p, gsum != nullptr, p.cfg.quantized, gsum ? std::max(VB, H) : VB,
+               tiles == 1 ? gsum : nullptr, tiles);
   PackedH packed(p);
   const MatView hv = packed.view(p);
   std::vector<float> target_logit(M, std::numeric_limits<float>::quiet_NaN());
+  RunStats rs(stats ? T : 0, M);
   const float cap = p.cfg.softcap;
 
   over_blocks(p, ws, T, [&](Work& w, int64_t b) {
     float *run_max = w.r0, *run_sum = w.r1;
+    float* run_r = stats ? rs.r.data() + w.t * M : nullptr;
     if (b < 0) {
       std::fill(run_max, run_max + M, kNegInf);
       std::fill(run_sum, run_sum + M, 0.0f);
       if (w.acc) {
-        std::fill(w.acc, w.acc + M * H, 0.0f);
+        std::fill(w.acc, w.acc + tiles * M * H, 0.0f);
       }
       return;
     }
     auto [v0, n] = block_logits(p, hv, b, w);
     for (int64_t m = 0; m < M; ++m) {
       float* row = w.s + m * VB;
+      float* rel = tiles == 2 ? w.s + (M + m) * VB : nullptr;
       if (cap > 0) {
         softcap_inplace(row, w.acc ? w.dcap : nullptr, n, cap);
       }
@@ -242,36 +284,70 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
       if (target_in(y, v0, n)) {
         target_logit[m] = row[y - v0];
       }
-      const float bmax = *std::max_element(row, row + n);
+      const float* top = std::max_element(row, row + n);
+      const float bmax = *top;
+      if (stats) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          sum += row[j];
+        }
+        rs.total[w.t * M + m] += sum;
+        if (bmax > run_max[m]) { // blocks come in increasing order per thread
+          rs.arg[w.t * M + m] = static_cast<int32_t>(v0 + (top - row));
+        }
+      }
       if (bmax > run_max[m]) {
         const float shrink = std::exp(run_max[m] - bmax);
-        run_sum[m] *= shrink;
+        if (stats && run_sum[m] > 0) {
+          // R relative to the new maximum: e^(m_old - m_new) (R + (m_old - m_new) S).
+          run_r[m] = shrink * (run_r[m] + (run_max[m] - bmax) * run_sum[m]);
+        }
         if (w.acc && shrink != 1.0f) {
-          for (float* a = w.acc + m * H; a != w.acc + (m + 1) * H; ++a) {
-            *a *= shrink;
+          float* a = w.acc + m * H;
+          if (tiles == 2 && run_sum[m] > 0) {
+            const float d = run_max[m] - bmax;
+            float* a2 = w.acc + (M + m) * H;
+            for (int64_t i = 0; i < H; ++i) {
+              a2[i] = shrink * (a2[i] + d * a[i]);
+            }
+          }
+          for (int64_t i = 0; i < H; ++i) {
+            a[i] *= shrink;
           }
         }
+        run_sum[m] *= shrink;
         run_max[m] = bmax;
       }
       if (!w.acc) {
-        run_sum[m] += sum_exp_shifted(row, n, run_max[m]);
+        run_sum[m] += stats ? exp_row(row, w.z, n, run_max[m], run_r[m])
+                            : sum_exp_shifted(row, n, run_max[m]);
         continue;
       }
-      // Unnormalised softmax weights times dcap, for sum_v p_v dcap_v W_v.
-      scaled_exp_shifted(row, n, run_max[m], 1.0f);
-      float part = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        part += row[j];
+      // Unnormalised softmax weights times dcap, for sum_v p_v dcap_v W_v
+      // (and times s - m in the second tile, for the entropy's share).
+      if (stats) {
+        run_sum[m] += exp_row(row, rel, n, run_max[m], run_r[m]);
+      } else {
+        scaled_exp_shifted(row, n, run_max[m], 1.0f);
+        float part = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          part += row[j];
+        }
+        run_sum[m] += part;
       }
-      run_sum[m] += part;
       if (cap > 0) {
         for (int64_t j = 0; j < n; ++j) {
           row[j] *= w.dcap[j];
         }
+        if (rel) {
+          for (int64_t j = 0; j < n; ++j) {
+            rel[j] *= w.dcap[j];
+          }
+        }
       }
     }
     if (w.acc) {
-      sgemm(M, H, n, {w.s, VB}, w.wblock, w.acc, H, true, w.gemm);
+      sgemm(tiles * M, H, n, {w.s, VB}, w.wblock, w.acc, H, true, w.gemm);
     }
   });
 
@@ -283,34 +359,78 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum) {
     for (auto& w : works) {
       gmax = std::max(gmax, w.r0[m]);
     }
-    double total = 0.0;
+    double total = 0.0, r = 0.0, logits = 0.0;
+    int32_t arg = std::numeric_limits<int32_t>::max();
     for (int t = 0; t < T; ++t) {
-      weight[t] = works[t].r0[m] > kNegInf ? std::exp(works[t].r0[m] - gmax) : 0.0f;
+      const float mt = works[t].r0[m];
+      weight[t] = mt > kNegInf ? std::exp(mt - gmax) : 0.0f;
       total += double(works[t].r1[m]) * weight[t];
+      if (stats) {
+        logits += rs.total[t * M + m];
+        if (mt > kNegInf) {
+          r += double(weight[t]) * (rs.r[t * M + m] + double(mt - gmax) * works[t].r1[m]);
+        }
+        if (mt == gmax) { // the first arg-max: the smallest index at the maximum
+          arg = std::min(arg, rs.arg[t * M + m]);
+        }
+      }
     }
     lse[m] = gmax + static_cast<float>(std::log(total));
     const int32_t y = p.targets[m];
     logp[m] = y == p.cfg.ignore_index ? 0.0f : target_logit[m] - lse[m];
-    if (gsum) {
-      // Thread 0 accumulated in gsum itself: scale it, then add the others.
-      float* out = gsum + m * H;
-      const float c0 = static_cast<float>(weight[0] / total);
+    const double r_over_s = r / total; // sum_v p_v s_v - gmax
+    if (stats) {
+      st.entropy[m] = static_cast<float>(std::log(total) - r_over_s);
+      st.top1[m] = y == arg && y != p.cfg.ignore_index;
+      st.mean[m] = static_cast<float>(logits / double(p.V));
+    }
+    if (!gsum) {
+      continue;
+    }
+    // Thread 0 accumulated in gsum itself (with one tile): scale it, then add
+    // the others.
+    float* out = gsum + m * H;
+    const float c0 = static_cast<float>(weight[0] / total);
+    if (tiles == 1) {
       for (int64_t i = 0; i < H; ++i) {
         out[i] *= c0;
       }
-      for (int t = 1; t < T; ++t) {
-        const float c = static_cast<float>(weight[t] / total);
-        const float* a = works[t].acc + m * H;
-        for (int64_t i = 0; i < H; ++i) {
-          out[i] += c * a[i];
+    } else {
+      std::fill(out, out + H, 0.0f);
+    }
+    for (int t = tiles == 1 ? 1 : 0; t < T; ++t) {
+      const float c = static_cast<float>(weight[t] / total);
+      const float* a = works[t].acc + m * H;
+      for (int64_t i = 0; i < H; ++i) {
+        out[i] += c * a[i];
+      }
+    }
+    if (tiles == 2) {
+      // gsum_ent = sum_v p_v (s_v - gmax) dcap_v W_v - (sum p s - gmax) gsum,
+      // each thread's rows moved from its maximum to gmax first.
+      float* ent = st.gsum_ent + m * H;
+      std::fill(ent, ent + H, 0.0f);
+      for (int t = 0; t < T; ++t) {
+        const float mt = works[t].r0[m];
+        if (!(mt > kNegInf)) {
+          continue;
         }
+        const float c = static_cast<float>(weight[t] / total), d = mt - gmax;
+        const float *a = works[t].acc + m * H, *a2 = works[t].acc + (M + m) * H;
+        for (int64_t i = 0; i < H; ++i) {
+          ent[i] += c * (a2[i] + d * a[i]);
+        }
+      }
+      const float rs_f = static_cast<float>(r_over_s);
+      for (int64_t i = 0; i < H; ++i) {
+        ent[i] -= rs_f * out[i];
       }
     }
   }
 }
 
 void backward(const HeadProblem& p, const float* lse, const float* g,
-              const float* g_lse, void* dh, void* dw) {
+              const float* g_lse, void* dh, void* dw, const EntropyGrad& ent) {
   const int64_t M = p.M, H = p.H, V = p.V;
   const int T = threads_for(p);
   Workspace ws(T, p, true, p.cfg.quantized || dw != nullptr, std::max(VB, H));
@@ -333,13 +453,23 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
       return;
     }
     auto [v0, n] = block_logits(p, hv, b, w);
-    // dS = (g * onehot + (g_lse - g) * softmax) * dcap, in place.
+    // dS = (g * onehot + (g_lse - g) * softmax) * dcap, in place; the entropy
+    // adds -g_ent p_v (s_v - sum_u p_u s_u) dcap_v, sum_u p_u s_u = lse - entropy.
     for (int64_t m = 0; m < M; ++m) {
       float* row = w.s + m * VB;
       if (cap > 0) {
         softcap_inplace(row, w.dcap, n, cap);
       }
-      scaled_exp_shifted(row, n, lse[m], coef[m]);
+      if (ent.g_ent) {
+        const float ge = ent.g_ent[m], mean = lse[m] - ent.entropy[m];
+        std::copy(row, row + n, w.z);
+        scaled_exp_shifted(row, n, lse[m], 1.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] *= coef[m] - ge * (w.z[j] - mean);
+        }
+      } else {
+        scaled_exp_shifted(row, n, lse[m], coef[m]);
+      }
       const int32_t y = p.targets[m];
       if (target_in(y, v0, n)) {
         row[y - v0] += gm[m];
@@ -372,7 +502,8 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
 }
 
 void fused_dh(const HeadProblem& p, const float* gsum, const float* logp, const float* lse,
-              const float* g, const float* g_lse, void* dh) {
+              const float* g, const float* g_lse, void* dh, const float* gsum_ent,
+              const float* g_ent) {
   const int64_t H = p.H;
   const Elem h_elem = elem_of(p.h_dtype), w_elem = elem_of(p.w_dtype);
   const float cap = p.cfg.softcap;
@@ -397,8 +528,14 @@ void fused_dh(const HeadProblem& p, const float* gsum, const float* logp, const 
       }
     }
     const float* gs = gsum + m * H;
+    const float* ge = gsum_ent ? gsum_ent + m * H : nullptr;
+    const float coef_ent = ge ? g_ent[m] : 0.0f;
     for (int64_t i = 0; i < H; ++i) {
-      store(dh, h_elem, m * H + i, coef_rest * gs[i] + (ok ? coef_y * wy[i] : 0.0f));
+      float v = coef_rest * gs[i] + (ok ? coef_y * wy[i] : 0.0f);
+      if (ge) {
+        v -= coef_ent * ge[i];
+      }
+      store(dh, h_elem, m * H + i, v);
     }
   }
 }

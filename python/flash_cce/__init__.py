@@ -14,6 +14,7 @@ _API = {
     "linear_logprobs": "head",
     "linear_cross_entropy": "head",
     "unpack_head": "head",
+    "TokenStats": "ops",
 }
 __all__ = list(_API)
 __version__ = "0.1.0"

@@ -39,22 +39,29 @@ def unpack_head(head, scales=None, biases=None, group_size=64, bits=None):
 
 def linear_logprobs(h, head, targets, *, softcap=None, ignore_index=-100, scales=None,
                     biases=None, group_size=64, bits=None, backend=None, stream=None,
-                    validate_targets=True, tuning=None):
-    """`log softmax(softcap(h @ W^T))[targets]` per token, shape `targets.shape`, float32.
+                    validate_targets=True, tuning=None, temperature=1.0, entropy=False,
+                    fused_backward=True):
+    """`log softmax(softcap(h @ W^T) / temperature)[targets]` per token, shape
+    `targets.shape`, float32.
 
     Rows whose target is `ignore_index` give 0. The `[tokens, V]` logits are
     never built. `validate_targets=False` skips the range check, which reads the
     targets' values (an evaluation), for callers that checked them already.
-    `tuning` overrides the native kernels' choices (see `flash_cce_forward`).
+    With `entropy=True` returns a `TokenStats` (`logp`, `entropy`, `lse`,
+    `is_top1`, `mean_logit`). `fused_backward=False` for calls no gradient flows
+    through (reference log-probs, evaluation) saves the native forward the work
+    it does for the backward. `tuning` overrides the native kernels' choices
+    (see `flash_cce_forward`).
     """
     parts = unpack_head(head, scales, biases, group_size, bits)
-    logp, _ = flash_cce_forward(
+    out = flash_cce_forward(
         h, parts["w"], targets, parts["scales"], parts["biases"],
         group_size=parts["group_size"], bits=parts["bits"], softcap=softcap,
         ignore_index=ignore_index, backend=backend, stream=stream,
-        validate_targets=validate_targets, tuning=tuning,
+        validate_targets=validate_targets, tuning=tuning, temperature=temperature,
+        entropy=entropy, fused_backward=fused_backward,
     )
-    return logp
+    return out if entropy else out[0]
 
 
 def linear_cross_entropy(h, head, targets, reduction="mean", **kwargs):
@@ -63,6 +70,9 @@ def linear_cross_entropy(h, head, targets, reduction="mean", **kwargs):
     Takes `linear_logprobs`'s keyword arguments. An input whose tokens are all
     ignored gives 0 for `mean` and `sum`.
     """
+    if "entropy" in kwargs:
+        raise ValueError("[flash_cce] linear_cross_entropy takes no entropy argument; "
+                         "use linear_logprobs(..., entropy=True)")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"[flash_cce] reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     nll = -linear_logprobs(h, head, targets, **kwargs)

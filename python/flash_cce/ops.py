@@ -4,7 +4,9 @@ The backend of a call that names none comes from the environment variable
 FLASH_CCE_BACKEND ("auto", "native" or "fallback"; unset means "auto").
 """
 
+import math
 import os
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -12,6 +14,64 @@ from . import _ext, fallback, metal
 from .selfcheck import HeadSpec
 
 _BACKENDS = (None, "auto", "native", "fallback")
+
+
+class TokenStats(NamedTuple):
+    """Per-token results of a head call with `entropy=True`, each of shape
+    `targets.shape`: `logp` (float32), `entropy` of the softmax over the final
+    logits (float32), `lse` (float32), `is_top1` (bool: the target is the
+    arg-max, the first one on ties), `mean_logit` (float32, over the
+    vocabulary). `logp`, `entropy` and `lse` are differentiable; `is_top1`
+    and `mean_logit` are statistics and take no gradient."""
+
+    logp: mx.array
+    entropy: mx.array
+    lse: mx.array
+    is_top1: mx.array
+    mean_logit: mx.array
+
+
+def check_temperature(temperature):
+    """`temperature` as a float; ValueError unless it is a finite number > 0."""
+    ok = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not ok or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"[flash_cce] temperature must be a finite number > 0, got {temperature!r}"
+        )
+    return float(temperature)
+
+
+def check_flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"[flash_cce] {name} must be True or False, got {value!r}")
+
+
+def _tempered(h, softcap, temperature, stream):
+    """(h, softcap) of the same head with the logits divided by `temperature`.
+
+    cap tanh(h W^T / cap) / T = (cap / T) tanh((h / T) W^T / (cap / T)), so the
+    temperature folds into h (scaled in float32: one rounding) and the cap;
+    every backend then runs its usual kernels and autodiff carries 1/T into dh."""
+    if temperature == 1.0:
+        return h, softcap
+    with mx.stream(_device(stream)):
+        h = h.astype(mx.float32) * (1.0 / temperature)
+    return h, None if softcap is None else softcap / temperature
+
+
+def _stats(out):
+    """TokenStats from the backends' order (logp, lse, entropy, is_top1, mean_logit)."""
+    logp, lse, entropy, is_top1, mean_logit = out
+    return TokenStats(logp, entropy, lse, is_top1, mean_logit)
+
+
+def native_stats(device):
+    """Whether the native kernels of `device` compute the entropy statistics;
+    calls that request them elsewhere (a Metal GPU) run the fallback."""
+    device = _device(device)
+    if metal.gated(device):
+        return False
+    return device.type == mx.cpu and hasattr(_ext, "forward_stats")
 
 
 def _device(stream):
@@ -82,7 +142,7 @@ def check_targets(targets, vocab_size, ignore_index=-100):
 def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
                       bits=None, softcap=None, ignore_index=-100, stream=None,
                       backend=None, validate_targets=True, fused_backward=True,
-                      tuning=None):
+                      tuning=None, temperature=1.0, entropy=False):
     """Per-token log-probabilities of a linear head without materialising logits.
 
     Args:
@@ -91,6 +151,11 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
             `[V, H * bits / 32]` with `scales` and `biases` `[V, H / group_size]`.
         targets: integer `[...]` (= `h.shape[:-1]`); `ignore_index` rows give 0.
         softcap: Gemma's final logit softcap `cap * tanh(s / cap)`, or None.
+        temperature: a number > 0 dividing the logits after the softcap
+            (`softcap(s) / temperature`, TRL's order), in forward and backward.
+        entropy: also return the entropy of the softmax over the final logits
+            (differentiable) and the statistics `is_top1` and `mean_logit`, as
+            a `TokenStats`.
         backend: None/"auto" (native kernel where there is one, else the pure-MLX
             fallback), "native" or "fallback".
         fused_backward: let the native forward also accumulate the softmax-weighted
@@ -106,69 +171,90 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
 
     Returns:
         `(logp, lse)`, float32 arrays of shape `targets.shape`:
-        `logp = s[y] - logsumexp(s)` and `lse = logsumexp(s)`. Differentiable
-        in `h` and in a dense `w` (`mx.grad`, `mx.compile`, `mx.vmap`).
+        `logp = s[y] - logsumexp(s)` and `lse = logsumexp(s)`; with `entropy`,
+        a `TokenStats`. Differentiable in `h` and in a dense `w` (`mx.grad`,
+        `mx.compile`, `mx.vmap`).
     """
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
     _ext.check_tuning(tuning)
+    temperature = check_temperature(temperature)
+    check_flag("entropy", entropy)
+    check_flag("fused_backward", fused_backward)
     if validate_targets:
         check_targets(targets, w.shape[0], ignore_index)
-    if _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h):
-        logp, lse = _ext.forward(
-            h, w, targets, scales, biases, group_size=group_size, bits=bits,
-            softcap=softcap, ignore_index=ignore_index, fused_backward=fused_backward,
-            tuning=tuning, stream=stream,
-        )
+    h_in = h
+    h, softcap = _tempered(h, softcap, temperature, stream)
+    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
+    kw = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
+    if native and not entropy:
+        logp, lse = _ext.forward(h, w, targets, scales, biases, **kw,
+                                 fused_backward=fused_backward, tuning=tuning, stream=stream)
         return logp, lse
+    if native and native_stats(stream):
+        out = _ext.forward_stats(h, w, targets, scales, biases, **kw,
+                                 fused_backward=fused_backward, tuning=tuning, stream=stream)
+        return _stats(out)
     lead = targets.shape
     if targets.size == 0:
-        return mx.zeros(lead, mx.float32), mx.zeros(lead, mx.float32)
+        zeros = [mx.zeros(lead, mx.float32) for _ in range(4)]
+        if entropy:
+            return TokenStats(*zeros[:3], mx.zeros(lead, mx.bool_), zeros[3])
+        return tuple(zeros[:2])
     with mx.stream(_device(stream)):
-        logp, lse = fallback.forward(
-            h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), scales, biases,
-            group_size=group_size, bits=bits, softcap=softcap,
-            ignore_index=ignore_index,
-        )
-    return logp.reshape(lead), lse.reshape(lead)
+        out = fallback.forward(h.reshape(-1, h_in.shape[-1]), w, targets.reshape(-1),
+                               scales, biases, **kw, stats=entropy)
+    out = [a.reshape(lead) for a in out]
+    return _stats(out) if entropy else tuple(out)
 
 
 def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
                        g_lse=None, group_size=64, bits=None, softcap=None,
                        ignore_index=-100, compute_dw=False, stream=None,
-                       backend=None, tuning=None):
-    """Gradient of `sum(g * logp + g_lse * lse)` from `flash_cce_forward`.
+                       backend=None, tuning=None, temperature=1.0, entropy=None,
+                       g_entropy=None):
+    """Gradient of `sum(g * logp + g_lse * lse + g_entropy * entropy)` from
+    `flash_cce_forward` (called with the same `softcap` and `temperature`).
 
-    `lse` is the forward's second output; `g` (and optional `g_lse`) have the
-    shape of `targets`. Returns `dh` (shape and dtype of `h`), or `(dh, dw)` when
-    `compute_dw` is set for a dense `w` (dtype of `w`). `tuning`: as for
-    `flash_cce_forward`.
+    `lse` (and `entropy`, needed with `g_entropy`) are the forward's outputs;
+    `g`, `g_lse` and `g_entropy` have the shape of `targets`. Returns `dh`
+    (shape and dtype of `h`), or `(dh, dw)` when `compute_dw` is set for a dense
+    `w` (dtype of `w`). `tuning`: as for `flash_cce_forward`.
     """
     bits = _ext.check_args(h, w, targets, scales, biases, group_size, bits, softcap)
     _ext.check_tuning(tuning)
+    temperature = check_temperature(temperature)
     if compute_dw and scales is not None:
         raise ValueError("[flash_cce] compute_dw needs a dense w: a quantized head is frozen")
-    if _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h):
-        out = _ext.backward(
-            h, w, targets, lse, g, g_lse, scales, biases, group_size=group_size,
-            bits=bits, softcap=softcap, ignore_index=ignore_index,
-            compute_dw=compute_dw, tuning=tuning, stream=stream,
-        )
-        return tuple(out) if compute_dw else out[0]
-    for name, a in (("lse", lse), ("g", g), ("g_lse", g_lse)):
+    if (g_entropy is None) != (entropy is None):
+        raise ValueError("[flash_cce] g_entropy and entropy (the forward's output) "
+                         "must be given together")
+    for name, a in (("lse", lse), ("g", g), ("g_lse", g_lse), ("entropy", entropy),
+                    ("g_entropy", g_entropy)):
         if a is not None and a.shape != targets.shape:
             raise ValueError(
                 f"[flash_cce] {name} must have shape {targets.shape}, got {a.shape}"
             )
-    H = h.shape[-1]
-    with mx.stream(_device(stream)):
-        dh, dw = fallback.backward(
-            h.reshape(-1, H), w, targets.reshape(-1), lse.reshape(-1),
-            g.reshape(-1), scales, biases,
-            g_lse=None if g_lse is None else g_lse.reshape(-1),
-            group_size=group_size, bits=bits, softcap=softcap,
-            ignore_index=ignore_index, compute_dw=compute_dw,
-        )
-    dh = dh.reshape(h.shape)
+    h_in = h
+    h, softcap = _tempered(h, softcap, temperature, stream)
+    kw = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
+    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
+    if native and (g_entropy is None or native_stats(stream)):
+        extra = {} if g_entropy is None else dict(entropy=entropy, g_entropy=g_entropy)
+        out = _ext.backward(h, w, targets, lse, g, g_lse, scales, biases, **kw, **extra,
+                            compute_dw=compute_dw, tuning=tuning, stream=stream)
+        dh, dw = out[0], (out[1] if compute_dw else None)
+    else:
+        flat = [None if a is None else a.reshape(-1) for a in (g_lse, entropy, g_entropy)]
+        with mx.stream(_device(stream)):
+            dh, dw = fallback.backward(
+                h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), lse.reshape(-1),
+                g.reshape(-1), scales, biases, g_lse=flat[0], entropy=flat[1],
+                g_entropy=flat[2], **kw, compute_dw=compute_dw,
+            )
+        dh = dh.reshape(h.shape)
+    if temperature != 1.0:
+        with mx.stream(_device(stream)):
+            dh = (dh * (1.0 / temperature)).astype(h_in.dtype)
     if compute_dw:
         return dh, (dw if dw is not None else mx.zeros_like(w))
     return dh
