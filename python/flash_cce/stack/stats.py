@@ -6,7 +6,11 @@ its `Plan` says and returns, per pair, float32 scalars:
 - `c_sum`, `c_n`: summed log-probs and count of the chosen response's tokens,
 - `r_sum`, `r_n`: the same of the rejected response (0 unless `scoring.rejected`),
 - `nll_sum`, `nll_n`: the chosen sequence's summed negative log-likelihood and
-  its token count (0 unless `scoring.nll`).
+  its token count (0 unless `scoring.nll`),
+- with `scoring.token_stats`, for each of those token groups (`c`, `r`, `nll`):
+  `*_ent`, the summed entropy of the next-token distribution, `*_top1`, the
+  number of tokens that are its arg-max, and `*_logit`, the summed mean logit
+  (over the vocabulary), all from the fused head and without gradient.
 
 `value_and_grad(model, pairs, scoring, loss, config)` also differentiates
 `loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
@@ -154,21 +158,34 @@ def _from_hidden(lm, h, rows, pair, plan, scoring):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head)
+    out = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head, scoring.token_stats)
+    lp = out[0] if scoring.token_stats else out
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
-        stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
+        mask = mx.array(g[:, k])
+        stats[f"{name}_sum"] = sign * (lp * mask).sum()
         stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+        if scoring.token_stats:
+            for key, v in zip(("ent", "top1", "logit"), out[1:]):
+                stats[f"{name}_{key}"] = mx.stop_gradient((v.astype(mx.float32) * mask).sum())
     return stats
 
 
-def _logprobs(lm, h, targets, flash):
+def _logprobs(lm, h, targets, flash, token_stats=False):
+    """Log-probs of `targets`, or with `token_stats` (log-probs, entropy, is_top1, mean logit)."""
     h = lm.norm(h)
     if flash:
         # The targets are the pair's tokens, range-checked on the host
         # (`check_pairs`); the head's own check would evaluate them mid-step.
-        return linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                               validate_targets=False)
+        out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
+                              validate_targets=False, entropy=token_stats)
+        return (out.logp, out.entropy, out.is_top1, out.mean_logit) if token_stats else out
     logits = lm.logits(h).astype(mx.float32)
     picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    return picked - mx.logsumexp(logits, axis=-1)
+    lse = mx.logsumexp(logits, axis=-1)
+    if not token_stats:
+        return picked - lse
+    # Here the logits exist already (flash_head off): the same statistics from them.
+    probs = mx.softmax(logits, axis=-1)
+    entropy = lse - (probs * logits).sum(axis=-1)
+    return picked - lse, entropy, mx.argmax(logits, axis=-1) == targets, logits.mean(axis=-1)
