@@ -209,6 +209,6 @@ def test_an_mlx_lm_config_trains_sft_on_trl_messages(tmp_path, capsys):
         objective="sft"))
     assert main(["train", "--config", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "train: 8 pairs" in out and "mlx_lm.lora's cosine_decay(0.001, 4, 1e-07)" in out
+    assert "train: 8 sequences" in out and "mlx_lm.lora's cosine_decay(0.001, 4, 1e-07)" in out
     saved = json.loads((tmp_path / "adapters" / "adapters" / "adapter_config.json").read_text())
     assert saved["lora_parameters"]["keys"] == ["self_attn.q_proj", "self_attn.v_proj"]

@@ -445,6 +445,12 @@ def _unpaired(items):
     return bool(items) and isinstance(items[0], Example)
 
 
+def _single(items):
+    """SFT's items: one sequence on both sides of each pair (`Encoder.encode_sft`)."""
+    return bool(items) and all(p.chosen == p.rejected and p.chosen_prompt_len == p.rejected_prompt_len
+                               for p in items)
+
+
 def length_summary(pairs):
     """Token-length statistics (min, mean, p50, p95, max) of prompts, responses and
     pairs (of prompts, completions and sequences for unpaired examples)."""
@@ -453,6 +459,12 @@ def length_summary(pairs):
             "prompt": [e.prompt_len for e in pairs],
             "complete": [len(e.tokens) - e.prompt_len for e in pairs],
             "sequence": [len(e.tokens) for e in pairs],
+        }
+    elif _single(pairs):
+        cols = {
+            "prompt": [p.chosen_prompt_len for p in pairs],
+            "response": [len(p.chosen) - p.chosen_prompt_len for p in pairs],
+            "sequence": [len(p.chosen) for p in pairs],
         }
     else:
         cols = {
@@ -471,7 +483,7 @@ def length_summary(pairs):
 
 def format_summary(name, pairs, report):
     what = (f"examples ({sum(e.label for e in pairs)} desirable)" if _unpaired(pairs)
-            else "pairs")
+            else "sequences" if _single(pairs) else "pairs")
     lines = [f"{name}: {len(pairs)} {what} ({report['records']} records, "
              f"{report['truncated']} truncated, {report['dropped']} dropped)"]
     for col, s in length_summary(pairs).items():

@@ -208,7 +208,7 @@ SETTINGS = (
       low=0, optional=True, commands=BOTH, resume="free"),
     # The optimizer.
     S("learning_rate", "float", 1e-5, "Peak AdamW learning rate.", low=0, low_open=True, resume="free"),
-    S("min_learning_rate", "float", 0.0, "Learning rate at the end of the cosine decay (<= learning_rate).",
+    S("min_learning_rate", "float", 0.0, "Learning rate at the end of the linear or cosine decay (<= learning_rate).",
       low=0, resume="free"),
     S("lr_schedule", "schedule", "linear", "Decay after the warmup to min_learning_rate (sft's default: "
       "constant), or mlx_lm.lora's mapping (then learning_rate, min_learning_rate and warmup are unused).",
@@ -261,6 +261,7 @@ def default(name, objective=None):
     """Setting `name`'s default for `objective`."""
     over = OBJECTIVE_DEFAULTS.get(objective, {})
     return _copy(over[name] if name in over else BY_NAME[name].default)
+
 
 # Flags that set one field of a table.
 NESTED_FLAGS = {
