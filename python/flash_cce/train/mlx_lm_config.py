@@ -175,12 +175,12 @@ def from_mlx_lm(loaded, known):
 def check_schedule(value, key, names):
     """`value` of `lr_schedule`: one of `names` or mlx_lm's mapping
     `{name, arguments, warmup, warmup_init}`; SettingsError otherwise."""
-    if isinstance(value, str):
-        if value in names:
-            return value
-        raise SettingsError(f"{key}: got {value!r} (a string); allowed: {schedule_allowed(names)}")
+    from .settings import _describe
+
+    if isinstance(value, str) and value in names:
+        return value
     if not isinstance(value, dict):
-        raise SettingsError(f"{key}: got {value!r}; allowed: {schedule_allowed(names)}")
+        raise SettingsError(f"{key}: got {_describe(value)}; allowed: {schedule_allowed(names)}")
     unknown = set(value) - {"name", "arguments", "warmup", "warmup_init"}
     if unknown:
         raise SettingsError(f"{key}: unknown key {sorted(unknown)[0]!r}; allowed: name, arguments, warmup, warmup_init")

@@ -259,7 +259,7 @@ OBJECTIVE_DEFAULTS = {"sft": {"lr_schedule": "constant", "val_batches": 25, "ste
 
 def default(name, objective=None):
     """Setting `name`'s default for `objective`."""
-    over = OBJECTIVE_DEFAULTS.get(objective, {})
+    over = OBJECTIVE_DEFAULTS.get(objective, {}) if isinstance(objective, str) else {}  # a bad one: checked later
     return _copy(over[name] if name in over else BY_NAME[name].default)
 
 
