@@ -218,3 +218,17 @@ def test_graph_limit_is_set_before_mlx_is_imported(command, preset):
     at_import, value = proc.stdout.split()
     want = preset or (cli.GRAPH_MB if command != "plot" and sys.platform.startswith("linux") else "None")
     assert at_import == value == want, proc.stdout
+
+
+def test_eval_takes_as_many_batches_as_the_runs_validation(tmp_path, capsys):
+    """sft's default val_batches is mlx_lm.lora's 25; here 1: eval of the run's valid split
+    scores the same micro-batch its validation scored."""
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=8, n_valid=8)
+    run = tmp_path / "sft"
+    assert main(_train_argv(model_dir, data_dir, run, 2, "--objective", "sft", "--val-batches", "1")) == 0
+    last = [r for r in read_metrics(run) if r["split"] == "valid"][-1]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--split", "valid"]) == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert rows["split"] == "valid (4 pairs)" and int(rows["tokens"]) == int(last["tokens"])
+    assert float(rows["loss"]) == pytest.approx(last["loss"], abs=1e-4)  # printed to 4 places
