@@ -3,12 +3,20 @@ composition and the torch peers (Liger-Kernel's fused linear cross-entropy and
 Apple's cut-cross-entropy), side by side in one process.
 
 Modes: "fwd" (loss only), "fwd_bwd" (gradient for h, frozen head) and "fwd_bwd_dw"
-(gradients for h and W). Prints a table of milliseconds (median of --reps
-timed runs after warm-up) and extra device memory over the inputs, and writes
-everything to --json.
+(gradients for h and W); "fwd_fused" is our forward with fused_backward left on
+but no backward (what a reference or evaluation call costs when it does not
+turn it off; compare with "fwd"); "ent_fwd" and "ent_fwd_bwd" add the per-token
+entropy at temperature --temperature (loss mean(-logp - 0.01 entropy)), beside
+Liger's fused linear scaled cross-entropy (no softcap: it runs at cap=None only)
+and TRL's chunked log-prob kernel, where installed (else their rows carry the
+import error). Prints a table of milliseconds (median of --reps timed runs after
+warm-up) and extra device memory over the inputs, the ratios ent_fwd_bwd /
+fwd_bwd and fwd_fused / fwd per shape, and writes everything to --json.
 
     python bench/bench_head.py --json results.json
     python bench/bench_head.py --shapes 8192,2560,262144 --modes fwd_bwd --reps 3
+    python bench/bench_head.py --modes fwd fwd_fused fwd_bwd ent_fwd ent_fwd_bwd \
+        --variants bf16 q4 --json entropy.json
 """
 
 import argparse
@@ -26,7 +34,9 @@ SHAPES = [
     (16384, 2048, 248320),
     (32768, 4096, 128256),
 ]
-MODES = ("fwd", "fwd_bwd", "fwd_bwd_dw")
+MODES = ("fwd", "fwd_bwd", "fwd_bwd_dw", "fwd_fused", "ent_fwd", "ent_fwd_bwd")
+FORWARD_ONLY = ("fwd", "fwd_fused", "ent_fwd")
+ENTROPY_WEIGHT = 0.01
 GB = 1e9
 
 
@@ -109,6 +119,24 @@ def ours_loss(cap, q, fused, tuning=None):
     return loss
 
 
+def ours_entropy(cap, q, temperature, fused):
+    """Per-token log-probs and entropy at `temperature`: the loss
+    mean(-logp - 0.01 entropy) (or, forward only, both arrays)."""
+    from flash_cce import flash_cce_forward
+
+    def stats(hid, w, y):
+        wq, s, b = q if q is not None else (w, None, None)
+        return flash_cce_forward(hid, wq, y, s, b, group_size=64, softcap=cap,
+                                 validate_targets=False, fused_backward=fused,
+                                 temperature=temperature, entropy=True)
+
+    def loss(hid, w, y):
+        st = stats(hid, w, y)
+        return (-st.logp - ENTROPY_WEIGHT * st.entropy).mean()
+
+    return stats if not fused else loss
+
+
 def mlx_loss(cap, q, fused_ce):
     def loss(hid, w, y):
         if q is None:
@@ -130,7 +158,7 @@ def mlx_loss(cap, q, fused_ce):
 
 
 def mlx_case(loss, mode, hid, w, y):
-    if mode == "fwd":
+    if mode in FORWARD_ONLY:
         return lambda: loss(hid, w, y)
     argnums = (0, 1) if mode == "fwd_bwd_dw" else 0
     step = mx.value_and_grad(loss, argnums=argnums)
@@ -182,6 +210,44 @@ def torch_case(provider, m, h, v, cap, mode):
     return run, (hid, w, y)
 
 
+def torch_entropy_case(provider, m, h, v, cap, mode, temperature):
+    """Liger 0.8.5's LigerFusedLinearScaledCrossEntropyFunction or TRL 1.16's
+    ChunkedLogProbFunction: per-token log-probs (NLL) and entropy."""
+    import torch
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    hid = torch.randn(m, h, device=dev, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(v, h, device=dev, generator=g) * h**-0.5).to(torch.bfloat16)
+    y = torch.randint(0, v, (m,), device=dev, generator=g)
+    hid.requires_grad_(mode == "ent_fwd_bwd")
+    if provider == "liger_scaled":
+        if cap:
+            raise ValueError("Liger's scaled cross-entropy has no softcap")
+        from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction as F
+
+        def loss():
+            nll, ent = F.apply(hid, w, y, temperature, -100, 1, True)
+            return (nll - ENTROPY_WEIGHT * ent.float()).mean()
+    else:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction as F
+
+        def loss():
+            logp, ent, _, _ = F.apply(hid, w, None, y, temperature, cap)
+            return (-logp - ENTROPY_WEIGHT * ent).mean()
+
+    def run():
+        hid.grad = None
+        if mode == "ent_fwd":
+            with torch.no_grad():
+                return loss()
+        out = loss()
+        out.backward()
+        return out
+
+    return run, (hid, w, y)
+
+
 # Driver ------------------------------------------------------------------------
 
 
@@ -206,7 +272,8 @@ def save(args, rate, results):
     except Exception:
         pass
     with open(args.json, "w") as f:
-        json.dump(dict(meta=meta, results=results, table=table(rate, results)), f, indent=1)
+        json.dump(dict(meta=meta, results=results, table=table(rate, results),
+                       ratios=ratios(results)), f, indent=1)
 
 
 def run(args):
@@ -240,16 +307,23 @@ def run(args):
                 for name, (hid, w, y, q) in inputs.items():
                     if mode == "fwd_bwd_dw" and q is not None:
                         continue
-                    fused = mode == "fwd_bwd"
-                    providers = [("flash_cce", ours_loss(cap, q, fused))]
-                    if name == "bf16" and "mma" in args.providers:
+                    fused = mode in ("fwd_bwd", "fwd_fused")
+                    if mode.startswith("ent_"):
+                        providers = [("flash_cce", ours_entropy(cap, q, args.temperature,
+                                                                mode == "ent_fwd_bwd"))]
+                    else:
+                        providers = [("flash_cce", ours_loss(cap, q, fused))]
+                    # The other providers run the loss modes only.
+                    loss_mode = mode in ("fwd", "fwd_bwd", "fwd_bwd_dw")
+                    if loss_mode and name == "bf16" and "mma" in args.providers:
                         # the portable mma.sync kernels instead of wgmma
                         providers.append(("flash_cce_mma",
                                           ours_loss(cap, q, fused, {"wgmma": False})))
-                    if name == "bf16" and fused and cap and "3gemm" in args.providers:
+                    if (loss_mode and name == "bf16" and fused and cap
+                            and "3gemm" in args.providers):
                         # the same step with the logits recomputed in the backward
                         providers.append(("flash_cce_3gemm", ours_loss(cap, q, False)))
-                    if name in ("bf16", "q4") and "mlx" in args.providers:
+                    if loss_mode and name in ("bf16", "q4") and "mlx" in args.providers:
                         providers.append(("mlx", mlx_loss(cap, q, False)))
                         providers.append(("mlx_fast_ce", mlx_loss(cap, q, True)))
                     for prov, loss in providers:
@@ -261,11 +335,17 @@ def run(args):
                         except Exception as e:  # a provider that fails is reported
                             record(**base, provider=prov, variant=name, mode=mode,
                                    softcap=cap, ms=None, error=str(e))
-                for prov in ("liger", "cce", "torch"):
+                peers = (("liger_scaled", "trl_chunked") if mode.startswith("ent_")
+                         else ("liger", "cce", "torch") if mode != "fwd_fused" else ())
+                for prov in peers:
                     if prov not in args.providers:
                         continue
                     try:
-                        fn, keep = torch_case(prov, m, h, v, cap, mode)
+                        if mode.startswith("ent_"):
+                            fn, keep = torch_entropy_case(prov, m, h, v, cap, mode,
+                                                          args.temperature)
+                        else:
+                            fn, keep = torch_case(prov, m, h, v, cap, mode)
                         ms, extra = time_torch(fn, args.warmup, args.reps)
                         record(**base, provider=prov, variant="bf16", mode=mode, softcap=cap,
                                ms=ms, extra_gb=extra / GB)
@@ -289,7 +369,8 @@ def table(rate, results):
     """Markdown table: one row per shape/mode/softcap, providers as columns."""
     cols = ["flash_cce/bf16", "flash_cce_3gemm/bf16", "flash_cce_mma/bf16", "flash_cce/fp16",
             "flash_cce/q4", "flash_cce/q8",
-            "mlx/bf16", "mlx_fast_ce/bf16", "mlx/q4", "liger/bf16", "cce/bf16", "torch/bf16"]
+            "mlx/bf16", "mlx_fast_ce/bf16", "mlx/q4", "liger/bf16", "cce/bf16", "torch/bf16",
+            "liger_scaled/bf16", "trl_chunked/bf16"]
     gemm = {(r["M"], r["H"], r["V"]): r["ms"] for r in results if r["mode"] == "gemm"}
     rows = {}
     for r in results:
@@ -312,24 +393,44 @@ def table(rate, results):
             else:
                 cells.append(f"{r['ms']:.1f} / {r['extra_gb']:.2f}")
         ours = row.get("flash_cce/bf16")
-        gemms = {"fwd": 2, "fwd_bwd": 4, "fwd_bwd_dw": 6}[mode]
+        gemms = {"fwd": 2, "fwd_bwd": 4, "fwd_bwd_dw": 6, "fwd_fused": 2, "ent_fwd": 2,
+                 "ent_fwd_bwd": 4}[mode]
         tf = (f"{gemms * m * v * h / (ours['ms'] * 1e-3) / 1e12:.0f}"
               if ours and ours["ms"] else "")
-        peers = [row[k]["ms"] for k in ("liger/bf16", "cce/bf16") if row.get(k, {}).get("ms")]
+        names = ("liger/bf16", "cce/bf16", "liger_scaled/bf16", "trl_chunked/bf16")
+        peers = [row[k]["ms"] for k in names if row.get(k, {}).get("ms")]
         vs = f"{ours['ms'] / min(peers):.2f}" if ours and ours["ms"] and peers else ""
         lines.append(f"| {m},{h},{v} | {mode} | {cap or '-'} | {gemm[(m, h, v)]:.1f} | "
                      + " | ".join(cells) + f" | {tf} | {vs} |")
     return "\n".join(lines)
 
 
+def ratios(results):
+    """Ours at bf16, per shape and softcap: ent_fwd_bwd / fwd_bwd (the entropy's
+    cost in a training step) and fwd_fused / fwd (what a forward-only call pays
+    for leaving fused_backward on)."""
+    ms = {(r["M"], r["H"], r["V"], r["softcap"], r["mode"]): r["ms"] for r in results
+          if r["provider"] == "flash_cce" and r["variant"] == "bf16" and r.get("ms")}
+    out = []
+    for (m, h, v, cap, mode), t in ms.items():
+        for num, den in (("ent_fwd_bwd", "fwd_bwd"), ("fwd_fused", "fwd")):
+            if mode == num and (m, h, v, cap, den) in ms:
+                out.append(dict(M=m, H=h, V=v, softcap=cap, ratio=f"{num}/{den}",
+                                value=t / ms[(m, h, v, cap, den)]))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="*", help="M,H,V triples (default: the issue's five)")
-    p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="*", default=list(MODES[:3]), choices=MODES)
     p.add_argument("--softcap", default="both", choices=("on", "off", "both"))
     p.add_argument("--variants", nargs="*", default=["bf16", "fp16", "q4", "q8"])
     p.add_argument("--providers", nargs="*",
-                   default=["mma", "3gemm", "mlx", "liger", "cce", "torch"])
+                   default=["mma", "3gemm", "mlx", "liger", "cce", "torch", "liger_scaled",
+                            "trl_chunked"])
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="the entropy modes' temperature")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results here")
@@ -340,6 +441,8 @@ def main():
     print("\nms / extra GB over inputs (fwd+bwd TFLOP/s count 4*M*V*H; fwd 2*M*V*H;"
           f" with dW 6*M*V*H). bf16 matmul rate: {rate:.0f} TFLOP/s")
     print(md)
+    for r in ratios(results):
+        print(f"{r['M']},{r['H']},{r['V']} cap={r['softcap']} {r['ratio']}: {r['value']:.3f}")
     save(args, rate, results)
 
 

@@ -80,32 +80,17 @@ NB_MODULE(_ext, m) {
          const std::optional<array>& scales, const std::optional<array>& biases,
          int group_size, std::optional<int> bits, std::optional<float> softcap,
          int ignore_index, bool fused_backward, nb::handle tuning,
-         flash_cce::mx::StreamOrDevice s) {
+         flash_cce::mx::StreamOrDevice s, bool stats) {
         return flash_cce::flash_cce_forward(h, w, targets, scales, biases, group_size, bits,
                                             softcap, ignore_index, fused_backward,
-                                            tuning_from(tuning), s);
+                                            tuning_from(tuning), s, stats);
       },
       "h"_a, "w"_a, "targets"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
       nb::kw_only(), "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
       "ignore_index"_a = -100, "fused_backward"_a = true, "tuning"_a = nb::none(),
-      "stream"_a = nb::none(), "Returns [logp, lse] (float32, shape h.shape[:-1]).");
-
-  m.def(
-      "forward_stats",
-      [](const array& h, const array& w, const array& targets,
-         const std::optional<array>& scales, const std::optional<array>& biases,
-         int group_size, std::optional<int> bits, std::optional<float> softcap,
-         int ignore_index, bool fused_backward, nb::handle tuning,
-         flash_cce::mx::StreamOrDevice s) {
-        return flash_cce::flash_cce_forward(h, w, targets, scales, biases, group_size, bits,
-                                            softcap, ignore_index, fused_backward,
-                                            tuning_from(tuning), s, true);
-      },
-      "h"_a, "w"_a, "targets"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
-      nb::kw_only(), "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
-      "ignore_index"_a = -100, "fused_backward"_a = true, "tuning"_a = nb::none(),
-      "stream"_a = nb::none(),
-      "Returns [logp, lse, entropy, is_top1, mean_logit] (shape h.shape[:-1]).");
+      "stream"_a = nb::none(), "stats"_a = false,
+      "Returns [logp, lse] (float32, shape h.shape[:-1]); with stats also entropy, "
+      "is_top1 (bool) and mean_logit.");
 
   m.def(
       "backward",
@@ -152,6 +137,10 @@ NB_MODULE(_ext, m) {
       "group_size"_a = 64, "bits"_a = nb::none(), "softcap"_a = nb::none(),
       "Validates head arguments; returns the bit width of a quantized w.");
 
+  m.def(
+      "supports_stats",
+      [](const flash_cce::mx::Device& d) { return flash_cce::supports_stats(d); }, "device"_a,
+      "Whether the native kernels of the device compute the entropy statistics.");
   m.def("has_gpu_kernels", &flash_cce::has_gpu_kernels);
   m.def("gpu_kernel_image", &flash_cce::gpu_kernel_image,
         "The CUDA kernels' fatbin image on the default GPU and the kernels it routes to.");

@@ -292,7 +292,7 @@ std::vector<mx::array> flash_cce_forward(
   cfg.tuning = tuning;
   cfg.stats = stats;
   auto stream = mx::to_stream(s);
-  if (stats && !supports_stats(stream)) {
+  if (stats && !supports_stats(stream.device)) {
     fail("the entropy statistics have no native kernel on this device; use backend='fallback'");
   }
   const auto lead = lead_shape(h);
@@ -347,7 +347,7 @@ std::vector<mx::array> flash_cce_backward(
   if (cfg.stats) {
     check_rowwise(*entropy, lead, "entropy");
     check_rowwise(*g_entropy, lead, "g_entropy");
-    if (!supports_stats(mx::to_stream(s))) {
+    if (!supports_stats(mx::to_stream(s).device)) {
       fail("the entropy's gradient has no native kernel on this device; use backend='fallback'");
     }
   }
@@ -688,8 +688,8 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
 }
 
 // The entropy statistics have CPU kernels only so far.
-bool supports_stats(const mx::Stream& s) {
-  return s.device == mx::Device::cpu;
+bool supports_stats(const mx::Device& d) {
+  return d == mx::Device::cpu;
 }
 
 // Whether the forward on this stream can also emit the gradient state (third

@@ -93,8 +93,8 @@ std::vector<mx::array> flash_cce_backward(
     const std::optional<mx::array>& entropy = std::nullopt,
     const std::optional<mx::array>& g_entropy = std::nullopt);
 
-// True when the native kernels of stream `s` compute the entropy statistics.
-bool supports_stats(const mx::Stream& s);
+// True when the native kernels of device `d` compute the entropy statistics.
+bool supports_stats(const mx::Device& d);
 
 // True when eval_gpu has a native kernel in this build (CUDA or Metal).
 bool has_gpu_kernels();

@@ -71,7 +71,7 @@ def native_stats(device):
     device = _device(device)
     if metal.gated(device):
         return False
-    return device.type == mx.cpu and hasattr(_ext, "forward_stats")
+    return _ext.supports_stats(device)
 
 
 def _device(stream):
@@ -191,8 +191,8 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
                                  fused_backward=fused_backward, tuning=tuning, stream=stream)
         return logp, lse
     if native and native_stats(stream):
-        out = _ext.forward_stats(h, w, targets, scales, biases, **kw,
-                                 fused_backward=fused_backward, tuning=tuning, stream=stream)
+        out = _ext.forward(h, w, targets, scales, biases, **kw, fused_backward=fused_backward,
+                           tuning=tuning, stream=stream, stats=True)
         return _stats(out)
     lead = targets.shape
     if targets.size == 0:

@@ -445,3 +445,100 @@ def test_kernel_image_routes_to_its_kernels():
         assert kernels == "portable kernels", image
     else:
         assert (loaded, kernels) == ("image sm_90a SASS", "Hopper kernels"), image
+
+
+# Temperature and entropy ------------------------------------------------------
+
+
+def _head(w, bits):
+    """(w, its quantization arguments, its dequantized weight) of a dense
+    (bits = 0) or `bits`-bit head, group size 64."""
+    if not bits:
+        return w, {}, w
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    return wq, dict(scales=s, biases=b, group_size=64), mx.dequantize(wq, s, b, group_size=64,
+                                                                      bits=bits)
+
+
+def _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge=None):
+    """CPU kernels on what the GPU sees: the temperature folds into h (scaled in
+    fp32, then rounded to the operand type by the loaders) and the cap;
+    dh = d(..)/d(h / T) / T. With `ge` also the entropy's gradient."""
+    ct = operand_type(dtype)
+    h_eff = rounded(hid.astype(mx.float32) * (1.0 / temperature), ct)
+    w32 = rounded(wd, ct)
+    cap = None if softcap is None else softcap / temperature
+
+    def loss(h):
+        st = flash_cce_forward(h, w32, y, softcap=cap, entropy=True, stream=mx.cpu)
+        return (g * st.logp + (0 if ge is None else ge * st.entropy)).sum(), st
+
+    (_, st), dh = mx.value_and_grad(loss)(h_eff)
+    return st, dh / temperature
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("softcap,temperature", [(None, 0.7), (30.0, 1.3)])
+@pytest.mark.parametrize("bits", [0, 4, 8])
+def test_temperature_matches_cpu(dtype, softcap, temperature, bits):
+    m, h, v = 130, 128, 1000
+    hid, w, y = make(m, h, v, dtype, seed=17 + bits, ignore=3)
+    w, q, wd = _head(w, bits)
+    g = mx.random.normal((m,))
+
+    def loss(h):
+        logp, lse = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
+                                      stream=mx.gpu, **q)
+        return (g * logp).sum(), (logp, lse)
+
+    (_, (logp, lse)), dh = mx.value_and_grad(loss)(hid)
+    st, r_dh = _temperature_ref(hid, wd, y, dtype, softcap, temperature, g)
+    assert dh.dtype == hid.dtype
+    np.testing.assert_allclose(np.array(lse), np.array(st.lse), atol=FWD_ATOL, rtol=0)
+    np.testing.assert_allclose(np.array(logp), np.array(st.logp), atol=FWD_ATOL, rtol=0)
+    # One more rounding of h / T than test_dense_matches_cpu's operands: within its bound.
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (30.0, 0.7)])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_entropy_matches_cpu(dtype, softcap, temperature, bits):
+    """Entropy statistics and their gradient on the GPU (the fallback where the
+    GPU has no entropy kernel: fp32 on unrounded operands) against the CPU."""
+    from flash_cce import ops
+    from flash_cce.fallback import dequantize_f32
+
+    m, h, v = 96, 128, 1500
+    hid, w, y = make(m, h, v, dtype, seed=23 + bits, ignore=2)
+    w, q, wd = _head(w, bits)
+    g, ge = mx.random.normal((m,)), mx.random.normal((m,))
+    if bits and not ops.native_stats(mx.gpu):
+        # The fallback dequantizes in fp32 (mx.dequantize rounds to the scales' type).
+        wd = dequantize_f32(w, q["scales"], q["biases"], 64, bits)
+
+    def loss(h):
+        st = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
+                               entropy=True, stream=mx.gpu, **q)
+        return (g * st.logp + ge * st.entropy).sum(), st
+
+    (_, st), dh = mx.value_and_grad(loss)(hid)
+    if ops.native_stats(mx.gpu):
+        r_st, r_dh = _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge)
+    else:
+        def ref(h):
+            r = flash_cce_forward(h, wd.astype(mx.float32), y, softcap=softcap,
+                                  temperature=temperature, entropy=True, stream=mx.cpu)
+            return (g * r.logp + ge * r.entropy).sum(), r
+
+        (_, r_st), r_dh = mx.value_and_grad(ref)(hid.astype(mx.float32))
+    for name in ("logp", "lse", "entropy", "mean_logit"):
+        np.testing.assert_allclose(np.array(getattr(st, name)), np.array(getattr(r_st, name)),
+                                   atol=FWD_ATOL, rtol=0, err_msg=name)
+    # Rows whose top two logits are apart by more than the forward's error agree.
+    z = (rounded(hid, mx.float32) @ wd.astype(mx.float32).T)
+    top2 = np.sort(np.array(z), axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 4 * FWD_ATOL
+    assert (np.array(st.is_top1)[clear] == np.array(r_st.is_top1)[clear]).all()
+    assert dh.dtype == hid.dtype
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]

@@ -122,6 +122,21 @@ def grad_slack(h, w, y, g, g_lse=None, softcap=None, backend=None):
     return 2 * uop * (np.abs(dS) @ np.abs(W))
 
 
+def assert_finite_differences(L, x, directions=3):
+    """Central differences of the scalar L along random unit directions d
+    against mx.grad(L)(x) . d. In fp32 with step e = 1e-2 the truncation error
+    is O(e^2 |L'''|) ~ 1e-4 and the rounding error ~ u |L| / e ~ 1e-5 for
+    |L| ~ 10: we allow 2e-3 of |dL . d|."""
+    dx = mx.grad(L)(x)
+    for _ in range(directions):
+        d = mx.random.normal(x.shape)
+        d = d / mx.linalg.norm(d)
+        e = 1e-2
+        fd = (L(x + e * d).item() - L(x - e * d).item()) / (2 * e)
+        an = (dx * d).sum().item()
+        assert abs(fd - an) <= 2e-3 * max(1.0, abs(an)), (fd, an)
+
+
 def _ref_ds(H64, W, y, g, g_lse, softcap, ignore_index=-100):
     raw = H64 @ W.T
     if softcap:
@@ -297,10 +312,8 @@ def test_v_equals_one_gives_zero_logp():
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("quantized", [False, True])
 def test_finite_differences(softcap, quantized):
-    """Central differences of L(h) = sum(g * logp) along random directions d.
+    """Central differences of L(h) = sum(g * logp) (assert_finite_differences).
 
-    In fp32 with step e = 1e-2 the truncation error is O(e^2 |L'''|) ~ 1e-4 and
-    the rounding error is ~ u |L| / e ~ 1e-5 for |L| ~ 10: we allow 2e-3 of |dh . d|.
     Differences need a smooth L: the GPU kernels round h to bf16 (steps of
     2^-8 |h|, larger than e |d|), so these run on the CPU kernels there; the
     GPU's gradients are checked against the CPU's in test_gpu_head.py.
@@ -317,14 +330,7 @@ def test_finite_differences(softcap, quantized):
         return (g * fc.flash_cce_forward(h, w, y, softcap=softcap, stream=mx.cpu,
                                          **extra)[0]).sum()
 
-    dh = mx.grad(L)(h)
-    for _ in range(3):
-        d = mx.random.normal(h.shape)
-        d = d / mx.linalg.norm(d)
-        e = 1e-2
-        fd = (L(h + e * d).item() - L(h - e * d).item()) / (2 * e)
-        an = (dh * d).sum().item()
-        assert abs(fd - an) <= 2e-3 * max(1.0, abs(an)), (fd, an)
+    assert_finite_differences(L, h)
 
 
 def test_dw_finite_differences():
@@ -334,13 +340,7 @@ def test_dw_finite_differences():
     def L(w):  # on the CPU kernels: see test_finite_differences
         return fc.flash_cce_forward(h, w, y, softcap=4.0, stream=mx.cpu)[0].sum()
 
-    dw = mx.grad(L)(w)
-    d = mx.random.normal(w.shape)
-    d = d / mx.linalg.norm(d)
-    e = 1e-2
-    fd = (L(w + e * d).item() - L(w - e * d).item()) / (2 * e)
-    an = (dw * d).sum().item()
-    assert abs(fd - an) <= 2e-3 * max(1.0, abs(an))
+    assert_finite_differences(L, w, directions=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

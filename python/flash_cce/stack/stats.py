@@ -7,10 +7,14 @@ its `Plan` says and returns, per pair, float32 scalars:
 - `r_sum`, `r_n`: the same of the rejected response (0 unless `scoring.rejected`),
 - `nll_sum`, `nll_n`: the chosen sequence's summed negative log-likelihood and
   its token count (0 unless `scoring.nll`),
-- with `scoring.token_stats`, for each of those token groups (`c`, `r`, `nll`):
-  `*_ent`, the summed entropy of the next-token distribution, `*_top1`, the
-  number of tokens that are its arg-max, and `*_logit`, the summed mean logit
-  (over the vocabulary), all from the fused head and without gradient.
+- with `scoring.entropy`: `c_ent`, `r_ent`, the entropy of the softmax at each
+  scored token of the chosen (rejected) response, float32 `[c_n]` (`[r_n]`),
+  and their sums `c_ent_sum`, `r_ent_sum`; differentiable, from the same head
+  call as the log-probs (the fused head returns both in one pass),
+- with `scoring.token_stats`, for each token group (`c`, `r`, `nll`), without
+  gradient: `*_ent_sum`, the summed entropy, `*_top1_sum`, the number of tokens
+  that are the arg-max, and `*_logit_sum`, the summed mean logit (over the
+  vocabulary), from the same head call (what TRL's token metrics read).
 
 `value_and_grad(model, pairs, scoring, loss, config)` also differentiates
 `loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
@@ -93,8 +97,8 @@ class _Run(contextlib.ExitStack):
                                segment_size=plan.segment_size, pack=plan.packed, stack=stack,
                                pad_to=plan.pad_to)
 
-    def stats(self, pair, plan, h, rows):
-        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring)
+    def stats(self, pair, plan, h, rows, training=True):
+        return _from_hidden(self.lm, h, rows, pair, plan, self.scoring, training)
 
 
 def statistics(model, pairs, scoring, config=StackConfig()):
@@ -104,7 +108,7 @@ def statistics(model, pairs, scoring, config=StackConfig()):
         for pair in pairs:
             plan = run.plan(pair)
             stack = compiled.stack_for(run.lm, backward=False) if plan.compiled else None
-            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack))
+            stats = run.stats(pair, plan, *run.hidden(pair, plan, stack), training=False)
             mx.eval(stats)
             out.append(stats)
     return out
@@ -144,8 +148,10 @@ def value_and_grad(model, pairs, scoring, loss, config=StackConfig()):
     return out, grads
 
 
-def _from_hidden(lm, h, rows, pair, plan, scoring):
-    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and its rows."""
+def _from_hidden(lm, h, rows, pair, plan, scoring, training=True):
+    """The statistics of `pair` from the hidden states `h` of `sequence_hidden` and
+    its rows. Without `training` no gradient flows: the head skips the state it
+    keeps for the backward."""
     seqs = sequences(pair, scoring)
     plens = [pair.chosen_prompt_len, pair.rejected_prompt_len]
     idx, tgt, groups = [], [], []
@@ -158,34 +164,41 @@ def _from_hidden(lm, h, rows, pair, plan, scoring):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    out = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head, scoring.token_stats)
-    lp = out[0] if scoring.token_stats else out
+    lp, ent, top1, mean_logit = _logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+                                          scoring.entropy or scoring.token_stats, training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
         mask = mx.array(g[:, k])
         stats[f"{name}_sum"] = sign * (lp * mask).sum()
         stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
         if scoring.token_stats:
-            for key, v in zip(("ent", "top1", "logit"), out[1:]):
-                stats[f"{name}_{key}"] = mx.stop_gradient((v.astype(mx.float32) * mask).sum())
+            for key, v in (("ent", ent), ("top1", top1), ("logit", mean_logit)):
+                stats[f"{name}_{key}_sum"] = mx.stop_gradient((v.astype(mx.float32) * mask).sum())
+    if scoring.entropy:
+        for k, name in enumerate(("c", "r")):
+            rows_k = np.nonzero(g[:, k])[0]
+            stats[f"{name}_ent"] = ent[mx.array(rows_k)] if rows_k.size else mx.zeros((0,))
+            stats[f"{name}_ent_sum"] = stats[f"{name}_ent"].sum()
     return stats
 
 
-def _logprobs(lm, h, targets, flash, token_stats=False):
-    """Log-probs of `targets`, or with `token_stats` (log-probs, entropy, is_top1, mean logit)."""
+def _logprobs(lm, h, targets, flash, entropy=False, training=True):
+    """(log-probs, entropies, is-top-1, mean logits) of `targets` under the
+    head; the last three None without `entropy`."""
     h = lm.norm(h)
     if flash:
         # The targets are the pair's tokens, range-checked on the host
         # (`check_pairs`); the head's own check would evaluate them mid-step.
         out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                              validate_targets=False, entropy=token_stats)
-        return (out.logp, out.entropy, out.is_top1, out.mean_logit) if token_stats else out
+                              validate_targets=False, entropy=entropy,
+                              fused_backward=training)
+        return (out.logp, out.entropy, out.is_top1, out.mean_logit) if entropy else (out, None, None, None)
     logits = lm.logits(h).astype(mx.float32)
     picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     lse = mx.logsumexp(logits, axis=-1)
-    if not token_stats:
-        return picked - lse
-    # Here the logits exist already (flash_head off): the same statistics from them.
-    probs = mx.softmax(logits, axis=-1)
-    entropy = lse - (probs * logits).sum(axis=-1)
-    return picked - lse, entropy, mx.argmax(logits, axis=-1) == targets, logits.mean(axis=-1)
+    if not entropy:
+        return picked - lse, None, None, None
+    # Here the logits exist already (flash_head off): the statistics from them.
+    p = mx.softmax(logits, axis=-1)
+    return (picked - lse, lse - (p * logits).sum(axis=-1), mx.argmax(logits, axis=-1) == targets,
+            logits.mean(axis=-1))

@@ -295,18 +295,18 @@ def token_metrics(name, stats):
         return num.sum() / mx.maximum(den.sum(), 1.0)
 
     if name == "sft":
-        return {"entropy": mean(stats["nll_ent"], stats["nll_n"]),
-                "mean_token_accuracy": mean(stats["nll_top1"], stats["nll_n"])}
-    out = {"logits/chosen": mean(stats["c_logit"], stats["c_n"]),
-           "logits/rejected": mean(stats["r_logit"], stats["r_n"])}
+        return {"entropy": mean(stats["nll_ent_sum"], stats["nll_n"]),
+                "mean_token_accuracy": mean(stats["nll_top1_sum"], stats["nll_n"])}
+    out = {"logits/chosen": mean(stats["c_logit_sum"], stats["c_n"]),
+           "logits/rejected": mean(stats["r_logit_sum"], stats["r_n"])}
     if name == "kto":
         good = stats["label"]
-        out = {"entropy": mean(stats["c_ent"], stats["c_n"]),
-               "logits/chosen": mean(stats["c_logit"] * good, stats["c_n"] * good),
-               "logits/rejected": mean(stats["c_logit"] * (1 - good), stats["c_n"] * (1 - good))}
+        out = {"entropy": mean(stats["c_ent_sum"], stats["c_n"]),
+               "logits/chosen": mean(stats["c_logit_sum"] * good, stats["c_n"] * good),
+               "logits/rejected": mean(stats["c_logit_sum"] * (1 - good), stats["c_n"] * (1 - good))}
         return out
-    out["entropy"] = mean(stats["c_ent"] + stats["r_ent"], stats["c_n"] + stats["r_n"])
-    out["mean_token_accuracy"] = mean(stats["c_top1"], stats["c_n"])
+    out["entropy"] = mean(stats["c_ent_sum"] + stats["r_ent_sum"], stats["c_n"] + stats["r_n"])
+    out["mean_token_accuracy"] = mean(stats["c_top1_sum"], stats["c_n"])
     return out
 
 

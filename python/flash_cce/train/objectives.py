@@ -101,7 +101,7 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
         stats = {k: mx.distributed.all_gather(v, group=group) for k, v in stats.items()}
         counts = mx.distributed.all_sum(counts, group=group)
     terms, metrics = obj.fn(stats, cfg, *totals)
-    if "c_ent" in stats:
+    if "c_top1_sum" in stats:
         metrics.update(losses.token_metrics(cfg.name, stats))
     metrics["prefix_fallbacks"] = counts[0]
     metrics["tokens"] = counts[1]
