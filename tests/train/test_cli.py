@@ -173,9 +173,9 @@ def test_train_and_eval_kto_on_the_unpaired_demo_split(tmp_path, capsys):
     assert "16 examples (8 desirable)" in capsys.readouterr().out
     assert main(["eval", "--adapter-path", str(run / "adapters"), "--split", "valid"]) == 0
     assert re.search(r"^kl +\d", capsys.readouterr().out, re.M)
-    # Paired records are no KTO data: the file and line say so.
-    assert main(_train_argv(model_dir, data_dir, tmp_path / "bad", 1, "--objective", "kto")) == 2
-    assert f"{data_dir / 'train.jsonl'}:1: a paired record" in capsys.readouterr().err
+    # Paired records are unpaired, as TRL's KTOTrainer does: each pair two examples.
+    assert main(_train_argv(model_dir, _trim(data_dir, 8), tmp_path / "paired", 1, "--objective", "kto")) == 0
+    assert "train: 16 examples (8 desirable) (16 records" in capsys.readouterr().out
 
 
 # The command's process with the command replaced: prints MLX_MAX_MB_PER_BUFFER as
@@ -219,3 +219,17 @@ def test_graph_limit_is_set_before_mlx_is_imported(command, preset):
     at_import, value = proc.stdout.split()
     want = preset or (cli.GRAPH_MB if command != "plot" and sys.platform.startswith("linux") else "None")
     assert at_import == value == want, proc.stdout
+
+
+def test_eval_takes_as_many_batches_as_the_runs_validation(tmp_path, capsys):
+    """sft's default val_batches is mlx_lm.lora's 25; here 1: eval of the run's valid split
+    scores the same micro-batch its validation scored."""
+    model_dir, data_dir = tiny_setup(tmp_path, n_train=8, n_valid=8)
+    run = tmp_path / "sft"
+    assert main(_train_argv(model_dir, data_dir, run, 2, "--objective", "sft", "--val-batches", "1")) == 0
+    last = [r for r in read_metrics(run) if r["split"] == "valid"][-1]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--split", "valid"]) == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert rows["split"] == "valid (4 pairs)" and int(rows["tokens"]) == int(last["tokens"])
+    assert float(rows["loss"]) == pytest.approx(last["loss"], abs=1e-4)  # printed to 4 places

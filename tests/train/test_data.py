@@ -79,7 +79,8 @@ MALFORMED = [
     ({"prompt": "a", "chosen": [{"role": "assistant"}], "rejected": [{"role": "assistant", "content": "x"}]},
      "'chosen'[0] must be a message"),
     ({"prompt": "a", "chosen": [{"role": "assistant", "content": "x"}], "rejected": "b"}, "mix of strings"),
-    ({"chosen": "red .", "rejected": "blue ."}, "missing key 'prompt'"),
+    ({"chosen": "red .", "rejected": "blue ."}, "without 'prompt', chosen and rejected must begin with the same text"),
+    ({"chosen": "tom red .", "rejected": "tom red ."}, "must begin with the same text (the prompt) and differ"),
 ]
 
 
@@ -170,7 +171,7 @@ UNPAIRED_MALFORMED = [
     ({"prompt": "a", "label": True}, "missing key 'completion'"),
     ({"prompt": "a", "completion": " ", "label": True}, "'completion' is an empty string"),
     ({"prompt": "a", "completion": [{"role": "assistant", "content": "x"}], "label": True}, "mix of strings"),
-    (STR_REC, "a paired record (chosen/rejected)"),
+    (STR_REC, "a paired record in a split of unpaired ones; use one form per file"),
 ]
 
 

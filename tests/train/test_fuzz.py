@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from runs import flash_cce, one_line_error, snapshot, train_argv
 from test_trainer import tiny_setup
 
-from flash_cce.train import settings
+from flash_cce.train import mlx_lm_config, settings
 from flash_cce.train.cli import main
 
 DEFAULT_EXAMPLES = {"yaml": 500, "flags": 300, "records": 300, "subprocess": 8, "resume": 40}
@@ -121,6 +121,14 @@ def bad_values(s):
         return st.one_of(TEXT.filter(lambda v: v != "auto"), NUMBER, BAD_CONTAINERS, st.none())
     if s.kind == "str_list":
         return st.one_of(NUMBER, st.just([]), st.lists(NUMBER, min_size=1, max_size=3), st.booleans())
+    if s.kind == "schedule":  # a name, or mlx_lm's mapping (null is mlx_lm's constant rate)
+        return st.one_of(TEXT.filter(lambda v: v not in s.choices), NUMBER, st.booleans(),
+                         st.lists(st.integers(), min_size=1, max_size=3),
+                         st.fixed_dictionaries({"name": TEXT.filter(lambda v: v not in mlx_lm_config.SCHEDULES),
+                                                "arguments": st.just([1e-5, 10])}),
+                         st.fixed_dictionaries({"name": st.just("cosine_decay"),
+                                                "arguments": st.lists(NUMBER, max_size=5).filter(
+                                                    lambda a: not (2 <= len(a) <= 3 and a[0] > 0))}))
     raise AssertionError(s.kind)
 
 
@@ -138,7 +146,7 @@ def bad_config(draw):
         s = draw(st.sampled_from(PLAIN))
         return {s.name: draw(bad_values(s))}, s.name
     if kind == "unknown":
-        name = draw(NAMES.filter(lambda n: n not in settings.BY_NAME))
+        name = draw(NAMES.filter(lambda n: n not in settings.BY_NAME and n not in mlx_lm_config.KEYS))
         return {name: draw(st.one_of(NUMBER, TEXT))}, repr(name)
     table = draw(st.sampled_from(TABLES))
     if kind == "table field":
@@ -192,7 +200,8 @@ def bad_flags(draw):
                                           ("auto", "none", "null")), below(s).map(repr)))
         bad, needle = [s.flag_name, text], s.name if _number_text(text) else s.flag_name
     elif kind == "unknown flag":
-        name = draw(NAMES.filter(lambda n: n not in settings.BY_NAME and n not in settings.NESTED_FLAGS))
+        name = draw(NAMES.filter(lambda n: n not in settings.BY_NAME and n not in settings.NESTED_FLAGS
+                                 and n not in mlx_lm_config.FLAGS))
         bad, needle = ["--" + name.replace("_", "-"), "1"], "unrecognized arguments"
     elif kind == "missing value":
         s = draw(st.sampled_from([s for s in FLAGS if s.kind != "auto_bool"]))  # alone: true

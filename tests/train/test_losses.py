@@ -202,7 +202,7 @@ def trl_cpo(loss_type, beta, cpo_alpha, gamma=0.5, eps=0.0, f=FIXED, alpha=0.0):
         per = np.maximum(0.0, 1 - beta * logits)
     else:
         per = (logits - 1 / (2 * beta)) ** 2
-    nll = f["nll_sum"].sum() / f["nll_n"].sum()
+    nll = f["nll_sum"].sum() / f["nll_n"].sum() if cpo_alpha != 0 else 0.0  # TRL: none when unweighted
     cr, rr = beta * cw, beta * rw
     return per.mean() + cpo_alpha * nll, {
         "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
@@ -263,6 +263,14 @@ def test_cpo_loss_types_match_trl(loss_type, alpha):
     cfg = ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type=loss_type,
                           label_smoothing=eps, cpo_alpha=0.6, alpha=alpha)
     _check_all(*losses.cpo(_stats(), cfg), *trl_cpo(loss_type, 0.4, 0.6, 0.3, eps, alpha=alpha))
+
+
+def test_cpo_without_nll_weight_logs_nll_as_trl():
+    """cpo_alpha 0: TRL logs nll_loss 0.0; the chosen NLL itself stays as chosen_nll."""
+    cfg = ObjectiveConfig(name="cpo", beta=0.4, cpo_alpha=0.0)
+    _check_all(*losses.cpo(_stats(), cfg), *trl_cpo("sigmoid", 0.4, 0.0))
+    _, metrics = losses.cpo(_stats(), cfg)
+    _check(metrics["chosen_nll"], FIXED["nll_sum"].sum() / FIXED["nll_n"].sum())
 
 
 def _kto_stats(kl_value):

@@ -253,6 +253,8 @@ def test_kto_matches_reference(loss_type, frozen):
             m.scale = sc
     loss, grads, metrics = value_and_grad(model, examples, cfg)
     kl = mx.maximum((_completion_logps(model, kl_seqs) - ref_kl).mean(), 0.0)
+    if loss_type == "apo_zero_unpaired":
+        kl = mx.array(0.0)  # TRL computes no estimate for it and logs 0.0
     label = mx.array([float(e.label) for e in examples])
 
     def ref_loss():
@@ -270,6 +272,23 @@ def test_kto_matches_reference(loss_type, frozen):
     assert metrics["tokens"].item() == sum(len(e.tokens) for e in examples)
     e_loss, e_metrics = evaluate(model, examples, cfg)
     _close(e_loss, loss)
+
+
+def test_kto_runs_no_kl_pass_for_apo_zero_unpaired(monkeypatch):
+    """apo_zero_unpaired reads no KL estimate: no mismatched sequence is run (TRL's
+    calculate_KL is off for it), so a batch of one trains."""
+    from flash_cce.train import kto
+
+    seen = []
+    real = kto.reference_stats
+    monkeypatch.setattr(kto, "statistics", lambda *a, **k: seen.append("policy KL") or [])
+    monkeypatch.setattr(kto, "reference_stats", lambda m, pairs, *a: seen.append(len(pairs[0].rejected))
+                        or real(m, pairs, *a))
+    examples = _examples(3)
+    cfg = ObjectiveConfig(name="kto", beta=0.4, loss_type="apo_zero_unpaired")
+    loss, _, metrics = value_and_grad(tiny_model("llama", lora=True), examples[:1], cfg)
+    assert seen == [len(examples[0].tokens)]  # one reference pass over the example itself
+    assert metrics["kl"].item() == 0.0 and math.isfinite(loss.item())
 
 
 def test_kto_batch_of_one_raises():

@@ -78,7 +78,7 @@ def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward):
         idx.extend(rows[b][p - 1:p - 1 + len(c)])
         tgt.extend(c)
         at.extend(b * width + k for k in range(len(c)))
-    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward)
+    lp, ent, _, _ = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward)
     # [G, width] by a gather from the tokens and one trailing zero (for padding).
     where = np.full(len(group.completions) * width, len(idx), np.int64)
     where[at] = np.arange(len(idx))

@@ -65,6 +65,7 @@ class Scoring:
     nll: bool = False  # the chosen sequence's negative log-likelihood
     nll_on_prompt: bool = True  # that NLL over prompt and response, else the response only
     entropy: bool = False  # also the entropy of each scored response token (same head pass)
+    token_stats: bool = False  # also the head's entropy, top-1 and mean-logit sums (metrics only)
 
 
 @dataclass(frozen=True)

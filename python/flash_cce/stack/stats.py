@@ -10,7 +10,11 @@ its `Plan` says and returns, per pair, float32 scalars:
 - with `scoring.entropy`: `c_ent`, `r_ent`, the entropy of the softmax at each
   scored token of the chosen (rejected) response, float32 `[c_n]` (`[r_n]`),
   and their sums `c_ent_sum`, `r_ent_sum`; differentiable, from the same head
-  call as the log-probs (the fused head returns both in one pass).
+  call as the log-probs (the fused head returns both in one pass),
+- with `scoring.token_stats`, for each token group (`c`, `r`, `nll`), without
+  gradient: `*_ent_sum`, the summed entropy, `*_top1_sum`, the number of tokens
+  that are the arg-max, and `*_logit_sum`, the summed mean logit (over the
+  vocabulary), from the same head call (what TRL's token metrics read).
 
 `value_and_grad(model, pairs, scoring, loss, config)` also differentiates
 `loss(i, stats)`, pair i's share of an objective's loss, and returns the summed
@@ -185,12 +189,17 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp, ent = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
-                             entropy=scoring.entropy, backward=training)
+    lp, ent, top1, mean_logit = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+                                               entropy=scoring.entropy or scoring.token_stats,
+                                               backward=training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
-        stats[f"{name}_sum"] = sign * (lp * mx.array(g[:, k])).sum()
+        mask = mx.array(g[:, k])
+        stats[f"{name}_sum"] = sign * (lp * mask).sum()
         stats[f"{name}_n"] = mx.array(float(g[:, k].sum()))
+        if scoring.token_stats:
+            for key, v in (("ent", ent), ("top1", top1), ("logit", mean_logit)):
+                stats[f"{name}_{key}_sum"] = mx.stop_gradient((v.astype(mx.float32) * mask).sum())
     if scoring.entropy:
         for k, name in enumerate(("c", "r")):
             rows_k = np.nonzero(g[:, k])[0]
@@ -200,9 +209,10 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
 
 
 def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):
-    """(log-probs of `targets`, entropies or None) of the final hidden states `h`
-    `[tokens, d]`, both of the head's logits divided by `temperature`.
-    `backward=False`: no gradient flows (the flash head skips its preparation)."""
+    """(log-probs of `targets`, entropies, is-top-1, mean logits) of the final
+    hidden states `h` `[tokens, d]`, of the head's logits divided by
+    `temperature`; the last three None without `entropy`. `backward=False`: no
+    gradient flows (the flash head skips its preparation)."""
     h = lm.norm(h)
     if flash:
         # The targets are the batch's tokens, range-checked on the host
@@ -211,13 +221,15 @@ def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backwa
         out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
                               validate_targets=False, temperature=temperature, entropy=entropy,
                               fused_backward=backward)
-        return (out.logp, out.entropy) if entropy else (out, None)
+        return (out.logp, out.entropy, out.is_top1, out.mean_logit) if entropy else (out, None, None, None)
     logits = lm.logits(h).astype(mx.float32)
     if temperature != 1.0:
         logits = logits / temperature
     lse = mx.logsumexp(logits, axis=-1)
     picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
     if not entropy:
-        return picked, None
-    # H = logsumexp(z) - sum(softmax(z) * z)
-    return picked, lse - (mx.softmax(logits, axis=-1) * logits).sum(axis=-1)
+        return picked, None, None, None
+    # Here the logits exist already (flash_head off): the statistics from them.
+    p = mx.softmax(logits, axis=-1)
+    return (picked, lse - (p * logits).sum(axis=-1), mx.argmax(logits, axis=-1) == targets,
+            logits.mean(axis=-1))

@@ -29,14 +29,18 @@ def _version():
 
 def build_parser():
     fmt = argparse.ArgumentDefaultsHelpFormatter
+    from . import mlx_lm_config
+
     parser = settings.Parser(prog="flash-cce",
-                             description="Preference fine-tuning of mlx-lm models with a flash-CCE head.")
+                             description="Preference fine-tuning of mlx-lm models with a flash-CCE head.",
+                             epilog=mlx_lm_config.train_summary(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"flash-cce {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=settings.Parser)
 
     t = sub.add_parser("train", help="Fine-tune a model on preference pairs.")
     t.add_argument("-c", "--config", default=None, help="YAML file with any of the settings below.")
     settings.add_flags(t, "train")
+    mlx_lm_config.add_flags(t)
 
     e = sub.add_parser("eval", help="Objective loss and preference accuracy of a model (and adapters) on a split.")
     e.add_argument("run", nargs="?", default=None,
@@ -154,7 +158,9 @@ def _settings_flags(args):
 def _train(args, argv, log=print):
     from .runner import run_train, train_settings
 
-    cfg = train_settings(_settings_flags(args), args.config)
+    from .mlx_lm_config import from_flags
+
+    cfg = train_settings(from_flags(_settings_flags(args)), args.config)
     if cfg["gpu_capture"]:  # from a flag or the YAML file
         _restart_with_capture_enabled(argv)
     tic = time.perf_counter()

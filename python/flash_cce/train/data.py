@@ -1,12 +1,17 @@
-"""Preference data in TRL's formats -> `Pair`s and `Example`s.
+"""Training data in TRL's formats -> `Pair`s and `Example`s.
 
 Paired: one JSON object per line with `prompt`, `chosen` and `rejected`, each a
-string or a list of chat messages (`{"role": ..., "content": ...}`). Without
-`prompt`, `chosen` and `rejected` are whole conversations and their common
-leading messages are the prompt (TRL's implicit prompt). Unpaired (KTO): one
-object per line with `prompt`, `completion` and a boolean `label`. Message lists
-go through the tokenizer's chat template; strings are tokenised as plain text,
-with the tokenizer's special tokens on the prompt and EOS after each response.
+string or a list of chat messages (`{"role": ..., "content": ...}`, the content
+a string or a list of text parts `{"type": "text", "text": ...}`). Without
+`prompt`, the prompt is what `chosen` and `rejected` begin with (TRL's
+`extract_prompt`: their common leading messages, or for strings their common
+leading characters, a space before the difference going with the responses).
+Unpaired (KTO): `prompt`, `completion` and a boolean `label`, or paired records,
+which are unpaired as TRL's KTOTrainer does. SFT: TRL's `messages`,
+`prompt`/`completion` and `text` records (or pairs, whose `rejected` is unused).
+Message lists go through the tokenizer's chat template; strings are tokenised as
+plain text, with the tokenizer's special tokens on the prompt and EOS after each
+response.
 """
 
 import json
@@ -25,15 +30,31 @@ class DataError(ValueError):
 
 
 def _check_messages(value, key, where):
+    """Checks a message list and joins each content given as text parts into
+    one string (what text-only chat templates render), in place."""
     if not value:
         raise DataError(f"{where}: '{key}' is empty")
     for i, m in enumerate(value):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m["content"] = _joined_parts(m["content"], f"{where}: '{key}'[{i}].content")
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise DataError(
-                f"{where}: '{key}'[{i}] must be a message {{\"role\": str, \"content\": str}}, "
+                f"{where}: '{key}'[{i}] must be a message {{\"role\": str, \"content\": str or text parts}}, "
                 f"got {json.dumps(m)[:80]}"
             )
+
+
+def _joined_parts(parts, where):
+    """The text of a content given as parts (`[{"type": "text", "text": ...}]`)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise DataError(f"{where}[{j}]: a part of type {kind!r}; allowed: {{\"type\": \"text\", "
+                            "\"text\": str}} (the models trained here read text only)")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _check_texts(rec, keys, expected, where):
@@ -62,7 +83,7 @@ def check_unpaired_record(rec, where):
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "chosen" in rec or "rejected" in rec:
-        raise DataError(f"{where}: a paired record (chosen/rejected); kto reads prompt, completion, label")
+        return check_record(rec, where)  # unpaired when the split is read (`unpair`)
     _check_texts(rec, ("prompt", "completion"), "prompt, completion, label", where)
     if "label" not in rec:
         raise DataError(f"{where}: missing key 'label' (expected prompt, completion, label)")
@@ -78,12 +99,52 @@ def check_record(rec, where):
     keys = ("prompt", "chosen", "rejected") if "prompt" in rec else ("chosen", "rejected")
     _check_texts(rec, keys, "prompt, chosen, rejected", where)
     if "prompt" not in rec:
-        if isinstance(rec["chosen"], str):
-            raise DataError(f"{where}: missing key 'prompt' (needed when chosen/rejected are strings)")
-        n = _common_prefix(rec["chosen"], rec["rejected"])
-        if n == 0 or n == len(rec["chosen"]) or n == len(rec["rejected"]):
-            raise DataError(f"{where}: without 'prompt', chosen and rejected must share leading messages and differ after them")
+        prompt, chosen, rejected = implicit_prompt(rec["chosen"], rec["rejected"])
+        if not prompt or not (chosen.strip() if isinstance(chosen, str) else chosen) or not (
+                rejected.strip() if isinstance(rejected, str) else rejected):
+            what = "messages" if isinstance(rec["chosen"], list) else "text"
+            raise DataError(f"{where}: without 'prompt', chosen and rejected must begin with the same {what} "
+                            "(the prompt) and differ after it")
     return rec
+
+
+def implicit_prompt(chosen, rejected):
+    """(prompt, chosen, rejected) of a record without `prompt`, as TRL's
+    `extract_prompt`: the common leading messages, or for strings the common
+    leading characters less a space just before the first difference."""
+    n = _common_prefix(chosen, rejected)
+    if isinstance(chosen, str) and 0 < n < min(len(chosen), len(rejected)) and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def check_sft_record(rec, where):
+    """Raises DataError unless `rec` is one of TRL's SFT records: `messages` (a
+    conversation), `prompt` and `completion`, `text`, or a preference pair (its
+    `rejected` unused); returns it as {"text"} or {"prompt", "completion"}, the
+    prompt of `messages` being the turns before its last (what `nll_on_prompt:
+    false` leaves out, as mlx_lm's `mask_prompt`)."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "chosen" in rec:
+        check_record(dict(rec, rejected=rec.get("rejected", rec["chosen"])), where)
+        prompt, chosen = (rec["prompt"], rec["chosen"]) if "prompt" in rec else implicit_prompt(
+            rec["chosen"], rec.get("rejected", rec["chosen"]))[:2]
+        return {"prompt": prompt, "completion": chosen}
+    if "messages" in rec:
+        _check_texts(rec, ("messages",), "messages", where)
+        msgs = rec["messages"]
+        if isinstance(msgs, str) or len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+            raise DataError(f"{where}: 'messages' must be a conversation ending with an assistant turn "
+                            "after at least one other")
+        return {"prompt": msgs[:-1], "completion": msgs[-1:]}
+    if "text" in rec and "prompt" not in rec:
+        if not isinstance(rec["text"], str) or not rec["text"].strip():
+            raise DataError(f"{where}: 'text' must be a non-empty string")
+        return {"text": rec["text"]}
+    _check_texts(rec, ("prompt", "completion"), "messages, prompt and completion, text, or prompt and chosen",
+                 where)
+    return {"prompt": rec["prompt"], "completion": rec["completion"]}
 
 
 def _common_prefix(a, b):
@@ -188,28 +249,48 @@ class Encoder:
             return self._template(prompt, True)
         return list(self.tokenizer.encode(prompt)) if prompt else []
 
+    def encode_text(self, text, where="record"):
+        """(tokens, 0) of a `text` record: the text with the tokenizer's special
+        tokens and EOS (TRL's language-modelling records)."""
+        if self.chat_template is True:
+            raise DataError(f"{where}: a 'text' record has no turns for chat_template true; use auto or false")
+        tok = self.tokenizer
+        tokens = list(tok.encode(text))
+        if tok.eos_token_id is not None and tokens[-1:] != [tok.eos_token_id]:
+            tokens.append(tok.eos_token_id)
+        return tokens, 0
+
+    def encode_sft(self, rec, where="record"):
+        """The Pair of an SFT record (`check_sft_record`'s form): the sequence on
+        both sides, as the sft objective reads only the chosen one."""
+        if "text" in rec:
+            tokens, n = self.encode_text(rec["text"], where)
+        else:
+            tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)
+        pair = Pair(tokens, tokens, n, n)
+        return _valid(pair, where)
+
     def encode_example(self, rec, where="record"):
         """The Example of an unpaired record."""
         tokens, n = self.encode_one(rec["prompt"], rec["completion"], where)
-        example = Example(tokens, n, rec["label"])
-        try:
-            example.validate(where)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        return example
+        return _valid(Example(tokens, n, rec["label"]), where)
 
     def encode(self, rec, where="record"):
         if "prompt" not in rec:
-            n = _common_prefix(rec["chosen"], rec["rejected"])
-            rec = dict(prompt=rec["chosen"][:n], chosen=rec["chosen"][n:], rejected=rec["rejected"][n:])
+            rec = dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(rec["chosen"], rec["rejected"])))
         chosen, cp = self.encode_one(rec["prompt"], rec["chosen"], where)
         rejected, rp = self.encode_one(rec["prompt"], rec["rejected"], where)
         pair = Pair(chosen, rejected, cp, rp)
-        try:
-            pair.validate(where)
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        return pair
+        return _valid(pair, where)
+
+
+def _valid(item, where):
+    """`item` (a Pair or an Example) once its `validate` passes; DataError otherwise."""
+    try:
+        item.validate(where)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return item
 
 
 def truncate(pair, max_len, mode):
@@ -246,23 +327,28 @@ def _fit_example(example, max_len, mode):
 
 
 def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end",
-                   chat_template="auto", enable_thinking=None, unpaired=False):
-    """(pairs, report) from `read_jsonl`'s records, or with `unpaired`
-    (examples, report) from unpaired ones (prompt, completion, label).
+                   chat_template="auto", enable_thinking=None, unpaired=False, kind=None, kl_chunk=None):
+    """(pairs, report) from `read_jsonl`'s records, or with `unpaired` (or `kind`
+    "unpaired") (examples, report) from unpaired ones (prompt, completion, label);
+    `kind` "sft" reads `check_sft_record`'s records.
 
     `report` counts the records read, truncated and dropped by `truncation`
     (one of TRUNCATION_MODES) at `max_seq_length` tokens per sequence.
+    `kl_chunk`: KTO's KL completions rotate within chunks of this many examples
+    (see `with_kl_completions`).
     """
+    kind = kind or ("unpaired" if unpaired else "pairs")
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
     if max_seq_length is None or max_seq_length < 2:
         raise ValueError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
     enc = Encoder(tokenizer, chat_template, enable_thinking)
+    encode = {"unpaired": enc.encode_example, "sft": enc.encode_sft, "pairs": enc.encode}[kind]
+    fit = _fit_example if kind == "unpaired" else truncate
     pairs, truncated, dropped, prompt_cut = [], 0, 0, 0
     for rec, where in records:
-        pair = enc.encode_example(rec, where) if unpaired else enc.encode(rec, where)
+        pair = encode(rec, where)
         try:
-            fit = _fit_example if unpaired else truncate
             fitted = fit(pair, max_seq_length, truncation)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
@@ -272,8 +358,8 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
             truncated += fitted is not pair
             prompt_cut += _prompt_len(fitted) == 0 < _prompt_len(pair)
             pairs.append(fitted)
-    if unpaired:
-        pairs = with_kl_completions(pairs)
+    if kind == "unpaired":
+        pairs = with_kl_completions(pairs, kl_chunk)
     return pairs, dict(records=len(records), truncated=truncated, dropped=dropped, prompt_cut=prompt_cut)
 
 
@@ -290,42 +376,95 @@ def mismatched(examples):
     return [e.as_pair(examples[i - 1].completion()) for i, e in enumerate(examples)]
 
 
-def with_kl_completions(examples):
-    """`examples`, each with the completion of the one before it (the last one's
-    for the first) as its fixed KL completion (see `kto`), as TRL pairs them when
-    it prepares its data: the mismatched pairs, and so their reference
+def with_kl_completions(examples, chunk=None):
+    """`examples`, each with a fixed KL completion (see `kto`) as TRL's KTOTrainer
+    prepares its data: within each run of `chunk` consecutive examples (its
+    per-device batch size; None: all), the completion of the one before it, the
+    first taking the last's. The mismatched pairs, and so their reference
     log-probs, are known before training."""
-    return [replace(e, kl_completion=examples[i - 1].completion()) for i, e in enumerate(examples)]
+    chunk = chunk or len(examples) or 1
+    out = []
+    for start in range(0, len(examples), chunk):
+        block = examples[start:start + chunk]
+        out += [replace(e, kl_completion=block[i - 1].completion()) for i, e in enumerate(block)]
+    return out
 
 
-def load_pairs(path, tokenizer, unpaired=False, **kwargs):
+# TRL unpairs a preference dataset with `datasets`' batched map, whose default
+# batch holds 1000 rows: each block's chosen examples, then its rejected ones.
+UNPAIR_BLOCK = 1000
+
+
+def unpair(records):
+    """KTO's examples from paired records (`read_jsonl`'s (record, where)), as
+    TRL's `unpair_preference_dataset` orders them: per block of UNPAIR_BLOCK
+    records, every chosen response as a desirable example, then every rejected
+    one as an undesirable example. Unpaired records pass through; a split mixing
+    the two forms is an error at the first record of the other form."""
+    if not records:
+        return records
+    paired = "chosen" in records[0][0]
+    for rec, where in records:
+        if ("chosen" in rec) != paired:
+            raise DataError(f"{where}: a {'unpaired' if paired else 'paired'} record in a split of "
+                            f"{'paired' if paired else 'unpaired'} ones; use one form per file")
+    if not paired:
+        return records
+    out = []
+    for start in range(0, len(records), UNPAIR_BLOCK):
+        block = records[start:start + UNPAIR_BLOCK]
+        split = [(dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(r["chosen"], r["rejected"])))
+                  if "prompt" not in r else r, where) for r, where in block]
+        for side, label in (("chosen", True), ("rejected", False)):
+            out += [({"prompt": r["prompt"], "completion": r[side], "label": label}, where) for r, where in split]
+    return out
+
+
+def data_kind(objective):
+    """The records an objective reads: "unpaired" (kto), "sft" or "pairs"."""
+    return {"kto": "unpaired", "sft": "sft"}.get(objective, "pairs")
+
+
+def read_records(path, kind="pairs"):
+    """`read_jsonl` with the check of `kind`'s records (paired KTO data unpaired)."""
+    check = {"unpaired": check_unpaired_record, "sft": check_sft_record, "pairs": check_record}[kind]
+    records = read_jsonl(path, check)
+    return unpair(records) if kind == "unpaired" else records
+
+
+def load_pairs(path, tokenizer, unpaired=False, kind=None, **kwargs):
     """(pairs, report) from a TRL preference JSONL file, or with `unpaired`
     (examples, report) from a TRL unpaired one (see `encode_records`)."""
-    return encode_records(read_jsonl(path, _checker(unpaired)), tokenizer, unpaired=unpaired, **kwargs)
+    kind = kind or ("unpaired" if unpaired else "pairs")
+    return encode_records(read_records(path, kind), tokenizer, kind=kind, **kwargs)
 
 
-def _checker(unpaired):
-    return check_unpaired_record if unpaired else check_record
-
-
-def read_splits(data_dir, splits=("train", "valid", "test"), unpaired=False):
+def read_splits(data_dir, splits=("train", "valid", "test"), unpaired=False, kind=None):
     """{split: records} for each `split`.jsonl present in `data_dir`."""
+    kind = kind or ("unpaired" if unpaired else "pairs")
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         what = "is a file" if data_dir.exists() else "does not exist"
         raise DataError(f"data: {str(data_dir)!r} {what}; give a directory with train.jsonl and valid.jsonl")
-    return {s: read_jsonl(data_dir / f"{s}.jsonl", _checker(unpaired))
+    return {s: read_records(data_dir / f"{s}.jsonl", kind)
             for s in splits if (data_dir / f"{s}.jsonl").is_file()}
 
 
-def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), unpaired=False, **kwargs):
+def load_splits(data_dir, tokenizer, splits=("train", "valid", "test"), unpaired=False, kind=None, **kwargs):
     """{split: (pairs, report)} for each `split`.jsonl present in `data_dir`."""
-    return {s: encode_records(recs, tokenizer, unpaired=unpaired, **kwargs)
-            for s, recs in read_splits(data_dir, splits, unpaired).items()}
+    kind = kind or ("unpaired" if unpaired else "pairs")
+    return {s: encode_records(recs, tokenizer, kind=kind, **kwargs)
+            for s, recs in read_splits(data_dir, splits, kind=kind).items()}
 
 
 def _unpaired(items):
     return bool(items) and isinstance(items[0], Example)
+
+
+def _single(items):
+    """SFT's items: one sequence on both sides of each pair (`Encoder.encode_sft`)."""
+    return bool(items) and all(p.chosen == p.rejected and p.chosen_prompt_len == p.rejected_prompt_len
+                               for p in items)
 
 
 def length_summary(pairs):
@@ -336,6 +475,12 @@ def length_summary(pairs):
             "prompt": [e.prompt_len for e in pairs],
             "complete": [len(e.tokens) - e.prompt_len for e in pairs],
             "sequence": [len(e.tokens) for e in pairs],
+        }
+    elif _single(pairs):
+        cols = {
+            "prompt": [p.chosen_prompt_len for p in pairs],
+            "response": [len(p.chosen) - p.chosen_prompt_len for p in pairs],
+            "sequence": [len(p.chosen) for p in pairs],
         }
     else:
         cols = {
@@ -354,7 +499,7 @@ def length_summary(pairs):
 
 def format_summary(name, pairs, report):
     what = (f"examples ({sum(e.label for e in pairs)} desirable)" if _unpaired(pairs)
-            else "pairs")
+            else "sequences" if _single(pairs) else "pairs")
     lines = [f"{name}: {len(pairs)} {what} ({report['records']} records, "
              f"{report['truncated']} truncated, {report['dropped']} dropped)"]
     for col, s in length_summary(pairs).items():

@@ -10,6 +10,7 @@ about 75 steps (see the README for measured runs).
 """
 
 import random
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ DEMO_CONFIG = dict(
     learning_rate=1e-3,
     min_learning_rate=1e-4,
     warmup=10,
+    lr_schedule="cosine",  # the schedule the README's and docs/cli.md's demo numbers were measured with
     weight_decay=0.0,
     batch_size=8,
     iters=150,
@@ -163,7 +165,8 @@ def _demo(run_dir, lock, iters, log, tic):
         log(f"  {r['prompt']}\n      expected {r['chosen']!r:12} before {b!r:24} after {a!r}")
     log(f"\nRun directory {run_dir}: metrics.jsonl, {png.name}, adapters/, best/, checkpoints/")
     # String records train as plain text, so the command skips the chat template.
-    log(f"Try: mlx_lm.generate --model {model_dir} --adapter-path {run_dir / 'adapters'} "
-        f"--ignore-chat-template --prompt \"{prompts[0]}\" --max-tokens 4")
+    log("Try: " + shlex.join(["mlx_lm.generate", "--model", str(model_dir), "--adapter-path",
+                              str(run_dir / "adapters"), "--ignore-chat-template", "--prompt", prompts[0],
+                              "--max-tokens", "4"]))
     log(f"Demo finished in {time.perf_counter() - tic:.1f} s")
     return evals

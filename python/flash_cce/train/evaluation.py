@@ -59,8 +59,11 @@ def run_eval(cfg, adapters, split, log=print):
     except ValueError as e:
         raise RunError(str(e)) from None
     objective = with_reference(cfg, objective, model, log)
-    r = evaluate_pairs(model, pairs, objective, cfg["batch_size"])
-    log(format_table(cfg, adapters, split, len(pairs), r))
+    # As many micro-batches as the run's validation (valid) or --test (test) took.
+    limit = {"valid": cfg["val_batches"], "test": cfg["test_batches"]}.get(split, -1) or -1
+    r = evaluate_pairs(model, pairs, objective, cfg["batch_size"], limit)
+    n = len(pairs) if limit == -1 else min(len(pairs), limit * cfg["batch_size"])
+    log(format_table(cfg, adapters, split, n, r))
     return r
 
 

@@ -275,7 +275,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
 
     last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
-    bar = _progress(args, state["step"], rank)
+    bar = _progress(args, state["step"], rank, log)
     try:
         for step in range(state["step"] + 1, args.iters + 1):
             tic = time.perf_counter()
@@ -329,8 +329,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                           active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB)
             emit(record)
             if bar is not None:
-                bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.3f}")
-                bar.update(1)
+                bar.step(record)
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)

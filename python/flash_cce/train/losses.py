@@ -193,8 +193,10 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     nll = _nll(stats, nll_tokens)
     terms = cfg.pref_weight * pref / n + cpo_alpha * nll
     metrics = _reward_metrics(beta * lw, beta * ll)
+    # TRL computes no NLL when its weight is 0 and logs 0.0; the chosen NLL itself
+    # is `chosen_nll` (what the adaptive weight holds).
     metrics.update({"logps/chosen": logps_w.mean(), "logps/rejected": logps_l.mean(),
-                    "nll_loss": nll.sum()})
+                    "nll_loss": nll.sum() if cpo_alpha != 0 else mx.zeros(()), "chosen_nll": nll.sum()})
     return terms, metrics
 
 
@@ -273,14 +275,39 @@ def get(name):
     return OBJECTIVES[name]
 
 
-def scoring(cfg, obj=None):
+def scoring(cfg, obj=None, token_stats=False):
     """What the stack scores of each pair (`flash_cce.stack.Scoring`) for the
-    objective of `cfg` (an ObjectiveConfig)."""
+    objective of `cfg` (an ObjectiveConfig); `token_stats` adds what
+    `token_metrics` reads."""
     from ..stack import Scoring
 
     obj = obj or get(cfg.name)
     on_prompt = cfg.nll_on_prompt if obj.nll_on_prompt is None else obj.nll_on_prompt
-    return Scoring(rejected=obj.rejected, nll=obj.nll, nll_on_prompt=on_prompt)
+    return Scoring(rejected=obj.rejected, nll=obj.nll, nll_on_prompt=on_prompt, token_stats=token_stats)
+
+
+def token_metrics(name, stats):
+    """TRL's `entropy`, `mean_token_accuracy` and `logits/chosen|rejected` from the
+    stack's token statistics (`Scoring.token_stats`), token means as TRL takes
+    them: sft over its loss tokens; kto over the completions (logits by label);
+    the pair objectives' entropy over both responses, accuracy over the chosen."""
+    def mean(num, den):
+        return num.sum() / mx.maximum(den.sum(), 1.0)
+
+    if name == "sft":
+        return {"entropy": mean(stats["nll_ent_sum"], stats["nll_n"]),
+                "mean_token_accuracy": mean(stats["nll_top1_sum"], stats["nll_n"])}
+    out = {"logits/chosen": mean(stats["c_logit_sum"], stats["c_n"]),
+           "logits/rejected": mean(stats["r_logit_sum"], stats["r_n"])}
+    if name == "kto":
+        good = stats["label"]
+        out = {"entropy": mean(stats["c_ent_sum"], stats["c_n"]),
+               "logits/chosen": mean(stats["c_logit_sum"] * good, stats["c_n"] * good),
+               "logits/rejected": mean(stats["c_logit_sum"] * (1 - good), stats["c_n"] * (1 - good))}
+        return out
+    out["entropy"] = mean(stats["c_ent_sum"] + stats["r_ent_sum"], stats["c_n"] + stats["r_n"])
+    out["mean_token_accuracy"] = mean(stats["c_top1_sum"], stats["c_n"])
+    return out
 
 
 def loss_type(cfg):

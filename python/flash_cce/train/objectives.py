@@ -101,9 +101,20 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
         stats = {k: mx.distributed.all_gather(v, group=group) for k, v in stats.items()}
         counts = mx.distributed.all_sum(counts, group=group)
     terms, metrics = obj.fn(stats, cfg, *totals)
+    if "c_top1_sum" in stats:
+        metrics.update(losses.token_metrics(cfg.name, stats))
     metrics["prefix_fallbacks"] = counts[0]
     metrics["tokens"] = counts[1]
     return terms.sum(), metrics
+
+
+def _native_stats():
+    """TRL's token metrics in a training step where the device's own kernels
+    compute them (elsewhere the head would take its slower fallback for them);
+    evaluation always has them."""
+    from ..ops import native_stats
+
+    return native_stats(None)
 
 
 def value_and_grad(model, pairs, cfg, group=None):
@@ -122,7 +133,7 @@ def value_and_grad(model, pairs, cfg, group=None):
         one = {k: v[None] for k, v in _with_extras(stats, extras, i).items()}
         return obj.fn(one, cfg, *totals)[0].sum()
 
-    all_stats, grads = stack.value_and_grad(model, pairs, scoring(cfg, obj), share, cfg.stack)
+    all_stats, grads = stack.value_and_grad(model, pairs, scoring(cfg, obj, _native_stats()), share, cfg.stack)
     all_stats = [_with_extras(s, extras, i) for i, s in enumerate(all_stats)]
     loss, metrics = _metrics(obj, cfg, pairs, all_stats, totals, group)
     return loss, grads, metrics
@@ -131,6 +142,6 @@ def value_and_grad(model, pairs, cfg, group=None):
 def evaluate(model, pairs, cfg):
     """Loss and metrics of `cfg`'s objective without gradients."""
     obj, pairs, extras = _prepare(model, pairs, cfg, training=False)
-    all_stats = stack.statistics(model, pairs, scoring(cfg, obj), cfg.stack)
+    all_stats = stack.statistics(model, pairs, scoring(cfg, obj, token_stats=True), cfg.stack)
     all_stats = [_with_extras(s, extras, i) for i, s in enumerate(all_stats)]
     return _metrics(obj, cfg, pairs, all_stats, _batch_totals(pairs, cfg, obj))

@@ -144,3 +144,19 @@ def plot_run(run_dir, output=None, width=1000, height=700):
     out = Path(output) if output else run_dir / "plot.png"
     write_png(out, img)
     return out
+
+
+def plot_on_eval(run_dir, then=None):
+    """An `on_eval` callback for `trainer.train` that redraws RUN_DIR/plot.png
+    after each validation (written beside and renamed into place, so a reader
+    never sees half a file), then calls `then(record)`."""
+    run_dir = Path(run_dir)
+
+    def on_eval(record):
+        tmp = run_dir / ".plot.png.tmp"
+        plot_run(run_dir, tmp)
+        tmp.replace(run_dir / "plot.png")
+        if then is not None:
+            then(record)
+
+    return on_eval

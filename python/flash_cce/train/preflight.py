@@ -78,11 +78,11 @@ def load_model(cfg):
 
 def read_data(cfg, splits):
     """{split: records} after checking the files; RunError for what is missing."""
-    from .data import read_splits
+    from .data import data_kind, read_splits
 
     if cfg["data"] is None:
         raise RunError("data: give --data (a directory with train.jsonl and valid.jsonl)")
-    records = read_splits(cfg["data"], splits, unpaired=cfg["objective"] == "kto")
+    records = read_splits(cfg["data"], splits, kind=data_kind(cfg["objective"]))
     for split in splits:
         if split == "valid":
             continue
@@ -95,14 +95,14 @@ def read_data(cfg, splits):
 
 
 def encode(cfg, tokenizer, records, log):
-    from .data import encode_records, format_summary
+    from .data import data_kind, encode_records, format_summary
 
     out = {}
     for split, recs in records.items():
         pairs, report = encode_records(recs, tokenizer, max_seq_length=cfg["max_seq_length"],
                                        truncation=cfg["truncation"], chat_template=cfg["chat_template"],
                                        enable_thinking=cfg["enable_thinking"],
-                                       unpaired=cfg["objective"] == "kto")
+                                       kind=data_kind(cfg["objective"]), kl_chunk=cfg["batch_size"])
         log(format_summary(split, pairs, report))
         for line in degenerate(split, pairs, report, cfg):
             log(line)

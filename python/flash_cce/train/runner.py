@@ -8,12 +8,14 @@ writes config.yaml and trains.
 """
 
 import os
+import shlex
 import signal
 from pathlib import Path
 
 from . import settings
 from .checkpoint import find_checkpoint, read_trainer_state, run_dir_of
 from .identity import adapter_dir, check_adapter_model, check_data, data_fingerprint, read_run_config
+from .plot import plot_on_eval
 from .preflight import (RunError, check_capture, check_init_adapters, check_model, encode, load_model,
                         model_ref, read_data)
 from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, foreign_files, has_checkpoints,
@@ -62,7 +64,7 @@ def training_args(cfg, progress=True):
     args = TrainingArgs(**{k: cfg[k] for k in ("batch_size", "iters", "grad_accumulation_steps",
                                                "max_grad_norm", "steps_per_eval", "val_batches",
                                                "save_every", "keep_checkpoints", "seed",
-                                               "max_nonfinite_steps")},
+                                               "max_nonfinite_steps", "steps_per_report")},
                         progress=cfg["progress"] and progress)
     args.validate()
     return args
@@ -181,15 +183,15 @@ def _atomic_yaml(cfg, path):
 def generate_hint(cfg, run_dir, records):
     """An mlx_lm.generate command that prompts the model as it was trained."""
     rec = records[0][0]
-    strings = isinstance(rec["completion" if "completion" in rec else "chosen"], str)
+    strings = isinstance(rec[next(k for k in ("completion", "chosen", "text") if k in rec)], str)
     plain = strings and cfg["chat_template"] != True  # noqa: E712 (auto or False)
     prompt = rec.get("prompt") if strings else None
-    cmd = f"mlx_lm.generate --model {cfg['model']} --adapter-path {run_dir / 'adapters'}"
+    cmd = ["mlx_lm.generate", "--model", cfg["model"], "--adapter-path", str(run_dir / "adapters")]
     if plain:
-        cmd += " --ignore-chat-template"  # trained as plain text, not as a chat turn
-    if isinstance(prompt, str) and prompt and '"' not in prompt and "\n" not in prompt:
-        cmd += f' --prompt "{prompt}"'
-    return cmd
+        cmd.append("--ignore-chat-template")  # trained as plain text, not as a chat turn
+    if isinstance(prompt, str) and prompt and "\n" not in prompt:
+        cmd += ["--prompt", prompt]
+    return shlex.join(cmd)
 
 
 def _check_run_dir(run_dir, resume, own_files):
@@ -272,6 +274,9 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     if resume is not None:  # every file of the checkpoint, before anything is written
         resume_state, _ = check_checkpoint(resume, model, optimizer)
     log(trainable_summary(model))
+    from .report import run_summary
+
+    log(run_summary(cfg))
 
     own_lock = lock is None
     lock = lock or Lock(run_dir)
@@ -295,16 +300,17 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
         with Stop(log) as stop:
             try:
                 last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
-                             run_dir=run_dir, adapter_config=cfg, resume=resume, on_eval=on_eval, log=log,
+                             run_dir=run_dir, adapter_config=cfg, resume=resume,
+                             on_eval=plot_on_eval(run_dir, on_eval) if rank == 0 else on_eval, log=log,
                              should_stop=stop, gpu_capture=cfg["gpu_capture"],
                              controller=controller)
             except Interrupted as e:
-                e.resume_command = f"flash-cce train --resume {run_dir}"
+                e.resume_command = shlex.join(["flash-cce", "train", "--resume", str(run_dir)])
                 raise
         if cfg["test"]:
             from .trainer import evaluate_pairs
 
-            r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"])
+            r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"], cfg["test_batches"])
             log(f"test: loss {r['loss']:.4f}, accuracy {r.get('rewards/accuracies', float('nan')):.3f}")
     finally:
         if own_lock:

@@ -27,7 +27,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str  # int, float, bool, str, path, auto_int, auto_bool, str_list, table
+    kind: str  # int, float, bool, str, path, auto_int, auto_bool, str_list, table, schedule
     default: object
     help: str
     choices: Optional[tuple] = None
@@ -48,6 +48,10 @@ class Setting:
         if self.kind == "table":
             return "a mapping with keys " + ", ".join(f.name for f in self.fields) + (
                 " (or null)" if self.optional else "")
+        if self.kind == "schedule":
+            from .mlx_lm_config import schedule_allowed
+
+            return schedule_allowed(self.choices)
         if self.choices is not None:
             text = "one of " + ", ".join(show(c) for c in self.choices)
         else:
@@ -257,11 +261,13 @@ SETTINGS = (
       low=0, optional=True, commands=BOTH, resume="free"),
     # The optimizer.
     S("learning_rate", "float", 1e-5, "Peak AdamW learning rate.", low=0, low_open=True, resume="free"),
-    S("min_learning_rate", "float", 0.0, "Learning rate at the end of the cosine decay (<= learning_rate).",
+    S("min_learning_rate", "float", 0.0, "Learning rate at the end of the linear or cosine decay (<= learning_rate).",
       low=0, resume="free"),
-    S("lr_schedule", "str", "cosine", "Decay after the warmup.", choices=("cosine", "constant"), resume="free"),
+    S("lr_schedule", "schedule", "linear", "Decay after the warmup to min_learning_rate (sft's default: "
+      "constant), or mlx_lm.lora's mapping (then learning_rate, min_learning_rate and warmup are unused).",
+      choices=("linear", "cosine", "constant"), resume="free"),
     S("warmup", "int", 0, "Linear warmup steps from 0 (< iters).", low=0, resume="free"),
-    S("weight_decay", "float", 0.01, "AdamW weight decay.", low=0),
+    S("weight_decay", "float", 0.0, "AdamW weight decay (mlx_lm.lora's Adam and TRL: none).", low=0),
     S("max_grad_norm", "float", 1.0, "Gradient clipping threshold (global norm; null: no clipping).",
       low=0, low_open=True, optional=True, resume="free"),
     # Batches.
@@ -278,9 +284,14 @@ SETTINGS = (
       optional=True, commands=BOTH),
     # The loop.
     S("iters", "int", 1000, "Optimizer steps.", low=1, resume="free"),
-    S("steps_per_eval", "int", 100, "Steps between validations (0: only before and after).", low=0, resume="free"),
-    S("val_batches", "int", -1, "Validation micro-batches per evaluation (-1: all; 0: no validation).",
-      low=0, special=(-1,), resume="free"),
+    S("steps_per_eval", "int", 100, "Steps between validations (0: only before and after; sft's default: 200).",
+      low=0, resume="free"),
+    S("val_batches", "int", -1, "Validation micro-batches per evaluation (-1: all; 0: no validation; "
+      "sft's default: 25).", low=0, special=(-1,), resume="free"),
+    S("steps_per_report", "int", 10, "Steps per printed report line (without a progress bar).", low=1,
+      resume="free"),
+    S("test_batches", "int", -1, "Test micro-batches of --test (-1: all).", low=1, special=(-1,),
+      resume="free"),
     S("save_every", "int", 100, "Steps between checkpoints (0: only the last).", low=0, resume="free"),
     S("keep_checkpoints", "int", 2, "Newest checkpoints kept besides the best.", low=1, resume="free"),
     S("seed", "int", 0, "Seed of the data order and the initial adapters.", low=0),
@@ -295,8 +306,18 @@ SETTINGS = (
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
-# Defaults that differ by objective (TRL's GRPOConfig has beta 0.0).
-OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0}}
+# Defaults that differ by objective (docs/cli.md, "Defaults"): sft follows
+# mlx_lm.lora, whose users train SFT; the preference objectives follow TRL, and
+# grpo TRL's GRPOConfig (beta 0.0).
+OBJECTIVE_DEFAULTS = {"sft": {"lr_schedule": "constant", "val_batches": 25, "steps_per_eval": 200},
+                      "grpo": {"beta": 0.0}}
+
+
+def default(name, objective=None):
+    """Setting `name`'s default for `objective`."""
+    over = OBJECTIVE_DEFAULTS.get(objective, {}) if isinstance(objective, str) else {}  # a bad one: checked later
+    return _copy(over[name] if name in over else BY_NAME[name].default)
+
 
 # Flags that set one field of a table.
 NESTED_FLAGS = {
@@ -346,6 +367,10 @@ def check_value(setting, value, key=None):
     kind = setting.kind
     if kind == "table":
         return _check_table(setting, value, key)
+    if kind == "schedule":
+        from .mlx_lm_config import check_schedule
+
+        return check_schedule(value, key, setting.choices)
     if kind == "auto_bool":
         if value == AUTO or _bool(value):
             return value
@@ -408,9 +433,9 @@ def check(cfg):
         if k not in BY_NAME:
             raise SettingsError(f"unknown key {k!r}{_near(k, BY_NAME)}; see `flash-cce train -h` for the settings")
     out = {}
-    own = OBJECTIVE_DEFAULTS.get(cfg.get("objective"), {})
+    objective = cfg.get("objective")
     for s in SETTINGS:
-        out[s.name] = check_value(s, cfg[s.name] if s.name in cfg else _copy(own.get(s.name, s.default)))
+        out[s.name] = check_value(s, cfg[s.name] if s.name in cfg else default(s.name, objective))
     _check_together(out)
     return out
 
@@ -419,6 +444,9 @@ def _check_together(cfg):
     if cfg["min_learning_rate"] > cfg["learning_rate"]:
         raise SettingsError(f"min_learning_rate: got {cfg['min_learning_rate']}; allowed: "
                             f"<= learning_rate ({cfg['learning_rate']})")
+    if isinstance(cfg["lr_schedule"], dict) and cfg["warmup"]:
+        raise SettingsError(f"warmup: got {cfg['warmup']} with lr_schedule as mlx_lm's mapping; set the "
+                            "mapping's own warmup instead")
     if cfg["warmup"] >= cfg["iters"]:
         raise SettingsError(f"warmup: got {cfg['warmup']}; allowed: < iters ({cfg['iters']})")
     if cfg["quantize"] is not None and cfg["fine_tune_type"] == "full":
@@ -497,8 +525,10 @@ def dump_yaml(cfg, path):
 def resolve(flags, config_path=None, base=None):
     """Checked settings: `flags` (None = unset) > YAML at `config_path` > `base` > defaults.
     A setting given in `flags` or the YAML file must apply to the objective (`check_applies`)."""
+    from .mlx_lm_config import from_mlx_lm
+
     cfg, given = {}, set()
-    yaml_layer = load_yaml(config_path) if config_path else {}
+    yaml_layer = from_mlx_lm(load_yaml(config_path), BY_NAME) if config_path else {}
     for layer in (base or {}), yaml_layer:
         for k, v in layer.items():
             cfg[k] = v
@@ -575,7 +605,9 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+        from .mlx_lm_config import near_flag
+
+        self.exit(2, f"{self.prog}: error: {message}{near_flag(self, message)} (see {self.prog} -h)\n")
 
 
 def flag_type(setting):

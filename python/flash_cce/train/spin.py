@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data import DataError, Encoder, _check_texts, read_jsonl
+from .report import use_bar
 
 
 @dataclass
@@ -163,7 +164,7 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True, k
     done = _start(out, prog, key, len(records), log, restart)
     lines = len(out.read_text(encoding="utf-8").splitlines()) if out.exists() else 0
     bar = None
-    if progress:
+    if use_bar(progress):  # a terminal: no carriage returns into log files
         from tqdm import tqdm
 
         bar = tqdm(total=len(records), initial=done, desc="spin", unit="record", dynamic_ncols=True)

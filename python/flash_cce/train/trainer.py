@@ -45,6 +45,7 @@ class TrainingArgs:
     memory_canary: float = field(default=0.25, metadata={"help": "Warn when active memory grows by this fraction after the first steps."})
     progress: bool = settings.field("progress")
     max_nonfinite_steps: int = settings.field("max_nonfinite_steps")
+    steps_per_report: int = settings.field("steps_per_report")
 
     def validate(self):
         for f in fields(self):
@@ -53,14 +54,21 @@ class TrainingArgs:
 
 
 def build_schedule(learning_rate, iters, warmup=0, schedule="cosine", min_learning_rate=0.0):
-    """Linear warmup from 0 over `warmup` steps, then cosine decay to
-    `min_learning_rate` at `iters` (or a constant rate)."""
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {schedule!r}")
+    """Linear warmup from 0 over `warmup` steps, then cosine or linear decay to
+    `min_learning_rate` at `iters` (or a constant rate); `schedule` may also be
+    mlx_lm.lora's mapping, built as mlx_lm builds it (the other arguments unused)."""
+    if isinstance(schedule, dict):
+        from mlx_lm.tuner.utils import build_schedule as mlx_lm_schedule
+
+        return mlx_lm_schedule(schedule)
+    if schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"lr_schedule must be 'cosine', 'linear' or 'constant', got {schedule!r}")
     if not 0 <= warmup < iters:
         raise ValueError(f"warmup must be in [0, iters={iters}), got {warmup}")
     if schedule == "cosine":
         main = optim.cosine_decay(learning_rate, iters - warmup, min_learning_rate)
+    elif schedule == "linear":
+        main = optim.linear_schedule(learning_rate, min_learning_rate, iters - warmup)
     else:
         main = lambda step: mx.array(learning_rate, mx.float32)  # noqa: E731
     if warmup == 0:
@@ -168,12 +176,13 @@ class MemoryCanary:
         return None
 
 
-def _progress(args, start, rank):
-    if not args.progress or rank != 0:
+def _progress(args, start, rank, log):
+    """A bar on a terminal, else a line per `steps_per_report` steps (rank 0 only)."""
+    if rank != 0:
         return None
-    from tqdm import tqdm
+    from .report import Reporter, use_bar
 
-    return tqdm(total=args.iters, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return Reporter(args.iters, start, args.steps_per_report, use_bar(args.progress), log)
 
 
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
@@ -212,7 +221,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     # nonfinite_steps: updates skipped so far; finite_checkpoint: the newest
     # checkpoint whose weights a later step found to give a finite loss.
     state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed, nonfinite_steps=0,
-                 finite_checkpoint=None)
+                 finite_checkpoint=None, num_tokens=0)
     mx.random.seed(args.seed)
     last_ckpt, unproven = None, None  # the newest checkpoint, and its step while no step has used it
     if resume is not None:
@@ -237,6 +246,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         values = evaluate_pairs(model, val_pairs, objective, args.batch_size, args.val_batches, evaluate)
         record = dict(split="valid", step=step, eval_time=time.perf_counter() - tic,
                       **{k: v for k, v in values.items()})
+        record.update({f"eval_{k}": v for k, v in values.items()})  # TRL's names of validation metrics
         emit(record)
         if on_eval is not None:
             on_eval(record)
@@ -274,7 +284,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
     canary = MemoryCanary(args.memory_canary)
-    bar = _progress(args, state["step"], rank)
+    bar = _progress(args, state["step"], rank, log)
     accum = args.grad_accumulation_steps
     streak, suspect = 0, False  # non-finite steps in a row; weights that gave a non-finite loss
     try:
@@ -322,8 +332,10 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             state["step"] = step
             elapsed = time.perf_counter() - tic
             active = mx.get_active_memory()
+            state["num_tokens"] = state.get("num_tokens", 0) + int(tokens)  # TRL's num_tokens: all so far
             record = dict(split="train", step=step, **sums, grad_norm=float(norm.item()),
                           learning_rate=float(optimizer.learning_rate.item()), tokens=int(tokens),
+                          num_tokens=state["num_tokens"],
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
             record["nonfinite/skipped_steps"] = state["nonfinite_steps"]
@@ -331,16 +343,14 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if controller is not None:
                 record["pref_weight"] = objective.pref_weight
                 if finite:
-                    controller.update(sums["nll_loss"])
+                    controller.update(sums.get("chosen_nll", sums["nll_loss"]))
             warning = canary.check(step, active)
             if warning:
                 record["memory_warning"] = warning
                 log(f"[warning] {warning}")
             emit(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}",
-                                acc=f"{record.get('rewards/accuracies', float('nan')):.2f}")
-                bar.update(1)
+                bar.step(record)
             if not finite:
                 detail = f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}"
                 warning = (f"step {step}: non-finite {detail}; update skipped ({streak} in a row, "
