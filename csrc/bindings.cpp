@@ -143,5 +143,12 @@ NB_MODULE(_ext, m) {
         return std::make_tuple(st.source, st.path, st.error);
       },
       "Loads the Metal kernels' library once; returns (source, path, error).");
+  m.def(
+      "metal_split_limit",
+      [](int max_splits, flash_cce::mx::StreamOrDevice s) {
+        flash_cce::metal_split_limit(max_splits, flash_cce::mx::to_stream(s));
+      },
+      "max_splits"_a, "stream"_a = nb::none(),
+      "Caps the Metal kernels' vocabulary splits on `stream` (0: the plan's choice).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 }

@@ -694,12 +694,21 @@ bool has_metal_kernels() {
 MetalLibraryStatus metal_library_status() {
   return metal::library_status();
 }
+void metal_split_limit(int max_splits, const mx::Stream& s) {
+  metal::set_split_limit(s, max_splits);
+}
 #else
 bool has_metal_kernels() {
   return false;
 }
 MetalLibraryStatus metal_library_status() {
   return {"", "", "this build has no Metal kernels"};
+}
+void metal_split_limit(int max_splits, const mx::Stream&) {
+  if (max_splits < 0) {
+    throw std::invalid_argument("[flash_cce] max_splits must be >= 0, got " +
+                                std::to_string(max_splits));
+  }
 }
 #endif
 

@@ -108,6 +108,11 @@ struct MetalLibraryStatus {
 };
 MetalLibraryStatus metal_library_status();
 
+// Caps the Metal kernels' vocabulary splits for launches encoded on stream `s`
+// (0: the plan's choice), so that the self-check runs the long-split code at
+// small sizes. No effect in a build without Metal kernels (no splits there).
+void metal_split_limit(int max_splits, const mx::Stream& s);
+
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);
 

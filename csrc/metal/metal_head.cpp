@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 
@@ -73,6 +74,16 @@ const Library& library() {
   return lib;
 }
 
+// Split limits per stream index (set_split_limit).
+std::mutex split_mutex;
+std::map<int, int> split_limits;
+
+int split_limit(const mx::Stream& s) {
+  std::lock_guard<std::mutex> lock(split_mutex);
+  auto it = split_limits.find(s.index);
+  return it == split_limits.end() ? 0 : it->second;
+}
+
 DType dtype_of(mx::Dtype t, const char* what) {
   if (t == mx::float32) {
     return DType::f32;
@@ -89,9 +100,10 @@ DType dtype_of(mx::Dtype t, const char* what) {
 
 // The plan's problem for a primitive evaluation; `sb_at` is the index of the
 // scales among the inputs.
-Problem plan_problem(const HeadProblem& hp, Pass pass, const std::vector<mx::array>& in,
-                     size_t sb_at) {
+Problem plan_problem(mx::Stream s, const HeadProblem& hp, Pass pass,
+                     const std::vector<mx::array>& in, size_t sb_at) {
   Problem p;
+  p.max_splits = split_limit(s);
   p.M = hp.M;
   p.H = hp.H;
   p.V = hp.V;
@@ -194,21 +206,34 @@ MetalLibraryStatus library_status() {
   return library().status;
 }
 
+void set_split_limit(const mx::Stream& s, int max_splits) {
+  if (max_splits < 0) {
+    throw std::invalid_argument("[flash_cce] max_splits must be >= 0, got " +
+                                std::to_string(max_splits));
+  }
+  std::lock_guard<std::mutex> lock(split_mutex);
+  if (max_splits == 0) {
+    split_limits.erase(s.index);
+  } else {
+    split_limits[s.index] = max_splits;
+  }
+}
+
 void forward(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
              std::vector<mx::array>& out) {
-  encode(s, Pass::forward, make_plan(plan_problem(hp, Pass::forward, in, 3)), in, out);
+  encode(s, Pass::forward, make_plan(plan_problem(s, hp, Pass::forward, in, 3)), in, out);
 }
 
 void backward(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
               std::vector<mx::array>& out) {
-  auto p = plan_problem(hp, Pass::backward, in, 6);
+  auto p = plan_problem(s, hp, Pass::backward, in, 6);
   p.compute_dw = out.size() > 1;
   encode(s, Pass::backward, make_plan(p), in, out);
 }
 
 void fused_dh(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
               std::vector<mx::array>& out) {
-  auto p = plan_problem(hp, Pass::fused_dh, in, 7);
+  auto p = plan_problem(s, hp, Pass::fused_dh, in, 7);
   p.out = dtype_of(out[0].dtype(), "dh");
   encode(s, Pass::fused_dh, make_plan(p), in, out);
 }

@@ -32,4 +32,8 @@ inline bool supports_fused(mx::Dtype) {
 // which one, or why neither.
 MetalLibraryStatus library_status();
 
+// Caps the vocabulary splits of the plans encoded on stream `s` (0: the plan's
+// choice); the self-check uses it to run long splits at small sizes.
+void set_split_limit(const mx::Stream& s, int max_splits);
+
 } // namespace flash_cce::metal

@@ -251,3 +251,29 @@ def test_the_check_runs_inside_compile_and_grad(cpu_gated):
     assert g.checks[HeadSpec.of(h, w).key].passed and not log
     want = mx.grad(lambda h_: -_ext.forward(h_, w, y, stream=mx.cpu)[0].sum())(h)
     assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_the_check_sets_each_problems_split_limit_and_clears_it():
+    # The Metal path takes a split limit per problem (one split of many
+    # blocks at a small size); it must not outlive the problem.
+    calls = []
+
+    class Limited(Native):
+        def metal_split_limit(self, max_splits, stream=None):
+            calls.append((max_splits, stream))
+
+    probs = [p for p in PROBLEMS if p.max_splits][:2]
+    assert self_check(SPECS[0], Limited(), mx.cpu, probs).passed
+    want = []
+    for p in probs:
+        want += [(p.max_splits, mx.cpu), (0, mx.cpu)]
+    assert calls == want
+
+
+def test_the_shipped_problems_cover_what_the_check_must_see():
+    # A float32 problem off the bfloat16 grid, a dense H with a partial tile, a
+    # custom ignore_index that is a real token id, and one split of >= 64 blocks.
+    assert any(p.off_grid for p in PROBLEMS)
+    assert any(p.hidden % 32 for p in PROBLEMS)
+    assert any(0 <= p.ignore_index < p.V and p.ignored for p in PROBLEMS)
+    assert any(p.max_splits == 1 and -(-p.V // 32) >= 64 for p in PROBLEMS)
