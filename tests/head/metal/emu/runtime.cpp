@@ -221,7 +221,8 @@ bool same(Site a, Site b) {
   return a.line == b.line && (a.file == b.file || (a.file && b.file && !strcmp(a.file, b.file)));
 }
 
-void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
+void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind,
+          bool orders_memory = true) {
   Fiber& f = cur();
   if (!m.waiting.empty() && (!same(m.site, site) || m.seq != seq)) {
     const Fiber& o = R.fibers[m.first];
@@ -243,9 +244,9 @@ void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   f.wait_kind = kind;
   m.waiting.push_back(R.current);
   if (int(m.waiting.size()) == expected) release(m);
-  EMU_TSAN_ONLY(__tsan_release(&m.sync[seq & 1]));
+  EMU_TSAN_ONLY(if (orders_memory) __tsan_release(&m.sync[seq & 1]));
   to_scheduler();
-  EMU_TSAN_ONLY(__tsan_acquire(&m.sync[seq & 1]));
+  EMU_TSAN_ONLY(if (orders_memory) __tsan_acquire(&m.sync[seq & 1]));
 }
 
 int simd_active(int sg) {
@@ -559,14 +560,14 @@ void fail(const char* fmt, ...) {
   _Exit(3);
 }
 
-void threadgroup_barrier(Site site) {
+void threadgroup_barrier(Site site, bool orders_memory) {
   Fiber& f = cur();
   f.barriers++;
   if (R.done > 0)
     fail("threadgroup_barrier reached after %d threads of the threadgroup returned (barrier in "
          "divergent control flow)",
          R.done);
-  meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier");
+  meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier", orders_memory);
 }
 
 const unsigned char* simd_exchange(const void* data, size_t size, Site site) {
