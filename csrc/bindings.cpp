@@ -144,6 +144,16 @@ NB_MODULE(_ext, m) {
       },
       "Loads the Metal kernels' library once; returns (source, path, error).");
   m.def(
+      "metal_compiled",
+      [] {
+        std::vector<std::tuple<std::vector<std::string>, size_t, double>> out;
+        for (const auto& c : flash_cce::metal_compiled_libraries()) {
+          out.emplace_back(c.kernels, c.source_bytes, c.seconds);
+        }
+        return out;
+      },
+      "The Metal libraries compiled from source so far: (kernels, source bytes, seconds).");
+  m.def(
       "metal_split_limit",
       [](int max_splits, flash_cce::mx::StreamOrDevice s) {
         flash_cce::metal_split_limit(max_splits, flash_cce::mx::to_stream(s));

@@ -697,12 +697,18 @@ MetalLibraryStatus metal_library_status() {
 void metal_split_limit(int max_splits, const mx::Stream& s) {
   metal::set_split_limit(s, max_splits);
 }
+std::vector<MetalCompile> metal_compiled_libraries() {
+  return metal::compiled_libraries();
+}
 #else
 bool has_metal_kernels() {
   return false;
 }
 MetalLibraryStatus metal_library_status() {
   return {"", "", "this build has no Metal kernels"};
+}
+std::vector<MetalCompile> metal_compiled_libraries() {
+  return {};
 }
 void metal_split_limit(int max_splits, const mx::Stream&) {
   if (max_splits < 0) {

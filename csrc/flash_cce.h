@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -107,6 +108,17 @@ struct MetalLibraryStatus {
   std::string source, path, error;
 };
 MetalLibraryStatus metal_library_status();
+
+// One Metal library compiled from the embedded source: the kernels it holds
+// (one launch plan's), its source size and the seconds get_library took.
+struct MetalCompile {
+  std::vector<std::string> kernels;
+  size_t source_bytes;
+  double seconds;
+};
+// The libraries compiled so far in this process (empty without Metal kernels
+// or with a metallib).
+std::vector<MetalCompile> metal_compiled_libraries();
 
 // Caps the Metal kernels' vocabulary splits for launches encoded on stream `s`
 // (0: the plan's choice), so that the self-check runs the long-split code at

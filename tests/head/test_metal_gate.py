@@ -216,6 +216,19 @@ def test_metal_status_reports_checks_and_errors(monkeypatch):
     assert "configs:" in text and ": fallback (" in text and ": native (" in text
 
 
+def test_metal_status_reports_compiled_libraries(monkeypatch):
+    # One library per launch plan's kernel set, as the Metal host records them.
+    libs = [(["fcce_combine", "fcce_fwd_hbf16_wbf16"], 61234, 0.42),
+            (["fcce_dh_hbf16_wbf16", "fcce_reduce_dh_bf16"], 60001, 0.38)]
+    monkeypatch.setattr(metal._ext, "metal_compiled", lambda: libs)
+    st = metal.metal_status(check=False, gate=gate()[0])
+    assert [c["kernels"] for c in st["compiled"]] == [k for k, _, _ in libs]
+    assert [c["seconds"] for c in st["compiled"]] == [0.42, 0.38]
+    assert [c["source_bytes"] for c in st["compiled"]] == [61234, 60001]
+    text = str(st)
+    assert "compiled: 2 libraries from source" in text and "0.42 s, 61234 bytes" in text
+
+
 def test_metal_status_without_metal():
     st = fc.metal_status()
     assert st["kernels_built"] == _ext.has_metal_kernels()
