@@ -10,6 +10,7 @@
 
 #include "cpu/gemm.h"
 #include "flash_cce.h"
+#include "metal/cost.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -66,6 +67,77 @@ nb::dict plan_dict(const std::vector<std::pair<std::string, int64_t>>& items) {
   for (const auto& [k, v] : items) {
     d[k.c_str()] = v;
   }
+  return d;
+}
+
+namespace fm = flash_cce::metal;
+
+fm::DType metal_dtype(const std::string& name, const char* what) {
+  if (name == "float32") return fm::DType::f32;
+  if (name == "float16") return fm::DType::f16;
+  if (name == "bfloat16") return fm::DType::bf16;
+  throw std::invalid_argument(std::string("[flash_cce] ") + what +
+                              " must be 'float32', 'float16' or 'bfloat16', got '" + name + "'");
+}
+
+const fm::AppleGpu& metal_gpu(const std::string& name) {
+  if (const fm::AppleGpu* g = fm::find_apple_gpu(name)) {
+    return *g;
+  }
+  std::string known;
+  for (const auto& g : fm::apple_gpus()) known += std::string(known.empty() ? "" : ", ") + g.name;
+  throw std::invalid_argument("[flash_cce] gpu must be one of " + known + ", got '" + name + "'");
+}
+
+nb::dict cost_dict(const fm::LaunchCost& c, const fm::AppleGpu& gpu) {
+  nb::dict d;
+  d["kernel"] = c.kernel;
+  d["flops"] = c.flops;
+  d["bytes_read"] = c.bytes_read;
+  d["bytes_written"] = c.bytes_written;
+  d["threadgroup_bytes"] = c.threadgroup_bytes;
+  d["threadgroups"] = c.threadgroups;
+  d["threads"] = c.threads;
+  d["seconds"] = fm::estimate_seconds(c, gpu);
+  return d;
+}
+
+// The cost model (csrc/metal/cost.h) of one primitive's Metal launch plan.
+nb::dict metal_cost(const std::string& pass, int64_t M, int64_t H, int64_t V,
+                    const std::string& h, const std::string& w, const std::string& sb,
+                    bool quantized, int bits, int group_size, bool fused, bool compute_dw,
+                    const std::string& gpu_name) {
+  fm::Problem p;
+  if (pass == "forward") p.pass = fm::Pass::forward;
+  else if (pass == "backward") p.pass = fm::Pass::backward;
+  else if (pass == "fused_dh") p.pass = fm::Pass::fused_dh;
+  else
+    throw std::invalid_argument("[flash_cce] pass must be 'forward', 'backward' or 'fused_dh', got '" +
+                                pass + "'");
+  p.M = M;
+  p.H = H;
+  p.V = V;
+  p.h = p.out = metal_dtype(h, "h");
+  p.w = metal_dtype(w, "w");
+  p.sb = metal_dtype(sb, "sb");
+  p.quantized = quantized;
+  p.bits = bits;
+  p.group_size = group_size;
+  p.fused = fused;
+  p.compute_dw = compute_dw;
+  const fm::AppleGpu& gpu = metal_gpu(gpu_name);
+  const auto costs = fm::plan_cost(p, fm::make_plan(p));
+  const fm::PassCost t = fm::pass_cost(costs, gpu);
+  nb::list launches;
+  for (const auto& c : costs) launches.append(cost_dict(c, gpu));
+  nb::dict d;
+  d["gpu"] = gpu.name;
+  d["launches"] = launches;
+  d["flops"] = t.flops;
+  d["bytes_read"] = t.bytes_read;
+  d["bytes_written"] = t.bytes_written;
+  d["seconds"] = t.seconds;
+  d["longest_seconds"] = t.longest_seconds;
   return d;
 }
 
@@ -161,4 +233,38 @@ NB_MODULE(_ext, m) {
       "max_splits"_a, "stream"_a = nb::none(),
       "Caps the Metal kernels' vocabulary splits on `stream` (0: the plan's choice).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
+
+  m.def("metal_cost", &metal_cost, "pass_"_a, "M"_a, "H"_a, "V"_a, nb::kw_only(),
+        "h"_a = "bfloat16", "w"_a = "bfloat16", "sb"_a = "bfloat16", "quantized"_a = false,
+        "bits"_a = 4, "group_size"_a = 64, "fused"_a = false, "compute_dw"_a = false,
+        "gpu"_a = "Apple M1 Max",
+        "The cost model of the Metal launch plan of one primitive (csrc/metal/cost.h): per "
+        "launch and in all, flops, device bytes, threadgroup memory, threads and the estimated "
+        "seconds on a named Apple GPU. Runs nothing.");
+  m.def(
+      "metal_qmm_cost",
+      [](int64_t M, int64_t N, int64_t K, int x_bytes, int bits, int group_size, int sb_bytes,
+         const std::string& gpu) {
+        return cost_dict(fm::mlx_qmm_cost(M, N, K, x_bytes, bits, group_size, sb_bytes),
+                         metal_gpu(gpu));
+      },
+      "M"_a, "N"_a, "K"_a, nb::kw_only(), "x_bytes"_a = 2, "bits"_a = 4, "group_size"_a = 64,
+      "sb_bytes"_a = 2, "gpu"_a = "Apple M1 Max",
+      "The same model of MLX's steel quantized matmul x @ w^T ([M, K] x [N, K]).");
+  m.def(
+      "metal_gpus",
+      [] {
+        nb::list out;
+        for (const auto& g : fm::apple_gpus()) {
+          nb::dict d;
+          d["name"] = g.name;
+          d["cores"] = g.cores;
+          d["fp32_flops"] = g.fp32_flops;
+          d["fp16_flops"] = g.fp16_flops;
+          d["bandwidth"] = g.bandwidth;
+          out.append(d);
+        }
+        return out;
+      },
+      "The Apple GPUs the cost model knows, with their published peak rates.");
 }

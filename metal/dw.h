@@ -1,5 +1,6 @@
 // dW of a dense head. A threadgroup owns BN vocabulary rows (of the launch's
-// slab [v_begin, v_begin + v_count)) and walks all BM-row tiles of h: per tile
+// slab [v_begin, v_begin + v_count)) and walks the launch's BM-row tiles of h
+// ([m_tile_begin, + m_tile_count); the plan bounds them): per tile
 // it recomputes the logits, forms dS as the dh pass does, and adds
 // dS^T [BN, BM] h [BM, H] into its float32 rows of `acc` (dw itself for a
 // float32 head, else the slab's staging buffer), H in BK-wide pieces. No other
@@ -23,10 +24,12 @@ METAL_FUNC void dw_tiles(
   const int r0 = int(group.x) * FCCE_BN; // first row within the slab
   const int v0 = p.v_begin + r0;
   const short out_rows = short(min(FCCE_BN, p.v_count - r0));
-  device float* out = acc + size_t(r0) * size_t(p.H);
+  device float* out = acc + size_t(p.acc_row0 + r0) * size_t(p.H);
   const int er = int(tid) / 4, ec = int(tid % 4) * 8;
+  // This launch's m tiles; later launches add to the rows the first wrote.
+  const int m_end = min(p.M, (p.m_tile_begin + p.m_tile_count) * FCCE_BM);
 
-  for (int m0 = 0; m0 < p.M; m0 += FCCE_BM) {
+  for (int m0 = p.m_tile_begin * FCCE_BM; m0 < m_end; m0 += FCCE_BM) {
     const RowTarget t = row_target(p, targets, m0 + er);
     const RowGrad r = row_grad(t, lse, g, g_lse, m0 + er);
     logits_tile(h, w, p, m0, v0, sm, tid, sgid, lane);

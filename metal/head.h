@@ -11,6 +11,9 @@
 //      blocks to the new row maximum; 1 for DH).
 // The split's row statistics go to part_max / part_sum at the end. Only the
 // [splits, M] statistics and the [splits, M, H] partials reach device memory.
+// A launch runs one round of each split's blocks (FcceParams::block_begin,
+// block_count); a round after the first resumes from those statistics and
+// partials, so a long split is several bounded launches.
 #pragma once
 
 namespace fcce {
@@ -179,15 +182,25 @@ METAL_FUNC void head_tiles(
     device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
     uint3 group, uint tid, uint sgid, uint lane) {
   const HeadSmem sm(smem);
-  const int split = int(group.x), m0 = int(group.y) * FCCE_BM;
-  const int vb0 = split * p.blocks_per_split;
-  const int vb1 = min(vb0 + p.blocks_per_split, (p.V + FCCE_BN - 1) / FCCE_BN);
+  // grid.x runs over m tiles, so that threadgroups in flight share W's tiles.
+  const int split = p.split_begin + int(group.y);
+  const int m0 = (p.m_tile_begin + int(group.x)) * FCCE_BM;
+  // This launch's blocks of the split: a round [block_begin, + block_count);
+  // a later round resumes the split's statistics and partial sums.
+  const int split_vb0 = split * p.blocks_per_split;
+  const int split_vb1 = min(split_vb0 + p.blocks_per_split, (p.V + FCCE_BN - 1) / FCCE_BN);
+  const int vb0 = split_vb0 + p.block_begin;
+  const int vb1 = min(vb0 + p.block_count, split_vb1);
 
   // This thread's row and columns in the epilogue.
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
   const RowTarget t = row_target(p, targets, m);
   const RowGrad r = MODE == FCCE_MODE_DH ? row_grad(t, lse, g, g_lse, m) : RowGrad{0, 0, 0};
   float run_max = kFloorLogit, run_sum = 0.0f;
+  if (MODE != FCCE_MODE_DH && p.block_begin > 0 && t.ok) {
+    run_max = part_max[split * p.M + m];
+    run_sum = part_sum[split * p.M + m];
+  }
   device float* part = MODE == FCCE_MODE_FWD
       ? part_acc
       : part_acc + (size_t(split) * size_t(p.M) + size_t(m0)) * size_t(p.H);
@@ -228,7 +241,7 @@ METAL_FUNC void head_tiles(
       }
     }
     if (MODE != FCCE_MODE_FWD) {
-      accumulate_cw(w, p, part, m0, v0, vb == vb0, MODE == FCCE_MODE_FWD_FUSED,
+      accumulate_cw(w, p, part, m0, v0, vb == split_vb0, MODE == FCCE_MODE_FWD_FUSED,
                     sm, tid, sgid, lane);
     }
   }

@@ -18,6 +18,11 @@
 // [BN, LD], coefficient tile [BM, BN + 4], row factors [BM].
 #define FCCE_SMEM_FLOATS \
   (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
+// The most vocabulary rows (and, in dW, rows of h) one threadgroup processes
+// in one launch: macOS ends a command whose work runs too long, so long heads
+// are split into several launches.
+#define FCCE_MAX_ROUND_ROWS 8192
+#define FCCE_MAX_ROUND_BLOCKS (FCCE_MAX_ROUND_ROWS / FCCE_BN)
 // Threads per threadgroup of the element-wise kernels (combine, reduce, cast, fused dh).
 #define FCCE_EW_THREADS 256
 
@@ -45,10 +50,17 @@ struct FcceParams {
   int sb_dtype; // quantized heads: dtype of scales and biases (0 float32, 1 float16, 2 bfloat16)
   float softcap; // 0: off
   int ignore_index;
-  int splits; // vocabulary splits (grid.x of the head kernel)
+  int splits; // vocabulary splits (grid.y of the head kernel)
   int blocks_per_split; // BN-row vocabulary blocks per split
-  int m_tiles; // BM-row tiles of h (grid.y of the head kernel)
+  int m_tiles; // BM-row tiles of h
+  // A launch covers part of the work (bounded dispatches, csrc/metal/plan.cpp):
+  int m_tile_begin; // head: m tile of grid.x 0; dW: first m tile walked
+  int split_begin; // head: split of grid.y 0
+  int m_tile_count; // dW: m tiles each threadgroup walks in this launch
+  int block_begin; // head: first block of each split in this launch (> 0: resume)
+  int block_count; // head: blocks of each split in this launch (at most FCCE_MAX_ROUND_BLOCKS)
   int v_begin; // dW and cast: first vocabulary row of this launch
   int v_count; // dW and cast: vocabulary rows of this launch
+  int acc_row0; // dW: row of acc that holds vocabulary row v_begin
   int count; // element-wise kernels: elements to process
 };

@@ -66,6 +66,10 @@ constexpr int64_t kTargetThreadgroupsWithAcc = 256;
 constexpr int64_t kPartAccBudgetBytes = int64_t(128) << 20;
 // Vocabulary rows per dW launch when dW needs a float32 staging buffer.
 constexpr int64_t kDwSlabRows = 8192;
+// The fewest vocabulary blocks per split a head launch is cut down to before
+// it covers fewer m tiles instead (shorter rounds cost launches and state
+// reloads; fewer m tiles cost threadgroups in flight).
+constexpr int64_t kMinRoundBlocks = 8;
 
 // Buffer indices, fixed per role across the kernels that use them.
 constexpr int kParamsIndex = 20;
@@ -127,6 +131,10 @@ void check(const Problem& p) {
   if (p.max_splits < 0) {
     bad("max_splits must be >= 0, got " + std::to_string(p.max_splits));
   }
+  if (p.round_blocks < 0 || p.round_m_tiles < 0) {
+    bad("round_blocks and round_m_tiles must be >= 0, got " + std::to_string(p.round_blocks) +
+        " and " + std::to_string(p.round_m_tiles));
+  }
   if (p.dw_slab_rows < 0 || p.dw_slab_rows % FCCE_BN != 0) {
     bad("dw_slab_rows must be a non-negative multiple of " + std::to_string(FCCE_BN) +
         ", got " + std::to_string(p.dw_slab_rows));
@@ -187,8 +195,8 @@ const char* head_kernel(const Problem& p, int mode) {
 Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
   Launch l{};
   l.kernel = head_kernel(p, mode);
-  l.grid[0] = u32(q.splits, "splits");
-  l.grid[1] = u32(q.m_tiles, "m_tiles");
+  l.grid[0] = u32(q.m_tiles, "m_tiles");
+  l.grid[1] = u32(q.splits, "splits");
   l.grid[2] = 1;
   l.threads[0] = FCCE_THREADS;
   l.threads[1] = l.threads[2] = 1;
@@ -207,6 +215,57 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
   l.params = q;
   l.params.mode = mode;
   return l;
+}
+
+// GEMMs per vocabulary block of a head kernel: the logits, plus the
+// coefficients times W where a partial sum is kept.
+int head_gemms(int mode) {
+  return mode == FCCE_MODE_FWD ? 1 : 2;
+}
+
+// Appends the head kernel's launches: rounds of at most `blocks` vocabulary
+// blocks per split (resuming each split's state), each round in chunks of
+// m tiles and of splits, so that every launch stays within
+// FCCE_MAX_ROUND_BLOCKS per threadgroup and within kLaunchFlops in all (the
+// latter wherever one block of one m tile is within it: H <= 2^24). Rounds
+// run in order, so each split's blocks are visited in order, as the online
+// statistics need.
+void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  const double tile = 2.0 * head_gemms(mode) * FCCE_BM * FCCE_BN * double(hk);
+  const int64_t splits = q.splits, m_tiles = q.m_tiles;
+  auto fit = [&](double per_unit, int64_t most) {
+    return std::clamp<int64_t>(int64_t(kLaunchFlops / per_unit), 1, most);
+  };
+  int64_t blocks = std::min<int64_t>(q.blocks_per_split, FCCE_MAX_ROUND_BLOCKS);
+  if (p.round_blocks > 0) {
+    blocks = std::min<int64_t>(blocks, p.round_blocks);
+  }
+  // Shorter rounds first (down to kMinRoundBlocks), then fewer m tiles, then
+  // shorter rounds again, then fewer splits: a launch keeps as many
+  // threadgroups in flight as its bound allows.
+  blocks = std::min(blocks, std::max(kMinRoundBlocks, fit(tile * m_tiles * splits, blocks)));
+  int64_t m_chunk = fit(tile * splits * blocks, m_tiles);
+  if (p.round_m_tiles > 0) {
+    m_chunk = std::min<int64_t>(m_chunk, p.round_m_tiles);
+  }
+  blocks = fit(tile * splits * m_chunk, blocks);
+  const int64_t s_chunk = fit(tile * m_chunk * blocks, splits);
+  for (int64_t b0 = 0; b0 < q.blocks_per_split; b0 += blocks) {
+    for (int64_t mt = 0; mt < m_tiles; mt += m_chunk) {
+      for (int64_t s0 = 0; s0 < splits; s0 += s_chunk) {
+        FcceParams r = q;
+        r.block_begin = static_cast<int>(b0);
+        r.block_count = static_cast<int>(std::min<int64_t>(blocks, q.blocks_per_split - b0));
+        r.m_tile_begin = static_cast<int>(mt);
+        r.split_begin = static_cast<int>(s0);
+        Launch l = head_launch(p, r, mode);
+        l.grid[0] = u32(std::min<int64_t>(m_chunk, m_tiles - mt), "m_tiles");
+        l.grid[1] = u32(std::min<int64_t>(s_chunk, splits - s0), "splits");
+        plan.launches.push_back(l);
+      }
+    }
+  }
 }
 
 Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
@@ -234,7 +293,7 @@ void plan_forward(const Problem& p, Plan& plan) {
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
   }
-  plan.launches.push_back(head_launch(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD));
+  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, plan);
   plan.launches.push_back(elementwise(
       kCombine, p.M, q,
       {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
@@ -248,11 +307,29 @@ void plan_forward(const Problem& p, Plan& plan) {
   }
 }
 
+// dW in launches of at most `slab` vocabulary rows (one threadgroup per 32)
+// by at most `m_chunk` m tiles each threadgroup walks, within kLaunchFlops and
+// FCCE_MAX_ROUND_ROWS rows of h per threadgroup. A float32 head accumulates in
+// dw itself; a half-precision one in a float32 slab, cast when its last m
+// chunk is done.
 void plan_dw(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   const bool staged = p.w != DType::f32;
-  const int64_t rows = p.dw_slab_rows > 0 ? p.dw_slab_rows : kDwSlabRows;
-  const int64_t slab = staged ? std::min(p.V, rows) : p.V;
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  int64_t slab = p.dw_slab_rows > 0 ? p.dw_slab_rows
+                                    : staged ? kDwSlabRows : kTargetThreadgroups * FCCE_BN;
+  slab = std::min(slab, cdiv(p.V, FCCE_BN) * FCCE_BN);
+  const double per_tile = 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  int64_t m_chunk = std::min<int64_t>(q.m_tiles, FCCE_MAX_ROUND_ROWS / FCCE_BM);
+  while (slab > FCCE_BN && double(slab / FCCE_BN) * per_tile > kLaunchFlops) {
+    slab = std::max<int64_t>(FCCE_BN, slab / 2 / FCCE_BN * FCCE_BN);
+  }
+  m_chunk = std::min<int64_t>(
+      m_chunk, std::max<int64_t>(1, int64_t(kLaunchFlops / (double(slab / FCCE_BN) * per_tile))));
+  if (p.round_m_tiles > 0) {
+    m_chunk = std::min<int64_t>(m_chunk, p.round_m_tiles);
+  }
+  slab = std::min(slab, p.V);
   if (staged) {
     plan.scratch.push_back({Role::dw_acc, size_t(slab) * p.H * 4});
   }
@@ -260,18 +337,23 @@ void plan_dw(const Problem& p, Plan& plan) {
     const int64_t n = std::min(slab, p.V - v0);
     q.v_begin = static_cast<int>(v0);
     q.v_count = static_cast<int>(n);
-    Launch l{};
-    l.kernel = kDw[dtype_index(p.h)][dtype_index(p.w)];
-    l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
-    l.grid[1] = l.grid[2] = 1;
-    l.threads[0] = FCCE_THREADS;
-    l.threads[1] = l.threads[2] = 1;
-    l.threadgroup_bytes = 0;
-    l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
-                 {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
-    l.params_index = kParamsIndex;
-    l.params = q;
-    plan.launches.push_back(l);
+    q.acc_row0 = staged ? 0 : static_cast<int>(v0);
+    for (int64_t mt = 0; mt < q.m_tiles; mt += m_chunk) {
+      Launch l{};
+      l.kernel = kDw[dtype_index(p.h)][dtype_index(p.w)];
+      l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
+      l.grid[1] = l.grid[2] = 1;
+      l.threads[0] = FCCE_THREADS;
+      l.threads[1] = l.threads[2] = 1;
+      l.threadgroup_bytes = 0;
+      l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
+                   {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
+      l.params_index = kParamsIndex;
+      l.params = q;
+      l.params.m_tile_begin = static_cast<int>(mt);
+      l.params.m_tile_count = static_cast<int>(std::min<int64_t>(m_chunk, q.m_tiles - mt));
+      plan.launches.push_back(l);
+    }
     if (staged) {
       plan.launches.push_back(elementwise(kCast[dtype_index(p.w)], n * p.H, q,
                                           {{14, Role::dw_acc}, {15, Role::dw}}));
@@ -283,7 +365,7 @@ void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
-  plan.launches.push_back(head_launch(p, q, FCCE_MODE_DH));
+  head_rounds(p, q, FCCE_MODE_DH, plan);
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
@@ -324,6 +406,21 @@ size_t head_threadgroup_bytes() {
 
 size_t dw_threadgroup_bytes() {
   return head_threadgroup_bytes(); // the same tiles (metal/dw.h uses HeadSmem)
+}
+
+double launch_gemm_flops(const Launch& l) {
+  const std::string k = l.kernel;
+  const FcceParams& q = l.params;
+  const double hk = double(cdiv(q.H, FCCE_BK) * FCCE_BK);
+  if (k.rfind("fcce_dw_", 0) == 0) {
+    return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
+  }
+  const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  if (!head) {
+    return 0.0;
+  }
+  return 2.0 * head_gemms(q.mode) * double(l.grid[0]) * FCCE_BM * double(l.grid[1]) *
+      double(q.block_count) * FCCE_BN * hk;
 }
 
 Plan make_plan(const Problem& p) {

@@ -23,6 +23,13 @@
 // - Outputs: logp, lse [M] float32; gsum [M, H] float32; dh [M, H] in h's
 //   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype. The launches
 //   write every output element, so outputs need no zero-fill.
+// - Bounded launches: in no launch does a threadgroup process more than
+//   FCCE_MAX_ROUND_ROWS (8192) vocabulary rows, nor (dW) more than that many
+//   rows of h, and no launch does more than kLaunchFlops of GEMM work
+//   (launch_gemm_flops), so that no command runs long enough for macOS's GPU
+//   watchdog. A long head is a sequence of launches ("rounds") that carry each
+//   split's running statistics and partial sums from one to the next in
+//   part_max / part_sum / part_acc (dW: in its float32 rows).
 #pragma once
 
 #include <cstddef>
@@ -58,9 +65,13 @@ struct Problem {
   Pass pass = Pass::forward;
   bool compute_dw = false; // backward, dense only
   // Overrides, 0 = the plan's choice: at most this many vocabulary splits,
-  // and this many vocabulary rows per staged dW launch (a multiple of 32).
+  // this many vocabulary rows per dW launch (a multiple of 32), at most this
+  // many vocabulary blocks per split in one head launch, and at most this many
+  // m tiles per launch (head and dW).
   int max_splits = 0;
   int dw_slab_rows = 0;
+  int round_blocks = 0;
+  int round_m_tiles = 0;
 };
 
 enum class Role {
@@ -119,6 +130,13 @@ Plan make_plan(const Problem& p);
 
 // Every kernel name the Metal sources define (metal/*.metal), in one table.
 const std::vector<std::string>& kernel_names();
+
+// The GEMM work of one launch of a head or dW kernel, as the plan bounds it:
+// 2 flops per multiply-add, one GEMM for the plain forward and two (logits and
+// the coefficients times W, or dS^T h) for the others; 0 for other kernels.
+// An upper bound: edge tiles count as full.
+double launch_gemm_flops(const Launch& l);
+constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
 // Threadgroup memory each kernel family declares, in bytes (under 32 KB).
 size_t head_threadgroup_bytes();

@@ -1,7 +1,8 @@
 // The Metal head's launch plan (csrc/metal/plan.h) on the host: every launch
 // names a known kernel, binds each index once and every scratch role it uses,
 // stays within 32 KB of threadgroup memory; the splits cover the vocabulary
-// blocks exactly once without an empty split; the dW slabs tile [0, V); the
+// blocks exactly once without an empty split, in rounds that keep every launch
+// bounded; the dW slabs and m chunks tile [0, V) x [0, M); the
 // element-wise grids cover their elements; and bad problems are refused.
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "metal/plan.h"
 
@@ -62,18 +64,107 @@ void check_plan(const Problem& p, const Plan& plan) {
   }
 }
 
-// The head launch's splits cover the vocabulary's BN-row blocks exactly once.
-void check_splits(const Problem& p, const Launch& l) {
-  const FcceParams& q = l.params;
+bool is_head(const Launch& l) {
+  const std::string k = l.kernel;
+  return k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+}
+
+bool is_dw(const Launch& l) {
+  return std::string(l.kernel).rfind("fcce_dw_", 0) == 0;
+}
+
+// The head kernel's launches: the splits cover the vocabulary's BN-row blocks
+// exactly once without an empty split; every (m tile, split) visits its
+// blocks exactly once, in order, in rounds of at most FCCE_MAX_ROUND_BLOCKS;
+// every launch stays within kLaunchFlops. Returns the number of head launches.
+size_t check_splits(const Problem& p, const Plan& plan) {
   const int64_t blocks = (p.V + FCCE_BN - 1) / FCCE_BN;
-  ASSERT_EQ(int64_t(l.grid[0]), q.splits);
-  ASSERT_EQ(int64_t(l.grid[1]), (p.M + FCCE_BM - 1) / FCCE_BM);
-  ASSERT_EQ(l.threads[0], unsigned(FCCE_THREADS));
-  ASSERT_GE(int64_t(q.splits) * q.blocks_per_split, blocks);
-  ASSERT_LT(int64_t(q.splits - 1) * q.blocks_per_split, blocks); // no empty split
+  const int64_t m_tiles = (p.M + FCCE_BM - 1) / FCCE_BM;
+  std::vector<const Launch*> head;
+  for (const auto& l : plan.launches)
+    if (is_head(l)) head.push_back(&l);
+  EXPECT_FALSE(head.empty());
+  if (head.empty()) return 0;
+  const FcceParams& q0 = head[0]->params;
+  EXPECT_GE(int64_t(q0.splits) * q0.blocks_per_split, blocks);
+  EXPECT_LT(int64_t(q0.splits - 1) * q0.blocks_per_split, blocks); // no empty split
+  EXPECT_EQ(q0.m_tiles, m_tiles);
   if (p.max_splits > 0) {
-    ASSERT_LE(q.splits, p.max_splits);
+    EXPECT_LE(q0.splits, p.max_splits);
   }
+  // next[m tile][split]: the block (within the split) its next round starts at.
+  std::vector<std::vector<int64_t>> next(m_tiles, std::vector<int64_t>(q0.splits, 0));
+  const int64_t hk = (p.H + FCCE_BK - 1) / FCCE_BK * FCCE_BK;
+  const bool flops_bounded = 2.0 * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
+  for (const Launch* l : head) {
+    const FcceParams& q = l->params;
+    EXPECT_EQ(std::string(l->kernel), std::string(head[0]->kernel));
+    EXPECT_EQ(q.splits, q0.splits);
+    EXPECT_EQ(q.blocks_per_split, q0.blocks_per_split);
+    EXPECT_EQ(l->grid[2], 1u);
+    EXPECT_EQ(l->threads[0], unsigned(FCCE_THREADS));
+    EXPECT_GE(q.block_count, 1);
+    // The watchdog bound: vocabulary rows per threadgroup in one launch.
+    EXPECT_LE(int64_t(q.block_count) * FCCE_BN, FCCE_MAX_ROUND_ROWS) << l->kernel;
+    if (flops_bounded) {
+      EXPECT_LE(launch_gemm_flops(*l), kLaunchFlops) << l->kernel;
+    }
+    if (p.round_blocks > 0) {
+      EXPECT_LE(q.block_count, p.round_blocks);
+    }
+    for (int64_t t = q.m_tile_begin; t < q.m_tile_begin + int64_t(l->grid[0]); ++t)
+      for (int64_t sp = q.split_begin; sp < q.split_begin + int64_t(l->grid[1]); ++sp) {
+        EXPECT_TRUE(t < m_tiles && sp < q.splits);
+        if (t >= m_tiles || sp >= q.splits) return head.size();
+        EXPECT_EQ(next[t][sp], q.block_begin) << "m tile " << t << " split " << sp;
+        next[t][sp] = int64_t(q.block_begin) + q.block_count;
+      }
+  }
+  for (int64_t t = 0; t < m_tiles; ++t)
+    for (int64_t sp = 0; sp < q0.splits; ++sp) {
+      // Every block visited (a last round may be cut short by the split's end).
+      EXPECT_GE(next[t][sp], q0.blocks_per_split);
+      if (next[t][sp] < q0.blocks_per_split) return head.size();
+    }
+  return head.size();
+}
+
+// dW's launches add every (vocabulary row, m tile) pair exactly once, each
+// row's m tiles in order, starting at m tile 0 (which writes rather than adds),
+// with at most FCCE_MAX_ROUND_ROWS rows of h per threadgroup and kLaunchFlops
+// per launch; a staged slab is cast after its last m tile.
+void check_dw(const Problem& p, const Plan& plan) {
+  const int64_t m_tiles = (p.M + FCCE_BM - 1) / FCCE_BM;
+  const bool staged = p.w != DType::f32;
+  std::vector<int64_t> next(p.V, 0); // next m tile per vocabulary row
+  int64_t cast_next = 0;
+  for (const auto& l : plan.launches) {
+    const FcceParams& q = l.params;
+    if (is_dw(l)) {
+      EXPECT_EQ(q.acc_row0, staged ? 0 : q.v_begin);
+      EXPECT_EQ(int64_t(l.grid[0]), (q.v_count + FCCE_BN - 1) / FCCE_BN);
+      EXPECT_LE(int64_t(q.m_tile_count) * FCCE_BM, FCCE_MAX_ROUND_ROWS);
+      EXPECT_LE(launch_gemm_flops(l), kLaunchFlops);
+      EXPECT_GT(q.v_count, 0);
+      for (int64_t v = q.v_begin; v < q.v_begin + q.v_count; ++v) {
+        EXPECT_EQ(next[v], q.m_tile_begin) << "row " << v;
+        next[v] = q.m_tile_begin + q.m_tile_count;
+      }
+    } else if (std::string(l.kernel).rfind("fcce_cast_", 0) == 0) {
+      EXPECT_TRUE(staged);
+      EXPECT_EQ(q.v_begin, cast_next);
+      EXPECT_EQ(q.count, int64_t(q.v_count) * p.H);
+      for (int64_t v = q.v_begin; v < q.v_begin + q.v_count; ++v) {
+        EXPECT_GE(next[v], m_tiles) << "cast before dW row " << v << " is done";
+      }
+      cast_next += q.v_count;
+    }
+  }
+  for (int64_t v = 0; v < p.V; ++v) {
+    EXPECT_GE(next[v], m_tiles);
+    if (next[v] < m_tiles) return;
+  }
+  EXPECT_EQ(cast_next, staged ? p.V : 0);
 }
 
 Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
@@ -103,15 +194,15 @@ TEST(MetalPlan, ForwardShapes) {
           p.max_splits = max_splits;
           const Plan plan = make_plan(p);
           check_plan(p, plan);
-          ASSERT_EQ(plan.launches.size(), fused ? 3u : 2u);
-          check_splits(p, plan.launches[0]);
-          ASSERT_EQ(std::string(plan.launches[1].kernel), "fcce_combine");
+          const size_t n = check_splits(p, plan);
+          ASSERT_EQ(plan.launches.size(), n + (fused ? 2u : 1u));
+          ASSERT_EQ(std::string(plan.launches[n].kernel), "fcce_combine");
           const int splits = plan.launches[0].params.splits;
           ASSERT_EQ(plan.scratch[0].bytes, size_t(splits) * M * 4);
           if (fused) {
             ASSERT_EQ(std::string(plan.launches[0].kernel), "fcce_fwd_fused_hf32_wf32");
-            ASSERT_EQ(std::string(plan.launches[2].kernel), "fcce_reduce_gsum");
-            ASSERT_EQ(plan.launches[2].params.mode, FCCE_REDUCE_GSUM);
+            ASSERT_EQ(std::string(plan.launches[n + 1].kernel), "fcce_reduce_gsum");
+            ASSERT_EQ(plan.launches[n + 1].params.mode, FCCE_REDUCE_GSUM);
           } else {
             ASSERT_EQ(std::string(plan.launches[0].kernel), "fcce_fwd_hf32_wf32");
           }
@@ -122,7 +213,7 @@ TEST(MetalPlan, PartialsStayWithinBudget) {
   Problem p = problem(Pass::backward, 64, 4096, 262144);
   const Plan plan = make_plan(p);
   check_plan(p, plan);
-  check_splits(p, plan.launches[0]);
+  check_splits(p, plan);
   ASSERT_LE(plan.scratch[0].bytes, size_t(128) << 20);
   ASSERT_GT(plan.launches[0].params.splits, 1); // few rows: the vocabulary is split
   // Rows beyond the budget: one split, partials of dh's own size.
@@ -151,7 +242,7 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
         ASSERT_EQ(l.params.groups, 256 / gs);
         ASSERT_EQ(l.params.sb_dtype, 2);
-        ASSERT_EQ(std::string(plan.launches[1].kernel), "fcce_reduce_dh_" + hn);
+        ASSERT_EQ(std::string(plan.launches.back().kernel), "fcce_reduce_dh_" + hn);
         bool binds_scales = false;
         for (const auto& bd : l.buffers) binds_scales |= bd.role == Role::scales;
         ASSERT_TRUE(binds_scales);
@@ -161,26 +252,78 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
 TEST(MetalPlan, DwSlabsTileTheVocabulary) {
   for (DType w : {DType::f32, DType::f16, DType::bf16})
     for (int64_t V : {1, 33, 64, 65, 200})
-      for (int slab : {0, 32, 64}) {
-        Problem p = problem(Pass::backward, 5, 40, V);
-        p.w = w;
-        p.compute_dw = true;
-        p.dw_slab_rows = slab;
+      for (int slab : {0, 32, 64})
+        for (int m_chunk : {0, 1, 2}) {
+          Problem p = problem(Pass::backward, 70, 40, V);
+          p.w = w;
+          p.compute_dw = true;
+          p.dw_slab_rows = slab;
+          p.round_m_tiles = m_chunk;
+          const Plan plan = make_plan(p);
+          check_plan(p, plan);
+          check_dw(p, plan);
+          size_t launches = 0;
+          for (const auto& l : plan.launches) launches += is_dw(l);
+          const size_t chunks = m_chunk ? (3 + m_chunk - 1) / m_chunk : 1;
+          const size_t slabs = slab ? (V + slab - 1) / slab : 1;
+          ASSERT_EQ(launches, chunks * slabs);
+        }
+}
+
+// The watchdog bound (issue: no threadgroup walks more than 8192 vocabulary
+// rows, nor dW more than 8192 rows of h, in one launch; no launch beyond
+// kLaunchFlops), over the shapes the CPU backend accepts up to Gemma's heads
+// and awkward ones, every pass, dense and 4-bit.
+TEST(MetalPlan, LaunchesAreBounded) {
+  const int64_t shapes[][3] = {
+      {512, 2560, 262144}, {8192, 2560, 262144}, {32768, 2560, 262144},
+      {512, 4096, 262144}, {8192, 4096, 262144}, {32768, 4096, 262144},
+      {512, 5376, 262144}, {8192, 5376, 262144}, {32768, 5376, 262144},
+      {6554, 2560, 262144}, {1, 2560, 262144}, {33, 5376, 262145}, {1, 64, 8193},
+      {4097, 128, 1000003}, {32768, 32768, 1000}, {3, 131072, 40000}, {1000, 2048, 65537},
+      {40000, 64, 100}, {20000, 32, 4000}};
+  for (const auto& s : shapes)
+    for (bool quantized : {false, true})
+      for (int pass = 0; pass < 3; ++pass) {
+        Problem p = problem(Pass::forward, s[0], s[1], s[2]);
+        p.quantized = quantized;
+        p.group_size = 32;
+        p.w = DType::bf16;
+        p.h = DType::bf16;
+        if (pass == 1) p.fused = true;
+        if (pass == 2) {
+          p.pass = Pass::backward;
+          p.compute_dw = !quantized;
+        }
         const Plan plan = make_plan(p);
         check_plan(p, plan);
-        int64_t next = 0;
-        for (const auto& l : plan.launches) {
-          if (std::string(l.kernel).rfind("fcce_dw_", 0) != 0) continue;
-          ASSERT_EQ(l.params.v_begin, next);
-          ASSERT_GT(l.params.v_count, 0);
-          ASSERT_EQ(int64_t(l.grid[0]), (l.params.v_count + FCCE_BN - 1) / FCCE_BN);
-          next += l.params.v_count;
-          if (w == DType::f32) {
-            ASSERT_EQ(l.params.v_count, V); // written in place, one launch
+        check_splits(p, plan);
+        if (p.compute_dw) {
+          check_dw(p, plan);
+        }
+        for (const auto& ss : plan.scratch) {
+          // Rounds, not larger partials: part_acc stays within the budget or dh's size.
+          if (ss.role == Role::part_acc) {
+            ASSERT_LE(ss.bytes, std::max<size_t>(size_t(128) << 20, size_t(s[0]) * s[1] * 4));
           }
         }
-        ASSERT_EQ(next, V);
       }
+}
+
+// Rounds and m chunks forced at a small shape (the emulation tests run such plans).
+TEST(MetalPlan, ForcedRounds) {
+  for (int rb : {1, 2, 3})
+    for (int mc : {0, 1, 2}) {
+      Problem p = problem(Pass::backward, 70, 40, 333);
+      p.max_splits = 2;
+      p.round_blocks = rb;
+      p.round_m_tiles = mc;
+      const Plan plan = make_plan(p);
+      check_plan(p, plan);
+      const size_t n = check_splits(p, plan);
+      const size_t rounds = (6 + rb - 1) / rb; // 11 blocks in 2 splits of 6
+      ASSERT_EQ(n, rounds * (mc ? (3 + mc - 1) / mc : 1));
+    }
 }
 
 TEST(MetalPlan, FusedDh) {
@@ -225,4 +368,7 @@ TEST(MetalPlan, RefusesWhatTheKernelsDoNotCover) {
   Problem s = problem(Pass::backward, 4, 64, 10);
   s.dw_slab_rows = 40;
   EXPECT_TRUE(refuses(s, "dw_slab_rows"));
+  s.dw_slab_rows = 0;
+  s.round_blocks = -1;
+  EXPECT_TRUE(refuses(s, "round_blocks"));
 }

@@ -1,7 +1,7 @@
 // Prints csrc/metal/plan.h's launch plan as JSON, so that the Python emulation
 // tests run exactly the launches the Metal host encodes.
 //   plan_dump pass M H V h w sb out quantized bits group_size softcap ignore_index fused compute_dw
-//             max_splits dw_slab_rows
+//             max_splits dw_slab_rows round_blocks round_m_tiles
 //   plan_dump --names
 //   plan_dump --select SOURCE NAME...   (csrc/metal/kernel_source.h: SOURCE cut
 //                                        down to the kernels NAME..., to stdout)
@@ -41,10 +41,12 @@ void print_params(const FcceParams& q) {
       "{\"M\": %d, \"H\": %d, \"V\": %d, \"mode\": %d, \"bits\": %d, \"group_size\": %d, "
       "\"row_bytes\": %d, \"groups\": %d, \"sb_dtype\": %d, \"softcap\": %.9g, "
       "\"ignore_index\": %d, \"splits\": %d, \"blocks_per_split\": %d, \"m_tiles\": %d, "
-      "\"v_begin\": %d, \"v_count\": %d, \"count\": %d}",
+      "\"m_tile_begin\": %d, \"split_begin\": %d, \"m_tile_count\": %d, \"block_begin\": %d, "
+      "\"block_count\": %d, \"v_begin\": %d, \"v_count\": %d, \"acc_row0\": %d, "
+      "\"count\": %d}",
       q.M, q.H, q.V, q.mode, q.bits, q.group_size, q.row_bytes, q.groups, q.sb_dtype,
-      q.softcap, q.ignore_index, q.splits, q.blocks_per_split, q.m_tiles, q.v_begin,
-      q.v_count, q.count);
+      q.softcap, q.ignore_index, q.splits, q.blocks_per_split, q.m_tiles, q.m_tile_begin,
+      q.split_begin, q.m_tile_count, q.block_begin, q.block_count, q.v_begin, q.v_count, q.acc_row0, q.count);
 }
 
 void print_plan(const Plan& plan) {
@@ -87,7 +89,7 @@ int main(int argc, char** argv) {
       std::fputs(select_kernels(text.str(), names).c_str(), stdout);
       return 0;
     }
-    if (argc != 18) {
+    if (argc != 20) {
       std::fprintf(stderr, "usage: see the header of plan_dump.cpp\n");
       return 2;
     }
@@ -109,6 +111,8 @@ int main(int argc, char** argv) {
     p.compute_dw = std::atoi(argv[15]) != 0;
     p.max_splits = std::atoi(argv[16]);
     p.dw_slab_rows = std::atoi(argv[17]);
+    p.round_blocks = std::atoi(argv[18]);
+    p.round_m_tiles = std::atoi(argv[19]);
     print_plan(make_plan(p));
     return 0;
   } catch (const std::exception& e) {

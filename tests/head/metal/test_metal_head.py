@@ -302,6 +302,16 @@ def test_one_split_many_blocks(dense):
     check_all(dense, p, 5.0, compute_dw=True, max_splits=1)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_rounds(dense, dtype):
+    # Bounded launches at a small shape: each split's 6 blocks in rounds of 2
+    # (resuming the online statistics and partial sums), one m tile per
+    # launch, and dW in 64-row slabs walked one m tile per launch.
+    p = Head(70, 40, 333, dtype, ignore=(3,), scale=4.0, seed=21)
+    check_all(dense, p, 3.0, compute_dw=True, max_splits=2, round_blocks=2, round_m_tiles=1,
+              dw_slab_rows=64)
+
+
 def test_mixed_dtypes(dense):
     p = Head(11, 40, 300, "bf16", w_dtype="f32", seed=4)
     check_all(dense, p, None, compute_dw=True)
@@ -329,6 +339,12 @@ def test_ignore_index_inside_the_vocabulary(dense):
 def test_quantized(quant, bits, group_size, dtype):
     p = Head(9, 128, 150, dtype, quant=(bits, group_size), sb_dtype="f32", seed=bits * 7 + group_size)
     check_all(quant, p, 30.0, max_splits=2)
+
+
+def test_quantized_rounds(quant):
+    # One block per round: a quantized split resumed at every block.
+    p = Head(40, 64, 200, "f32", quant=(4, 32), seed=22)
+    check_all(quant, p, 30.0, max_splits=2, round_blocks=1, round_m_tiles=1)
 
 
 @pytest.mark.parametrize("sb_dtype", ["f16", "bf16"])

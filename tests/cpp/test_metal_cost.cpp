@@ -1,0 +1,132 @@
+// The cost model of the Metal launch plan (csrc/metal/cost.h) against closed
+// forms written here from the kernels' loops: GEMM flops of every pass equal
+// 2 x rows x vocabulary x H per GEMM (rounds and chunks add nothing), the
+// plain forward's bytes are h's and W's tiles once per (m tile, block), the
+// partials add 8 x BM x H bytes per (m tile, block), the roofline picks the
+// larger of its two terms, and MLX's qmm_t model counts its own tiles.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "metal/cost.h"
+
+using namespace flash_cce::metal;
+
+namespace {
+
+Problem e4b(Pass pass, int64_t M, bool fused = false) {
+  Problem p;
+  p.pass = pass;
+  p.M = M;
+  p.H = 2560;
+  p.V = 262144;
+  p.h = DType::bf16;
+  p.quantized = true;
+  p.bits = 4;
+  p.group_size = 64;
+  p.sb = DType::bf16;
+  p.fused = fused;
+  return p;
+}
+
+double sum_flops(const std::vector<LaunchCost>& c) {
+  double f = 0;
+  for (const auto& x : c) f += x.flops;
+  return f;
+}
+
+bool near(double a, double b) {
+  return std::abs(a - b) <= 1e-9 * std::max(std::abs(a), std::abs(b));
+}
+
+} // namespace
+
+TEST(MetalCost, GemmFlopsOfEveryPass) {
+  for (int64_t M : {1, 33, 512, 8192})
+    for (int kind = 0; kind < 3; ++kind) {
+      Problem p = e4b(kind == 2 ? Pass::backward : Pass::forward, M, kind == 1);
+      const auto c = plan_cost(p, make_plan(p));
+      const double rows = double((M + 31) / 32 * 32), vocab = double((p.V + 31) / 32 * 32);
+      const double gemms = kind == 0 ? 1 : 2;
+      ASSERT_TRUE(near(sum_flops(c), 2 * gemms * rows * vocab * 2560)) << M << " " << kind;
+    }
+  // dW of a dense head: two GEMMs over every (vocabulary row, token).
+  Problem d;
+  d.pass = Pass::backward;
+  d.M = 100;
+  d.H = 70;
+  d.V = 1000;
+  d.compute_dw = true;
+  d.round_m_tiles = 1;
+  const Plan plan = make_plan(d);
+  const auto c = plan_cost(d, plan);
+  double dw = 0;
+  for (size_t i = 0; i < c.size(); ++i)
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dw_", 0) == 0) dw += c[i].flops;
+  ASSERT_TRUE(near(dw, 2 * 2 * 128.0 * 1024 * 96));
+}
+
+TEST(MetalCost, BytesOfTheHeadPasses) {
+  const int64_t M = 512, mt = 16, blocks = 8192;
+  const double h_tile = 32.0 * 2560 * 2, w_tile = 32 * (2560 * 0.5 + 40 * 2 * 2.0);
+  const double part = 32.0 * 2560 * 4;
+  Problem f = e4b(Pass::forward, M);
+  const auto fc = plan_cost(f, make_plan(f));
+  double read = 0, written = 0;
+  for (const auto& x : fc)
+    if (x.flops > 0) read += x.bytes_read, written += x.bytes_written;
+  // Tiles once per (m tile, block), plus per-row statistics (a few bytes a row).
+  const double tiles = mt * blocks * (h_tile + w_tile);
+  ASSERT_GE(read, tiles);
+  ASSERT_LT(read - tiles, 1e-3 * tiles);
+  ASSERT_LT(written, 1e-3 * tiles);
+  // The dh pass adds W's tiles again and the partials: read (but on a split's
+  // first block) and written every block.
+  Problem b = e4b(Pass::backward, M);
+  const Plan bp = make_plan(b);
+  const auto bc = plan_cost(b, bp);
+  read = written = 0;
+  for (const auto& x : bc)
+    if (x.flops > 0) read += x.bytes_read, written += x.bytes_written;
+  const double splits = bp.launches[0].params.splits;
+  const double expect = mt * blocks * (h_tile + 2 * w_tile + part) - mt * splits * part;
+  ASSERT_GE(read, expect);
+  ASSERT_LT(read - expect, 1e-3 * expect);
+  ASSERT_TRUE(near(written, mt * blocks * part));
+}
+
+TEST(MetalCost, RooflineAndLaunchFields) {
+  const AppleGpu& m1 = *find_apple_gpu("Apple M1");
+  ASSERT_EQ(find_apple_gpu("Apple M9"), nullptr);
+  LaunchCost c;
+  c.flops = 1e12;
+  c.bytes_read = 1e9;
+  ASSERT_TRUE(near(estimate_seconds(c, m1),
+                   1e12 / (m1.fp32_flops * kGemmEfficiency) + kLaunchSeconds));
+  c.bytes_written = 1e12;
+  ASSERT_TRUE(near(estimate_seconds(c, m1),
+                   1.001e12 / (m1.bandwidth * kMemoryEfficiency) + kLaunchSeconds));
+  Problem p = e4b(Pass::forward, 40);
+  const Plan plan = make_plan(p);
+  const auto costs = plan_cost(p, plan);
+  ASSERT_EQ(costs.size(), plan.launches.size());
+  for (size_t i = 0; i < costs.size(); ++i) {
+    const Launch& l = plan.launches[i];
+    ASSERT_EQ(costs[i].kernel, std::string(l.kernel));
+    ASSERT_EQ(costs[i].threads, int64_t(l.grid[0]) * l.grid[1] * l.threads[0]);
+    ASSERT_LE(costs[i].threadgroup_bytes, 32768u);
+  }
+  ASSERT_EQ(costs[0].threadgroup_bytes, head_threadgroup_bytes());
+  const PassCost t = pass_cost(costs, m1);
+  ASSERT_EQ(t.launches, costs.size());
+  ASSERT_GE(t.seconds, t.longest_seconds);
+}
+
+TEST(MetalCost, MlxQuantizedMatmul) {
+  const LaunchCost q = mlx_qmm_cost(512, 262144, 2560, 2, 4, 64, 2);
+  const double tiles = 16.0 * 8192;
+  ASSERT_TRUE(near(q.flops, 2.0 * 512 * 262144 * 2560));
+  ASSERT_TRUE(near(q.bytes_read, tiles * 32 * (2560 * 2 + 2560 * 0.5 + 40 * 4)));
+  ASSERT_TRUE(near(q.bytes_written, 512.0 * 262144 * 2));
+  ASSERT_EQ(q.threadgroup_bytes, 5120u); // MLX's 32 x 32 bf16 qmm_t tiles
+}

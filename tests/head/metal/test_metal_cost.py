@@ -1,0 +1,148 @@
+"""The Metal head's performance targets (issue: Metal v2), checked on the cost
+model of its launch plan (csrc/metal/cost.h through flash_cce._ext). The
+model's closed forms are tested in tests/cpp/test_metal_cost.cpp; here the
+targets, which the model's numbers must meet:
+
+- the longest launch estimated at <= 0.25 s on a base M1 at every shape up to
+  M = 32768, H = 5376, V = 262144 (macOS's GPU watchdog);
+- device bytes per GEMM pass <= 1.25 x what MLX's steel quantized matmul moves
+  at the same shape by the same model;
+- the e4b (M 512, H 2560, V 262144, 4-bit) training step, forward and backward
+  for h, estimated on an M1 Max at <= 0.5 x the 934 ms that mlx-bun's steel
+  flash-CCE measured there (180 ms forward + 754 ms backward).
+
+A target the kernels do not meet yet is marked xfail(strict=True) with the
+model's value in the reason, so that the test fails once it holds (and the mark
+must go).
+"""
+
+import pytest
+
+ext = pytest.importorskip("flash_cce._ext")
+
+E4B = dict(H=2560, V=262144)
+Q4 = dict(quantized=True, bits=4, group_size=64, h="bfloat16", sb="bfloat16")
+
+
+def cost(pass_, M, H, V, gpu="Apple M1 Max", **kw):
+    return ext.metal_cost(pass_, M, H, V, gpu=gpu, **kw)
+
+
+PASSES = {  # name: (primitive, kwargs, GEMMs per vocabulary block)
+    "forward": ("forward", {}, 1),
+    "fused_forward": ("forward", {"fused": True}, 2),
+    "dh": ("backward", {}, 2),
+}
+
+
+@pytest.mark.parametrize("M", [512, 8192, 32768])
+@pytest.mark.parametrize("H", [2560, 4096, 5376])
+@pytest.mark.parametrize("quantized", [True, False])
+def test_longest_launch_on_a_base_m1(M, H, quantized):
+    kw = Q4 if quantized else dict(h="bfloat16", w="bfloat16")
+    for pass_, extra in [("forward", {}), ("forward", {"fused": True}),
+                         ("backward", {"compute_dw": not quantized}), ("fused_dh", {})]:
+        d = cost(pass_, M, H, 262144, gpu="Apple M1", **kw, **extra)
+        assert d["longest_seconds"] <= 0.25, (pass_, extra, d["longest_seconds"])
+
+
+def test_longest_launch_at_small_shapes_too():
+    # Awkward shapes: one token, a tiny vocabulary, a very wide H.
+    for M, H, V in [(1, 5376, 262144), (32768, 64, 100), (3, 65536, 40000)]:
+        for pass_, extra in [("forward", {"fused": True}), ("backward", {"compute_dw": True})]:
+            d = cost(pass_, M, H, V, gpu="Apple M1", **extra)
+            assert d["longest_seconds"] <= 0.25, (M, H, V, pass_, d["longest_seconds"])
+
+
+def qmm_bytes(M):
+    q = ext.metal_qmm_cost(M, E4B["V"], E4B["H"], x_bytes=2, bits=4, group_size=64, sb_bytes=2)
+    return q["bytes_read"] + q["bytes_written"]
+
+
+def ratio_to_qmm(name, M):
+    pass_, extra, gemms = PASSES[name]
+    d = cost(pass_, M, **E4B, **Q4, **extra)
+    head = [l for l in d["launches"] if l["flops"] > 0]
+    total = sum(l["bytes_read"] + l["bytes_written"] for l in head)
+    return total / gemms / qmm_bytes(M)
+
+
+def test_forward_bytes_per_gemm():
+    for M in (512, 8192):
+        assert ratio_to_qmm("forward", M) <= 1.25
+
+
+# The fused passes read and write a float32 [32, H] partial every vocabulary
+# block and load W twice: 2.15 x qmm's bytes per GEMM at e4b M = 512 and 8192.
+@pytest.mark.xfail(strict=True, reason="fused forward: 2.15x MLX qmm's bytes per GEMM "
+                   "(partials in device memory every block)")
+@pytest.mark.parametrize("M", [512, 8192])
+def test_fused_forward_bytes_per_gemm(M):
+    assert ratio_to_qmm("fused_forward", M) <= 1.25
+
+
+@pytest.mark.xfail(strict=True, reason="dh: 2.15x MLX qmm's bytes per GEMM "
+                   "(partials in device memory every block)")
+@pytest.mark.parametrize("M", [512, 8192])
+def test_dh_bytes_per_gemm(M):
+    assert ratio_to_qmm("dh", M) <= 1.25
+
+
+def step_seconds(fused_backward):
+    """e4b M = 512 4-bit training step on an M1 Max: forward and backward for h,
+    as flash_cce runs it (fused_backward: the fused forward, then the fused dh;
+    else the plain forward, then the dh pass)."""
+    M = 512
+    if fused_backward:
+        f = cost("forward", M, **E4B, **Q4, fused=True)
+        b = cost("fused_dh", M, **E4B, **Q4)
+    else:
+        f = cost("forward", M, **E4B, **Q4)
+        b = cost("backward", M, **E4B, **Q4)
+    return f["seconds"] + b["seconds"]
+
+
+def test_training_step_fused_backward():
+    # The default path (fused_backward=True): 374 ms estimated.
+    assert step_seconds(True) <= 0.5 * 0.934
+
+
+@pytest.mark.xfail(strict=True, reason="plain forward + dh pass: 514 ms estimated on an "
+                   "M1 Max (141 + 373), above 0.5 x 934 ms")
+def test_training_step_separate_backward():
+    assert step_seconds(False) <= 0.5 * 0.934
+
+
+def test_model_sees_a_longer_launch():
+    # The model can fail the watchdog target: the plan's launches at e4b M = 8192
+    # are bounded, but the whole head as one launch would not be.
+    d = cost("backward", 8192, **E4B, **Q4, gpu="Apple M1")
+    assert d["longest_seconds"] <= 0.25 < d["seconds"]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        cost("forward", 8, 64, 100, gpu="Apple M9")
+    with pytest.raises(ValueError, match="pass must be"):
+        cost("sideways", 8, 64, 100)
+    with pytest.raises(ValueError, match="h must be"):
+        cost("forward", 8, 64, 100, h="int8")
+
+
+def test_bench_prints_the_model_for_its_gpu():
+    # bench/bench_metal.py's estimate beside each Metal measurement: the model's
+    # launches of the case it times, on the GPU MLX names.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import bench_metal
+
+    assert bench_metal.model_gpu("Apple M1 Max") == "Apple M1 Max"
+    assert bench_metal.model_gpu("Apple M7 Ultra") is None
+    fwd = cost("forward", 512, **E4B, **Q4)["seconds"]
+    assert bench_metal.model_ms(512, 2560, 262144, "q4", "fwd", "Apple M1 Max") == \
+        pytest.approx(1e3 * fwd)
+    step = 1e3 * step_seconds(True)
+    assert bench_metal.model_ms(512, 2560, 262144, "q4", "fwd_bwd", "Apple M1 Max") == \
+        pytest.approx(step)
