@@ -226,12 +226,13 @@ NB_MODULE(_ext, m) {
       },
       "The Metal libraries compiled from source so far: (kernels, source bytes, seconds).");
   m.def(
-      "metal_split_limit",
-      [](int max_splits, flash_cce::mx::StreamOrDevice s) {
-        flash_cce::metal_split_limit(max_splits, flash_cce::mx::to_stream(s));
+      "metal_plan_limits",
+      [](int max_splits, int round_blocks, flash_cce::mx::StreamOrDevice s) {
+        flash_cce::metal_plan_limits({max_splits, round_blocks}, flash_cce::mx::to_stream(s));
       },
-      "max_splits"_a, "stream"_a = nb::none(),
-      "Caps the Metal kernels' vocabulary splits on `stream` (0: the plan's choice).");
+      "max_splits"_a = 0, "round_blocks"_a = 0, "stream"_a = nb::none(),
+      "Caps the Metal kernels' vocabulary splits and blocks per launch round on `stream` "
+      "(0: the plan's choice).");
   m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 
   m.def("metal_cost", &metal_cost, "pass_"_a, "M"_a, "H"_a, "V"_a, nb::kw_only(),

@@ -687,6 +687,14 @@ std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning&) 
 }
 #endif
 
+void check_plan_limits(const PlanLimits& limits) {
+  if (limits.max_splits < 0 || limits.round_blocks < 0) {
+    throw std::invalid_argument("[flash_cce] max_splits and round_blocks must be >= 0, got " +
+                                std::to_string(limits.max_splits) + " and " +
+                                std::to_string(limits.round_blocks));
+  }
+}
+
 #ifdef FLASH_CCE_METAL
 bool has_metal_kernels() {
   return true;
@@ -694,8 +702,8 @@ bool has_metal_kernels() {
 MetalLibraryStatus metal_library_status() {
   return metal::library_status();
 }
-void metal_split_limit(int max_splits, const mx::Stream& s) {
-  metal::set_split_limit(s, max_splits);
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream& s) {
+  metal::set_plan_limits(s, limits);
 }
 std::vector<MetalCompile> metal_compiled_libraries() {
   return metal::compiled_libraries();
@@ -710,11 +718,8 @@ MetalLibraryStatus metal_library_status() {
 std::vector<MetalCompile> metal_compiled_libraries() {
   return {};
 }
-void metal_split_limit(int max_splits, const mx::Stream&) {
-  if (max_splits < 0) {
-    throw std::invalid_argument("[flash_cce] max_splits must be >= 0, got " +
-                                std::to_string(max_splits));
-  }
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream&) {
+  check_plan_limits(limits);
 }
 #endif
 

@@ -120,10 +120,16 @@ struct MetalCompile {
 // or with a metallib).
 std::vector<MetalCompile> metal_compiled_libraries();
 
-// Caps the Metal kernels' vocabulary splits for launches encoded on stream `s`
-// (0: the plan's choice), so that the self-check runs the long-split code at
-// small sizes. No effect in a build without Metal kernels (no splits there).
-void metal_split_limit(int max_splits, const mx::Stream& s);
+// Caps the Metal kernels' vocabulary splits and blocks per launch round for
+// launches encoded on stream `s` (0: the plan's choice), so that the
+// self-check runs long splits and resumed rounds at small sizes. No effect in
+// a build without Metal kernels (no splits there); negative values raise.
+struct PlanLimits {
+  int max_splits = 0;
+  int round_blocks = 0;
+};
+void check_plan_limits(const PlanLimits& limits);
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream& s);
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);

@@ -103,14 +103,14 @@ const Library& library() {
   return lib;
 }
 
-// Split limits per stream index (set_split_limit).
-std::mutex split_mutex;
-std::map<int, int> split_limits;
+// Plan limits per stream index (set_plan_limits).
+std::mutex limits_mutex;
+std::map<int, PlanLimits> plan_limits;
 
-int split_limit(const mx::Stream& s) {
-  std::lock_guard<std::mutex> lock(split_mutex);
-  auto it = split_limits.find(s.index);
-  return it == split_limits.end() ? 0 : it->second;
+PlanLimits limits_of(const mx::Stream& s) {
+  std::lock_guard<std::mutex> lock(limits_mutex);
+  auto it = plan_limits.find(s.index);
+  return it == plan_limits.end() ? PlanLimits{} : it->second;
 }
 
 DType dtype_of(mx::Dtype t, const char* what) {
@@ -132,7 +132,9 @@ DType dtype_of(mx::Dtype t, const char* what) {
 Problem plan_problem(mx::Stream s, const HeadProblem& hp, Pass pass,
                      const std::vector<mx::array>& in, size_t sb_at) {
   Problem p;
-  p.max_splits = split_limit(s);
+  const PlanLimits limits = limits_of(s);
+  p.max_splits = limits.max_splits;
+  p.round_blocks = limits.round_blocks;
   p.M = hp.M;
   p.H = hp.H;
   p.V = hp.V;
@@ -248,16 +250,13 @@ std::vector<MetalCompile> compiled_libraries() {
   return compiled;
 }
 
-void set_split_limit(const mx::Stream& s, int max_splits) {
-  if (max_splits < 0) {
-    throw std::invalid_argument("[flash_cce] max_splits must be >= 0, got " +
-                                std::to_string(max_splits));
-  }
-  std::lock_guard<std::mutex> lock(split_mutex);
-  if (max_splits == 0) {
-    split_limits.erase(s.index);
+void set_plan_limits(const mx::Stream& s, PlanLimits limits) {
+  check_plan_limits(limits);
+  std::lock_guard<std::mutex> lock(limits_mutex);
+  if (limits.max_splits == 0 && limits.round_blocks == 0) {
+    plan_limits.erase(s.index);
   } else {
-    split_limits[s.index] = max_splits;
+    plan_limits[s.index] = limits;
   }
 }
 

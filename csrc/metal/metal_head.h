@@ -35,8 +35,9 @@ MetalLibraryStatus library_status();
 // The libraries compiled from the source so far in this process.
 std::vector<MetalCompile> compiled_libraries();
 
-// Caps the vocabulary splits of the plans encoded on stream `s` (0: the plan's
-// choice); the self-check uses it to run long splits at small sizes.
-void set_split_limit(const mx::Stream& s, int max_splits);
+// Caps the vocabulary splits and the blocks per launch round of the plans
+// encoded on stream `s` (0: the plan's choice); the self-check uses it to run
+// long splits, and splits in several rounds, at small sizes.
+void set_plan_limits(const mx::Stream& s, PlanLimits limits);
 
 } // namespace flash_cce::metal

@@ -35,10 +35,12 @@ The problems between them cover: tile edges in M, V and a dense H (72, a
 partial 32-column tile), one row, softcap on and off, ignored rows with the
 default and with a custom ignore_index (a real token id), vocabulary splits of
 several blocks merged by the combine, one split of 65 blocks (the online
-softmax rescaling across many blocks), and two dW slabs of a half-precision
-head. A split limit is set on the native path per problem where the problem
-asks for one (`metal_split_limit`), so that the kernels' long-split code runs
-at sizes the CPU fallback checks in about a second.
+softmax rescaling across many blocks) run in launch rounds of 16 blocks that
+resume the split's statistics and partial sums, and two dW slabs of a
+half-precision head. Split and round limits are set on the native path per
+problem where the problem asks for them (`metal_plan_limits`), so that the
+kernels' long-split code runs at sizes the CPU fallback checks in about a
+second.
 A wrong kernel (a lost tile, a wrong index, a missing barrier) misses these by
 orders of magnitude; rounding stays inside them.
 """
@@ -58,8 +60,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 @dataclass(frozen=True)
 class Problem:
     """One self-check problem. `hidden` is a dense head's H; a quantized
-    head's is rounded up to a multiple of QUANT_H_UNIT. `max_splits` (0: the
-    plan's choice) caps the native path's vocabulary splits; `off_grid`
+    head's is rounded up to a multiple of QUANT_H_UNIT. `max_splits` and
+    `round_blocks` (0: the plan's choice) cap the native path's vocabulary
+    splits and the blocks of a split per launch; `off_grid`
     perturbs the inputs off the bfloat16 grid (see the module docstring)."""
 
     M: int
@@ -69,6 +72,7 @@ class Problem:
     hidden: int = 256
     ignore_index: int = -100
     max_splits: int = 0
+    round_blocks: int = 0
     off_grid: bool = False
     seed: int = 0
 
@@ -83,9 +87,10 @@ PROBLEMS = (
     Problem(70, 300, 5.0, (0,), hidden=128, seed=2),
     # float32 values off the bfloat16 grid, H = 72 (a partial 32-column
     # tile), a custom ignore_index inside the vocabulary, one split of 65
-    # blocks (the last partial) with large logits: the row maximum moves often
+    # blocks (the last partial) in rounds of 16 with large logits: the row
+    # maximum moves often, also across rounds
     Problem(24, 2070, None, (2, 9, 17), hidden=72, ignore_index=5, max_splits=1,
-            off_grid=True, seed=3),
+            round_blocks=16, off_grid=True, seed=3),
     # 8230 vocabulary rows: two dW slabs of a half-precision head
     Problem(8, 8230, None, (2,), hidden=32, seed=4),
 )
@@ -252,27 +257,28 @@ def _check_problem(spec, native, stream, prob, cmp):
     cmp("dh(vjp)", dh_v, dh_r, dh_bound)
 
 
-def _limit_splits(native, stream, max_splits):
-    """Caps the native path's vocabulary splits on `stream` (0: the plan's
-    choice), where the native path has splits (the Metal kernels)."""
-    limit = getattr(native, "metal_split_limit", None)
+def _limit_plan(native, stream, max_splits=0, round_blocks=0):
+    """Caps the native path's vocabulary splits and blocks per launch round
+    on `stream` (0: the plan's choice), where the native path has them (the
+    Metal kernels)."""
+    limit = getattr(native, "metal_plan_limits", None)
     if limit is not None:
-        limit(max_splits, stream=stream)
+        limit(max_splits, round_blocks, stream=stream)
 
 
 def self_check(spec, native, stream, problems=PROBLEMS):
     """Runs `problems` for `spec` on `native` (an object with the signature of
     flash_cce._ext's forward and backward, and optionally its
-    metal_split_limit) on `stream`. Never raises: an error of the native path
+    metal_plan_limits) on `stream`. Never raises: an error of the native path
     is a failed check."""
     cmp = _Compare()
     try:
         for prob in problems:
-            _limit_splits(native, stream, prob.max_splits)
+            _limit_plan(native, stream, prob.max_splits, prob.round_blocks)
             try:
                 _check_problem(spec, native, stream, prob, cmp)
             finally:
-                _limit_splits(native, stream, 0)
+                _limit_plan(native, stream)
     except Exception as err:  # noqa: BLE001 - a failing kernel may raise anything
         return CheckResult(False, float("inf"), f"{type(err).__name__}: {err}".strip())
     if cmp.worst <= 1.0:

@@ -266,20 +266,21 @@ def test_the_check_runs_inside_compile_and_grad(cpu_gated):
     assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
-def test_the_check_sets_each_problems_split_limit_and_clears_it():
-    # The Metal path takes a split limit per problem (one split of many
-    # blocks at a small size); it must not outlive the problem.
+def test_the_check_sets_each_problems_plan_limits_and_clears_them():
+    # The Metal path takes split and round limits per problem (one split of
+    # many blocks in rounds at a small size); they must not outlive the problem.
     calls = []
 
     class Limited(Native):
-        def metal_split_limit(self, max_splits, stream=None):
-            calls.append((max_splits, stream))
+        def metal_plan_limits(self, max_splits=0, round_blocks=0, stream=None):
+            calls.append((max_splits, round_blocks, stream))
 
     probs = [p for p in PROBLEMS if p.max_splits][:2]
+    assert any(p.round_blocks for p in probs)
     assert self_check(SPECS[0], Limited(), mx.cpu, probs).passed
     want = []
     for p in probs:
-        want += [(p.max_splits, mx.cpu), (0, mx.cpu)]
+        want += [(p.max_splits, p.round_blocks, mx.cpu), (0, 0, mx.cpu)]
     assert calls == want
 
 
@@ -289,4 +290,5 @@ def test_the_shipped_problems_cover_what_the_check_must_see():
     assert any(p.off_grid for p in PROBLEMS)
     assert any(p.hidden % 32 for p in PROBLEMS)
     assert any(0 <= p.ignore_index < p.V and p.ignored for p in PROBLEMS)
-    assert any(p.max_splits == 1 and -(-p.V // 32) >= 64 for p in PROBLEMS)
+    assert any(p.max_splits == 1 and -(-p.V // 32) >= 64 and 0 < p.round_blocks < 64
+               for p in PROBLEMS)

@@ -2,7 +2,7 @@
 
 The run-time self-check (flash_cce.selfcheck, called by flash_cce.metal's
 gate) takes a `native` object with _ext's forward, backward and
-metal_split_limit. EmuNative is one: each call asks csrc/metal/plan.cpp for
+metal_plan_limits. EmuNative is one: each call asks csrc/metal/plan.cpp for
 the launches the Metal host would encode (head_emu.plan) and runs them on the
 emulated kernels of a build (head_emu.build), so that the gate's own code
 checks the Metal kernels, or a planted defect in them, on the CPU.
@@ -29,22 +29,22 @@ def from_host(x: np.ndarray, dtype: str) -> mx.array:
 
 
 class EmuNative:
-    """forward / backward / metal_split_limit of flash_cce._ext, run on the
+    """forward / backward / metal_plan_limits of flash_cce._ext, run on the
     emulated Metal kernels of `program` (stream arguments are ignored: the
     emulator runs on the CPU)."""
 
     def __init__(self, program, seed=0):
         self.program, self.seed = program, seed
-        self.max_splits = 0
+        self.limits = {"max_splits": 0, "round_blocks": 0}
         self.launches = 0  # kernels run so far
 
-    def metal_split_limit(self, max_splits, stream=None):
-        self.max_splits = max_splits
+    def metal_plan_limits(self, max_splits=0, round_blocks=0, stream=None):
+        self.limits = {"max_splits": max_splits, "round_blocks": round_blocks}
 
     def _plan(self, pass_, h, w, scales, group_size, bits, softcap, ignore_index, **kw):
         (M, H), V = h.shape, w.shape[0]
         kw.update(h=DTYPE_NAMES[h.dtype], softcap=softcap or 0.0, ignore_index=ignore_index,
-                  max_splits=self.max_splits)
+                  **self.limits)
         if scales is None:
             kw.update(w=DTYPE_NAMES[w.dtype])
         else:

@@ -73,6 +73,9 @@ DEFECTS = {
     "no_partial_rescale": (
         "the fused forward's partial gsum is not rescaled when the row maximum moves",
         [(r"acc\.Ctile\.frag_at\(i, j\) \*= f;", "(void)f;")]),
+    "no_round_resume": (
+        "a launch round after the first restarts the split's running maximum and sum",
+        [(r"if \(MODE != FCCE_MODE_DH && p\.block_begin > 0 && t\.ok\)", "if (false)")]),
 }
 
 
@@ -112,12 +115,13 @@ def test_unmodified_quantized_kernels_pass_the_long_split():
     assert result.passed, result.detail
 
 
-def test_the_long_split_problem_runs_one_split_of_65_blocks():
+def test_the_long_split_problem_runs_one_split_of_65_blocks_in_rounds():
     (p,) = OFF_GRID
     plan = he.plan("forward", p.M, p.hidden, p.V, max_splits=p.max_splits,
-                   ignore_index=p.ignore_index)
-    head = plan["launches"][0]["params"]
-    assert head["splits"] == 1 and head["blocks_per_split"] >= 64
+                   round_blocks=p.round_blocks, ignore_index=p.ignore_index)
+    rounds = [l["params"] for l in plan["launches"] if l["kernel"].startswith("fcce_fwd_")]
+    assert all(r["splits"] == 1 and r["blocks_per_split"] >= 64 for r in rounds)
+    assert [r["block_begin"] for r in rounds] == [0, 16, 32, 48, 64]
     assert p.hidden % 32 and p.ignore_index not in (-100,) and 0 <= p.ignore_index < p.V
 
 
