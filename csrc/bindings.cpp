@@ -233,8 +233,6 @@ NB_MODULE(_ext, m) {
       "max_splits"_a = 0, "round_blocks"_a = 0, "stream"_a = nb::none(),
       "Caps the Metal kernels' vocabulary splits and blocks per launch round on `stream` "
       "(0: the plan's choice).");
-  m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
-
   m.def("metal_cost", &metal_cost, "pass_"_a, "M"_a, "H"_a, "V"_a, nb::kw_only(),
         "h"_a = "bfloat16", "w"_a = "bfloat16", "sb"_a = "bfloat16", "quantized"_a = false,
         "bits"_a = 4, "group_size"_a = 64, "fused"_a = false, "compute_dw"_a = false,
@@ -268,4 +266,5 @@ NB_MODULE(_ext, m) {
         return out;
       },
       "The Apple GPUs the cost model knows, with their published peak rates.");
+  m.def("cpu_gemm_kernel", &flash_cce::cpu::sgemm_kernel_name);
 }

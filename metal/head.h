@@ -1,14 +1,18 @@
 // The head's tile loop. A threadgroup owns BM rows of h and a contiguous range
-// of BN-row vocabulary blocks (one split). Per block:
+// of BN-row vocabulary blocks (one split), taken in groups of
+// FCCE_GROUP_BLOCKS. Per block of a group:
 //   1. logits S [BM, BN] = h W^T over H with steel's BlockMMA (fp32 operands
-//      and accumulators), stored to threadgroup memory;
+//      and accumulators), stored to the block's tile in threadgroup memory;
 //   2. a row epilogue (4 threads per row, 8 columns each): softcap, then
 //      - FWD / FWD_FUSED: the online (max, sum of exp) of the row and the
-//        target's logit; FWD_FUSED keeps C = exp(s - max) dcap;
+//        target's logit; FWD_FUSED keeps C = exp(s - max) dcap (and rescales
+//        the group's earlier tiles when the maximum moves);
 //      - DH: C = dS = (g [v == y] + (g_lse - g) exp(s - lse)) dcap;
-//   3. FWD_FUSED / DH: part_acc[split, rows, :] = factor * part_acc + C W,
-//      H in BK-column pieces (factor rescales the fused forward's previous
-//      blocks to the new row maximum; 1 for DH).
+// then, per group,
+//   3. FWD_FUSED / DH: part_acc[split, rows, :] = factor * part_acc + sum of
+//      the group's C W, H in BK-column pieces (factor rescales the earlier
+//      groups to the new row maximum; 1 for DH): the partial is read and
+//      written once per group.
 // The split's row statistics go to part_max / part_sum at the end. Only the
 // [splits, M] statistics and the [splits, M, H] partials reach device memory.
 // A launch runs one round of each split's blocks (FcceParams::block_begin,
@@ -30,25 +34,28 @@ using AccMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BM, FCCE_BK, FCCE_BN, FCCE_WM, FCCE_WN,
     false, false, kLdC, FCCE_LD>;
 
+constant constexpr int kTileC = FCCE_BM * kLdC; // floats of one coefficient tile
+
 // Threadgroup memory of the head kernel (plan.cpp's head_threadgroup_bytes).
 struct HeadSmem {
   threadgroup float* hs; // [BM, LD] h tile
   threadgroup float* ws; // [BN, LD] w tile
-  threadgroup float* cs; // [BM, kLdC] logits, then coefficients
+  threadgroup float* cs; // FCCE_GROUP_BLOCKS x [BM, kLdC] logits, then coefficients
   threadgroup float* factor; // [BM] per-row rescale of the partials
 
   METAL_FUNC HeadSmem(threadgroup float* smem)
       : hs(smem),
         ws(smem + FCCE_BM * FCCE_LD),
         cs(smem + (FCCE_BM + FCCE_BN) * FCCE_LD),
-        factor(smem + (FCCE_BM + FCCE_BN) * FCCE_LD + FCCE_BM * kLdC) {}
+        factor(smem + (FCCE_BM + FCCE_BN) * FCCE_LD + FCCE_GROUP_BLOCKS * kTileC) {}
 };
 
-// S = h[m0 : m0 + BM] w[v0 : v0 + BN]^T into sm.cs.
+// S = h[m0 : m0 + BM] w[v0 : v0 + BN]^T into the tile cs.
 template <typename HT, class W>
 METAL_FUNC void logits_tile(
     const device HT* h, thread const W& w, const constant FcceParams& p,
-    int m0, int v0, thread const HeadSmem& sm, uint tid, uint sgid, uint lane) {
+    int m0, int v0, threadgroup float* cs, thread const HeadSmem& sm, uint tid, uint sgid,
+    uint lane) {
   LogitMMA mma(sgid, lane);
   for (int k0 = 0; k0 < p.H; k0 += FCCE_BK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -58,7 +65,7 @@ METAL_FUNC void logits_tile(
     mma.mma(sm.hs, sm.ws);
   }
   mma.Ctile.template store<float, FCCE_WM, FCCE_WN, kLdC, 1>(
-      sm.cs + mma.sm * kLdC + mma.sn);
+      cs + mma.sm * kLdC + mma.sn);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
@@ -110,7 +117,10 @@ METAL_FUNC RowGrad row_grad(
   return r;
 }
 
-// The thread's 8 logits from the tile, softcapped; dcap receives the softcap's derivative.
+// The thread's 8 logits from the tile, softcapped; dcap receives the softcap's
+// derivative. The row epilogue's per-row state (run_max, run_sum) is where
+// further per-row sums (e.g. sum_v p_v s_v) would be kept and rescaled alike,
+// and a logit transform after the softcap (e.g. a temperature) would go here.
 METAL_FUNC void read_logits8(threadgroup float* crow, thread float* s, thread float* dcap,
                              float cap) {
   for (int j = 0; j < 8; ++j) {
@@ -143,33 +153,36 @@ METAL_FUNC float row_max4(float x) {
 }
 
 // part[rows, :] = factor[row] * part[rows, :] (skipped for the split's first
-// block) + cs ws-tiles of w, H in BK-wide pieces.
+// group) + the sum over the group's `count` blocks (from vb) of their
+// coefficient tiles times their rows of w, H in BK-wide pieces.
 template <class W>
 METAL_FUNC void accumulate_cw(
     thread const W& w, const constant FcceParams& p, device float* part,
-    int m0, int v0, bool first, bool rescale, thread const HeadSmem& sm,
+    int m0, int vb, int count, bool first, bool rescale, thread const HeadSmem& sm,
     uint tid, uint sgid, uint lane) {
   const short rows = short(min(FCCE_BM, p.M - m0));
   for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    w.load(p, v0, i0, sm.ws, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
     AccMMA acc(sgid, lane);
     const short2 dims(short(min(FCCE_BK, p.H - i0)), rows);
     device float* dst = part + i0;
-    if (!first) {
-      acc.Ctile.template load_safe<float, FCCE_WM, FCCE_WN>(
-          dst + acc.sm * p.H + acc.sn, p.H, dims - short2(acc.sn, acc.sm));
-      if (rescale) {
-        for (short i = 0; i < decltype(acc.Ctile)::kTileRows; ++i) {
-          const float f = sm.factor[acc.sm + i * 8 * FCCE_WM];
-          for (short j = 0; j < decltype(acc.Ctile)::kTileCols; ++j) {
-            acc.Ctile.frag_at(i, j) *= f;
+    for (int b = 0; b < count; ++b) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (b == 0 && !first) {
+        acc.Ctile.template load_safe<float, FCCE_WM, FCCE_WN>(
+            dst + acc.sm * p.H + acc.sn, p.H, dims - short2(acc.sn, acc.sm));
+        if (rescale) {
+          for (short i = 0; i < decltype(acc.Ctile)::kTileRows; ++i) {
+            const float f = sm.factor[acc.sm + i * 8 * FCCE_WM];
+            for (short j = 0; j < decltype(acc.Ctile)::kTileCols; ++j) {
+              acc.Ctile.frag_at(i, j) *= f;
+            }
           }
         }
       }
+      acc.mma(sm.cs + b * kTileC, sm.ws);
     }
-    acc.mma(sm.cs, sm.ws);
     acc.store_result_safe(dst, p.H, dims);
   }
 }
@@ -205,43 +218,56 @@ METAL_FUNC void head_tiles(
       ? part_acc
       : part_acc + (size_t(split) * size_t(p.M) + size_t(m0)) * size_t(p.H);
 
-  for (int vb = vb0; vb < vb1; ++vb) {
-    const int v0 = vb * FCCE_BN;
-    logits_tile(h, w, p, m0, v0, sm, tid, sgid, lane);
+  for (int g0 = vb0; g0 < vb1; g0 += FCCE_GROUP_BLOCKS) {
+    const int count = min(FCCE_GROUP_BLOCKS, vb1 - g0);
+    const float group_max = run_max; // the partial's scale before this group
+    for (int b = 0; b < count; ++b) {
+      const int v0 = (g0 + b) * FCCE_BN;
+      threadgroup float* cs = sm.cs + b * kTileC;
+      logits_tile(h, w, p, m0, v0, cs, sm, tid, sgid, lane);
 
-    threadgroup float* crow = sm.cs + er * kLdC + ec;
-    float s[8], dcap[8];
-    read_logits8(crow, s, dcap, p.softcap);
-    if (MODE == FCCE_MODE_DH) {
-      write_ds8(crow, s, dcap, v0 + ec, p, t, r);
-    } else {
-      float bmax = kFloorLogit;
-      for (int j = 0; j < 8; ++j) {
-        const int v = v0 + ec + j;
-        if (t.y_ok && v == t.y) {
-          target_logit[m] = s[j];
+      threadgroup float* crow = cs + er * kLdC + ec;
+      float s[8], dcap[8];
+      read_logits8(crow, s, dcap, p.softcap);
+      if (MODE == FCCE_MODE_DH) {
+        write_ds8(crow, s, dcap, v0 + ec, p, t, r);
+      } else {
+        float bmax = kFloorLogit;
+        for (int j = 0; j < 8; ++j) {
+          const int v = v0 + ec + j;
+          if (t.y_ok && v == t.y) {
+            target_logit[m] = s[j];
+          }
+          s[j] = v < p.V ? s[j] : kFloorLogit;
+          bmax = max(bmax, s[j]);
         }
-        s[j] = v < p.V ? s[j] : kFloorLogit;
-        bmax = max(bmax, s[j]);
-      }
-      const float new_max = max(run_max, row_max4(bmax));
-      const float f = metal::precise::exp(run_max - new_max);
-      float part_e = 0.0f;
-      for (int j = 0; j < 8; ++j) {
-        const float e = metal::precise::exp(s[j] - new_max);
-        part_e += e;
+        const float new_max = max(run_max, row_max4(bmax));
+        const float f = metal::precise::exp(run_max - new_max);
+        float part_e = 0.0f;
+        for (int j = 0; j < 8; ++j) {
+          const float e = metal::precise::exp(s[j] - new_max);
+          part_e += e;
+          if (MODE == FCCE_MODE_FWD_FUSED) {
+            crow[j] = e * dcap[j];
+          }
+        }
         if (MODE == FCCE_MODE_FWD_FUSED) {
-          crow[j] = e * dcap[j];
+          // The group's earlier coefficients (this thread's own entries) to the new maximum.
+          for (int bb = 0; bb < b; ++bb) {
+            for (int j = 0; j < 8; ++j) {
+              crow[(bb - b) * kTileC + j] *= f;
+            }
+          }
         }
-      }
-      run_sum = run_sum * f + row_sum4(part_e);
-      run_max = new_max;
-      if (MODE == FCCE_MODE_FWD_FUSED && ec == 0) {
-        sm.factor[er] = f;
+        run_sum = run_sum * f + row_sum4(part_e);
+        run_max = new_max;
       }
     }
     if (MODE != FCCE_MODE_FWD) {
-      accumulate_cw(w, p, part, m0, v0, vb == split_vb0, MODE == FCCE_MODE_FWD_FUSED,
+      if (MODE == FCCE_MODE_FWD_FUSED && ec == 0) {
+        sm.factor[er] = metal::precise::exp(group_max - run_max);
+      }
+      accumulate_cw(w, p, part, m0, g0, count, g0 == split_vb0, MODE == FCCE_MODE_FWD_FUSED,
                     sm, tid, sgid, lane);
     }
   }

@@ -13,11 +13,17 @@
 #define FCCE_THREADS 128 // FCCE_WM * FCCE_WN SIMD groups of 32 (asserted in loaders.h)
 // Row stride (in floats) of the threadgroup tiles: padded against bank conflicts.
 #define FCCE_LD (FCCE_BK + 4)
+// Vocabulary blocks whose coefficient tiles the fused forward and dh passes
+// keep in threadgroup memory, so that they read and write their [BM, H]
+// partial sums once per group of blocks rather than once per block.
+#define FCCE_GROUP_BLOCKS 4
 // Threadgroup memory of the head and dW kernels, in floats (declared in the
 // kernels; metal/head.h's HeadSmem carves it): h tile [BM, LD], w tile
-// [BN, LD], coefficient tile [BM, BN + 4], row factors [BM].
-#define FCCE_SMEM_FLOATS \
-  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
+// [BN, LD], FCCE_GROUP_BLOCKS coefficient tiles [BM, BN + 4], row factors
+// [BM]: 27,776 bytes.
+#define FCCE_SMEM_FLOATS                                                            \
+  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_GROUP_BLOCKS * FCCE_BM * (FCCE_BN + 4) + \
+   FCCE_BM)
 // The most vocabulary rows (and, in dW, rows of h) one threadgroup processes
 // in one launch: macOS ends a command whose work runs too long, so long heads
 // are split into several launches.

@@ -29,19 +29,23 @@ double w_row_bytes(const Problem& p) {
 
 // The head kernel (metal/head.h, head_tiles): per (threadgroup, block) the
 // logits tile loads h's [BM, H] rows and W's [BN, H] rows; the fused forward
-// and dh modes load W's rows again (accumulate_cw) and read (except on a
-// split's first block) and write the float32 [BM, H] partial.
+// and dh modes load W's rows again (accumulate_cw) and, once per group of
+// FCCE_GROUP_BLOCKS blocks, read (except on a split's first group) and write
+// the float32 [BM, H] partial.
 void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const FcceParams& q = l.params;
   const int64_t total_blocks = cdiv(p.V, FCCE_BN);
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
   const bool acc = q.mode != FCCE_MODE_FWD;
-  int64_t tile_blocks = 0, first_blocks = 0; // per m tile, over the launch's splits
+  // Per m tile, over the launch's splits: blocks, groups of blocks, and
+  // groups that start a split (no partial to read).
+  int64_t tile_blocks = 0, tile_groups = 0, first_groups = 0;
   for (int64_t s = q.split_begin; s < q.split_begin + int64_t(l.grid[1]); ++s) {
     const int64_t in_split = std::min<int64_t>(q.blocks_per_split, total_blocks - s * q.blocks_per_split);
     const int64_t n = std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
     tile_blocks += n;
-    first_blocks += (q.block_begin == 0 && n > 0) ? 1 : 0;
+    tile_groups += cdiv(n, FCCE_GROUP_BLOCKS);
+    first_groups += (q.block_begin == 0 && n > 0) ? 1 : 0;
   }
   const double m_tiles = l.grid[0];
   const double blocks = m_tiles * double(tile_blocks);
@@ -51,8 +55,8 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.flops = blocks * 2.0 * (acc ? 2 : 1) * FCCE_BM * FCCE_BN * double(hk);
   c.bytes_read = blocks * (h_tile + w_tile * (acc ? 2 : 1));
   if (acc) {
-    c.bytes_read += (blocks - m_tiles * double(first_blocks)) * part_tile;
-    c.bytes_written += blocks * part_tile;
+    c.bytes_read += m_tiles * double(tile_groups - first_groups) * part_tile;
+    c.bytes_written += m_tiles * double(tile_groups) * part_tile;
   }
   // Per threadgroup and row: targets, the backward's lse, g, g_lse, or the
   // forward's statistics (read when resuming, written at the end).
@@ -65,9 +69,9 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   }
 }
 
-// dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows), h's
-// rows again for dS^T h, and the float32 [BN, H] rows read (after the first
-// m tile) and written.
+// dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
+// h's rows again for dS^T h; per group of FCCE_GROUP_BLOCKS m tiles the
+// float32 [BN, H] rows read (but for the group at m tile 0) and written.
 void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const FcceParams& q = l.params;
   const int64_t m_tiles = cdiv(p.M, FCCE_BM);
@@ -78,9 +82,10 @@ void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double acc_tile = double(FCCE_BN) * p.H * 4;
   c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  const double groups = double(l.grid[0]) * cdiv(walked, FCCE_GROUP_BLOCKS);
   const double first = q.m_tile_begin == 0 && walked > 0 ? double(l.grid[0]) : 0.0;
-  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4) + (n - first) * acc_tile;
-  c.bytes_written = n * acc_tile;
+  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4) + (groups - first) * acc_tile;
+  c.bytes_written = groups * acc_tile;
 }
 
 // The element-wise kernels (metal/rows.h), per element as their loops read.

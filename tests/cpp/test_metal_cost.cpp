@@ -29,6 +29,17 @@ Problem e4b(Pass pass, int64_t M, bool fused = false) {
   return p;
 }
 
+// A dense float32 head's backward with dW.
+Problem dense_dw(int64_t M, int64_t H, int64_t V) {
+  Problem p;
+  p.pass = Pass::backward;
+  p.M = M;
+  p.H = H;
+  p.V = V;
+  p.compute_dw = true;
+  return p;
+}
+
 double sum_flops(const std::vector<LaunchCost>& c) {
   double f = 0;
   for (const auto& x : c) f += x.flops;
@@ -51,12 +62,7 @@ TEST(MetalCost, GemmFlopsOfEveryPass) {
       ASSERT_TRUE(near(sum_flops(c), 2 * gemms * rows * vocab * 2560)) << M << " " << kind;
     }
   // dW of a dense head: two GEMMs over every (vocabulary row, token).
-  Problem d;
-  d.pass = Pass::backward;
-  d.M = 100;
-  d.H = 70;
-  d.V = 1000;
-  d.compute_dw = true;
+  Problem d = dense_dw(100, 70, 1000);
   d.round_m_tiles = 1;
   const Plan plan = make_plan(d);
   const auto c = plan_cost(d, plan);
@@ -81,7 +87,8 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   ASSERT_LT(read - tiles, 1e-3 * tiles);
   ASSERT_LT(written, 1e-3 * tiles);
   // The dh pass adds W's tiles again and the partials: read (but on a split's
-  // first block) and written every block.
+  // first group) and written once per group of FCCE_GROUP_BLOCKS blocks of a
+  // launch.
   Problem b = e4b(Pass::backward, M);
   const Plan bp = make_plan(b);
   const auto bc = plan_cost(b, bp);
@@ -89,10 +96,16 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   for (const auto& x : bc)
     if (x.flops > 0) read += x.bytes_read, written += x.bytes_written;
   const double splits = bp.launches[0].params.splits;
-  const double expect = mt * blocks * (h_tile + 2 * w_tile + part) - mt * splits * part;
+  double groups = 0; // per m tile and split, over the launches (rounds)
+  for (const auto& l : bp.launches)
+    if (l.params.block_count > 0 && std::string(l.kernel).rfind("fcce_dh_", 0) == 0)
+      groups += double((l.params.block_count + FCCE_GROUP_BLOCKS - 1) / FCCE_GROUP_BLOCKS) *
+          l.grid[0] * l.grid[1] / (mt * splits);
+  ASSERT_GE(groups, blocks / FCCE_GROUP_BLOCKS / splits);
+  const double expect = mt * blocks * (h_tile + 2 * w_tile) + mt * splits * (groups - 1) * part;
   ASSERT_GE(read, expect);
   ASSERT_LT(read - expect, 1e-3 * expect);
-  ASSERT_TRUE(near(written, mt * blocks * part));
+  ASSERT_TRUE(near(written, mt * splits * groups * part));
 }
 
 TEST(MetalCost, RooflineAndLaunchFields) {
@@ -129,4 +142,20 @@ TEST(MetalCost, MlxQuantizedMatmul) {
   ASSERT_TRUE(near(q.bytes_read, tiles * 32 * (2560 * 2 + 2560 * 0.5 + 40 * 4)));
   ASSERT_TRUE(near(q.bytes_written, 512.0 * 262144 * 2));
   ASSERT_EQ(q.threadgroup_bytes, 5120u); // MLX's 32 x 32 bf16 qmm_t tiles
+}
+
+TEST(MetalCost, DwRowsOncePerGroupOfMTiles) {
+  // Nine m tiles in one launch: the float32 dW rows are written once per group
+  // of FCCE_GROUP_BLOCKS m tiles (3 groups) and read by all but the first.
+  const Problem p = dense_dw(280, 64, 100);
+  const Plan plan = make_plan(p);
+  const auto c = plan_cost(p, plan);
+  double read = 0, written = 0;
+  for (size_t i = 0; i < c.size(); ++i)
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dw_", 0) == 0)
+      read += c[i].bytes_read, written += c[i].bytes_written;
+  const double tgs = 4, rows = 32.0 * 64 * 4, groups = (9 + FCCE_GROUP_BLOCKS - 1) / FCCE_GROUP_BLOCKS;
+  ASSERT_TRUE(near(written, tgs * groups * rows));
+  const double tiles = tgs * 9 * (2 * 32.0 * 64 * 4 + 32.0 * 64 * 4 + 32 * 16);
+  ASSERT_TRUE(near(read, tiles + tgs * (groups - 1) * rows));
 }

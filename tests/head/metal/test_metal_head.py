@@ -312,6 +312,13 @@ def test_rounds(dense, dtype):
               dw_slab_rows=64)
 
 
+def test_dw_groups_of_m_tiles(dense):
+    # Nine m tiles: dW's groups of four (rows read and written once per
+    # group), a last group of one, and a launch boundary inside the tiles.
+    p = Head(280, 24, 70, "f32", ignore=(5,), seed=23)
+    check_all(dense, p, None, compute_dw=True, round_m_tiles=6)
+
+
 def test_mixed_dtypes(dense):
     p = Head(11, 40, 300, "bf16", w_dtype="f32", seed=4)
     check_all(dense, p, None, compute_dw=True)

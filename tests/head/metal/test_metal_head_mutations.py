@@ -91,8 +91,8 @@ BARRIERS = {
                     "    load_dense_tile(h,"),
     "before_mma": ("threadgroup_barrier(mem_flags::mem_threadgroup);\n    mma.mma(sm.hs, sm.ws);",
                    "mma.mma(sm.hs, sm.ws);"),
-    "before_epilogue": ("      sm.cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
-                        "      sm.cs + mma.sm * kLdC + mma.sn);"),
+    "before_epilogue": ("      cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+                        "      cs + mma.sm * kLdC + mma.sn);"),
 }
 
 
@@ -141,3 +141,48 @@ def test_address_spaces_type_check():
                            "    device float* dst = sm.cs + i0;")
     with pytest.raises(metal_emu.CompileError, match="address_space"):
         he.build(source=src, mode="typecheck")
+
+
+# The barriers of the group accumulation (accumulate_cw): before loading a
+# block's w tile (a SIMD group overwrites the tile others still multiply) and
+# between loading and multiplying. ThreadSanitizer reports the unordered pair
+# under any schedule.
+GROUP_BARRIERS = {
+    "before_w_load": ("      threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);",
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
+    "before_acc_mma": ("      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);\n"
+                       "      threadgroup_barrier(mem_flags::mem_threadgroup);",
+                       "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
+}
+
+
+def group_source():
+    p = Head(2, 8, 40)
+    return he.kernel_source(he.plan_kernels(
+        forward_plan(p, True), he.plan("backward", 2, 8, 40, **p.kw())))
+
+
+def run_fused_passes(prog):
+    # Five blocks in one split: a group of four and a group of one.
+    p = Head(9, 36, 150, seed=10)
+    fwd = he.plan("forward", p.M, p.H, p.V, fused=True, **p.kw(max_splits=1))
+    a = p.operands()
+    a.update(logp=np.zeros(p.M, np.float32), lse=np.zeros(p.M, np.float32),
+             gsum=np.zeros((p.M, p.H), np.float32))
+    he.run_plan(prog, fwd, a)
+    bwd = he.plan("backward", p.M, p.H, p.V, **p.kw(max_splits=1))
+    b = p.operands()
+    b.update(lse=a["lse"], g=p.g, g_lse=p.g_lse, dh=np.zeros((p.M, p.H), np.float32))
+    he.run_plan(prog, bwd, b)
+
+
+def test_group_accumulation_clean_under_tsan():
+    run_fused_passes(he.build(source=group_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("barrier", sorted(GROUP_BARRIERS))
+def test_group_barrier_removed_is_caught_under_tsan(barrier):
+    src = metal_emu.mutate(group_source(), *GROUP_BARRIERS[barrier])
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        run_fused_passes(he.build(source=src, mode="tsan"))
