@@ -30,15 +30,18 @@ Q4 = HeadSpec("bfloat16", "uint32", 4, 64, "bfloat16")
 OFF_GRID = [p for p in PROBLEMS if p.off_grid]
 
 
+SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # HeadSpec's -> head_emu's
+
+
 def spec_kernels(spec):
     """Every kernel the self-check's plans use for `spec`."""
-    kw = dict(h={"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[spec.h_dtype])
+    kw = dict(h=SHORT[spec.h_dtype])
     if spec.bits is None:
-        kw["w"] = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[spec.w_dtype]
+        kw["w"] = SHORT[spec.w_dtype]
         H = 8
     else:
         kw.update(quantized=True, bits=spec.bits, group_size=spec.group_size,
-                  sb={"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[spec.sb_dtype])
+                  sb=SHORT[spec.sb_dtype])
         H = spec.group_size
     dense = spec.bits is None
     plans = [he.plan("forward", 2, H, 40, fused=f, **kw) for f in (False, True)]
