@@ -47,7 +47,7 @@ add_custom_command(
   VERBATIM)
 
 target_sources(flash_cce_core PRIVATE
-  csrc/metal/metal_head.cpp "${_fcce_source_h}")
+  csrc/metal/metal_head.cpp csrc/metal/kernel_source.cpp "${_fcce_source_h}")
 target_compile_definitions(flash_cce_core PUBLIC FLASH_CCE_METAL PRIVATE _METAL_)
 target_include_directories(flash_cce_core PRIVATE "${_fcce_gen}" "${MLX_ROOT}/include/metal_cpp")
 

@@ -224,6 +224,24 @@ NB_MODULE(_ext, m) {
         return std::make_tuple(st.source, st.path, st.error);
       },
       "Loads the Metal kernels' library once; returns (source, path, error).");
+  m.def(
+      "metal_compiled",
+      [] {
+        std::vector<std::tuple<std::vector<std::string>, size_t, double>> out;
+        for (const auto& c : flash_cce::metal_compiled_libraries()) {
+          out.emplace_back(c.kernels, c.source_bytes, c.seconds);
+        }
+        return out;
+      },
+      "The Metal libraries compiled from source so far: (kernels, source bytes, seconds).");
+  m.def(
+      "metal_plan_limits",
+      [](int max_splits, int round_blocks, flash_cce::mx::StreamOrDevice s) {
+        flash_cce::metal_plan_limits({max_splits, round_blocks}, flash_cce::mx::to_stream(s));
+      },
+      "max_splits"_a = 0, "round_blocks"_a = 0, "stream"_a = nb::none(),
+      "Caps the Metal kernels' vocabulary splits and blocks per launch round on `stream` "
+      "(0: the plan's choice).");
   m.def("metal_cost", &metal_cost, "pass_"_a, "M"_a, "H"_a, "V"_a, nb::kw_only(),
         "h"_a = "bfloat16", "w"_a = "bfloat16", "sb"_a = "bfloat16", "quantized"_a = false,
         "bits"_a = 4, "group_size"_a = 64, "fused"_a = false, "compute_dw"_a = false,

@@ -775,6 +775,14 @@ std::vector<std::pair<std::string, int64_t>> gpu_launch_plan(const HeadTuning&) 
 }
 #endif
 
+void check_plan_limits(const PlanLimits& limits) {
+  if (limits.max_splits < 0 || limits.round_blocks < 0) {
+    throw std::invalid_argument("[flash_cce] max_splits and round_blocks must be >= 0, got " +
+                                std::to_string(limits.max_splits) + " and " +
+                                std::to_string(limits.round_blocks));
+  }
+}
+
 #ifdef FLASH_CCE_METAL
 bool has_metal_kernels() {
   return true;
@@ -782,12 +790,24 @@ bool has_metal_kernels() {
 MetalLibraryStatus metal_library_status() {
   return metal::library_status();
 }
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream& s) {
+  metal::set_plan_limits(s, limits);
+}
+std::vector<MetalCompile> metal_compiled_libraries() {
+  return metal::compiled_libraries();
+}
 #else
 bool has_metal_kernels() {
   return false;
 }
 MetalLibraryStatus metal_library_status() {
   return {"", "", "this build has no Metal kernels"};
+}
+std::vector<MetalCompile> metal_compiled_libraries() {
+  return {};
+}
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream&) {
+  check_plan_limits(limits);
 }
 #endif
 

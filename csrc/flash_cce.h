@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
@@ -117,6 +118,28 @@ struct MetalLibraryStatus {
   std::string source, path, error;
 };
 MetalLibraryStatus metal_library_status();
+
+// One Metal library compiled from the embedded source: the kernels it holds
+// (one launch plan's), its source size and the seconds get_library took.
+struct MetalCompile {
+  std::vector<std::string> kernels;
+  size_t source_bytes;
+  double seconds;
+};
+// The libraries compiled so far in this process (empty without Metal kernels
+// or with a metallib).
+std::vector<MetalCompile> metal_compiled_libraries();
+
+// Caps the Metal kernels' vocabulary splits and blocks per launch round for
+// launches encoded on stream `s` (0: the plan's choice), so that the
+// self-check runs long splits and resumed rounds at small sizes. No effect in
+// a build without Metal kernels (no splits there); negative values raise.
+struct PlanLimits {
+  int max_splits = 0;
+  int round_blocks = 0;
+};
+void check_plan_limits(const PlanLimits& limits);
+void metal_plan_limits(const PlanLimits& limits, const mx::Stream& s);
 
 // True when the backend of `s` implements the fused forward outputs for h_dtype.
 bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);

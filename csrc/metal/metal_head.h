@@ -27,9 +27,17 @@ inline bool supports_fused(mx::Dtype) {
   return true;
 }
 
-// Loads the kernels' library once per process (the metallib installed beside
-// the module if it loads, else the embedded source compiled by Metal) and says
-// which one, or why neither.
+// Finds the kernels' library once per process (the metallib installed beside
+// the module if it loads, else the embedded source, compiled per kernel set at
+// first use) and says which one, or why neither.
 MetalLibraryStatus library_status();
+
+// The libraries compiled from the source so far in this process.
+std::vector<MetalCompile> compiled_libraries();
+
+// Caps the vocabulary splits and the blocks per launch round of the plans
+// encoded on stream `s` (0: the plan's choice); the self-check uses it to run
+// long splits, and splits in several rounds, at small sizes.
+void set_plan_limits(const mx::Stream& s, PlanLimits limits);
 
 } // namespace flash_cce::metal

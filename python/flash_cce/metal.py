@@ -125,12 +125,23 @@ class MetalStatus(dict):
     """metal_status()'s answer: a dict that prints as a short report."""
 
     def __str__(self):
-        lines = [f"{k}: {v}" for k, v in self.items() if k != "configs"]
+        lines = [f"{k}: {v}" for k, v in self.items() if k not in ("configs", "compiled")]
+        comp = self["compiled"]
+        lines.append(f"compiled: {len(comp)} libraries from source"
+                     + "".join(f"\n  {c['seconds']:.2f} s, {c['source_bytes']} bytes: "
+                               f"{', '.join(c['kernels'])}" for c in comp))
         lines.append("configs:" + ("" if self["configs"] else " none checked yet"))
         for key, c in self["configs"].items():
             state = "native" if c["passed"] else "fallback"
             lines.append(f"  {key}: {state} ({c['detail']})")
         return "\n".join(lines)
+
+
+def compiled_libraries():
+    """The Metal libraries compiled from source in this process, one per
+    launch plan's kernel set: kernels, source bytes, seconds."""
+    return [{"kernels": list(k), "source_bytes": int(b), "seconds": float(s)}
+            for k, b, s in _ext.metal_compiled()]
 
 
 def metal_status(check=True, gate=None):
@@ -140,7 +151,9 @@ def metal_status(check=True, gate=None):
     (a second or so) where the Metal kernels are built and a GPU exists.
     Returns a MetalStatus (a dict): whether Metal is available and the kernels
     built, where the library came from ("metallib" or "source", compiled at
-    run time), each checked configuration's result, and the last error.
+    run time per launch plan's kernels), the libraries compiled so far (their
+    kernels, source size and compile seconds), each checked configuration's
+    result, and the last error.
     """
     gate = gate or GATE
     available = bool(mx.metal.is_available())
@@ -167,6 +180,7 @@ def metal_status(check=True, gate=None):
         library_source=lib.get("source"),
         library_path=lib.get("path"),
         library_error=lib.get("error"),
+        compiled=compiled_libraries(),
         configs={k: {"passed": c.passed, "worst_error_over_bound": c.worst,
                      "detail": c.detail} for k, c in gate.checks.items()},
         last_error=gate.last_error,

@@ -7,12 +7,22 @@ the fused-backward state), its backward (dh, and dW for a dense head) and the
 gradient through the fused state, and compares every output with the fallback
 computed on the CPU from the same inputs.
 
-The inputs lie on grids exact in float16, bfloat16 and float32 (at most 8
-significant bits; quantized heads get power-of-two scales and biases
+Most problems' inputs lie on grids exact in float16, bfloat16 and float32 (at
+most 8 significant bits; quantized heads get power-of-two scales and biases
 -scale * 2^(bits-1), so every dequantized weight is exact too): whatever type a
-kernel rounds its operands to, they stay exact. Bounds then follow from fp32
-arithmetic (both paths against exact arithmetic, added; u = 2^-24, as in the
-derivation at the top of tests/head/test_head.py):
+kernel rounds its operands to, they stay exact. One problem ("off-grid") is
+exact only in float32 (and in the head's own dtypes after conversion): every
+value is a grid value g times (1 + e), e = 7 * 2^-12, which keeps 20
+significant bits (exact in float32) while bfloat16 rounds it back to g
+exactly (g e stays below half a bfloat16 ulp of g). A kernel that rounds a
+float32 head's operands to bfloat16 computes every logit s as s / (1 + e)^2,
+off by (2 e + e^2) |s| ~ 3.4e-3 |s|, and logp by about 3.4e-3 |s_y - E_p s|;
+the bound below is about 2 (V + 16) u |lse| + 4 (H + 2) u B ~ 3e-4 |lse| at
+V = 2070, H = 72 with logits of standard deviation ~8, so such a loader
+misses it by an order of magnitude (tests/head/metal/test_selfcheck_emu.py
+measures it). Bounds follow from fp32 arithmetic (both paths against exact
+arithmetic, added; u = 2^-24, as in the derivation at the top of
+tests/head/test_head.py):
   - a logit is an fp32 dot product of length H: |ds| <= 2 (H + 2) u B, with
     B = |h| @ |W|^T;
   - lse and logp: |d| <= 2 max_v |ds| + 2 (V + 16) u (1 + |lse|);
@@ -21,6 +31,16 @@ derivation at the top of tests/head/test_head.py):
     operand type (u_op, the type of h), accumulate in fp32, then round once to
     the output dtype:
     |d dh| <= 2 u_out |dh| + (2 (V + 4) u + u_op + 4 |d lse|) (|dS| @ |W|).
+The problems between them cover: tile edges in M, V and a dense H (72, a
+partial 32-column tile), one row, softcap on and off, ignored rows with the
+default and with a custom ignore_index (a real token id), vocabulary splits of
+several blocks merged by the combine, one split of 65 blocks (the online
+softmax rescaling across many blocks) run in launch rounds of 16 blocks that
+resume the split's statistics and partial sums, and two dW slabs of a
+half-precision head. Split and round limits are set on the native path per
+problem where the problem asks for them (`metal_plan_limits`), so that the
+kernels' long-split code runs at sizes the CPU fallback checks in about a
+second.
 A wrong kernel (a lost tile, a wrong index, a missing barrier) misses these by
 orders of magnitude; rounding stays inside them.
 """
@@ -36,15 +56,44 @@ U32 = 2.0**-24
 UNIT = {mx.float32: U32, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
-# (M, V, softcap, ignored rows): tile edges in M and V, one row, softcap on/off;
-# 300 rows give vocabulary splits of several blocks, and 8230 vocabulary rows
-# two dW slabs for a half-precision head (the plan's choices in
-# csrc/metal/plan.cpp).
-PROBLEMS = ((37, 517, None, (3, 20)), (1, 131, 5.0, ()), (70, 300, 5.0, (0,)),
-            (300, 1733, 5.0, (7,)), (8, 8230, None, (2,)))
-HIDDEN = 256  # a multiple of every group size (32, 64, 128)
-IGNORE = -100
 
+@dataclass(frozen=True)
+class Problem:
+    """One self-check problem. `hidden` is a dense head's H; a quantized
+    head's is rounded up to a multiple of QUANT_H_UNIT. `max_splits` and
+    `round_blocks` (0: the plan's choice) cap the native path's vocabulary
+    splits and the blocks of a split per launch; `off_grid`
+    perturbs the inputs off the bfloat16 grid (see the module docstring)."""
+
+    M: int
+    V: int
+    softcap: float | None = None
+    ignored: tuple = ()
+    hidden: int = 256
+    ignore_index: int = -100
+    max_splits: int = 0
+    round_blocks: int = 0
+    off_grid: bool = False
+    seed: int = 0
+
+
+QUANT_H_UNIT = 128  # every group size (32, 64, 128) divides it
+OFF_GRID = 7 * 2.0**-12  # below 2^-9: bfloat16 rounds g (1 + e) back to g
+
+PROBLEMS = (
+    # two m tiles (the second partial), 17 vocabulary blocks in 3 splits of 6
+    Problem(37, 517, None, (3, 20), hidden=128, max_splits=3, seed=0),
+    Problem(1, 131, 5.0, (), seed=1),  # one row, the plan's own splits
+    Problem(70, 300, 5.0, (0,), hidden=128, seed=2),
+    # float32 values off the bfloat16 grid, H = 72 (a partial 32-column
+    # tile), a custom ignore_index inside the vocabulary, one split of 65
+    # blocks (the last partial) in rounds of 16 with large logits: the row
+    # maximum moves often, also across rounds
+    Problem(24, 2070, None, (2, 9, 17), hidden=72, ignore_index=5, max_splits=1,
+            round_blocks=16, off_grid=True, seed=3),
+    # 8230 vocabulary rows: two dW slabs of a half-precision head
+    Problem(8, 8230, None, (2,), hidden=32, seed=4),
+)
 
 @dataclass(frozen=True)
 class HeadSpec:
@@ -86,12 +135,23 @@ def _grid(rng, shape, scale):
     return np.clip(np.round(rng.standard_normal(shape) * 32), -127, 127) * (scale / 32)
 
 
-def _inputs(spec, M, V, ignored, seed):
-    rng = np.random.default_rng(seed)
-    h = mx.array(_grid(rng, (M, HIDDEN), 1.0).astype(np.float32)).astype(DTYPES[spec.h_dtype])
-    w = _grid(rng, (V, HIDDEN), 1 / 8).astype(np.float32)
+def _hidden(spec, prob):
+    # A quantized head's H: the dense H rounded up to a multiple of every group size.
+    return prob.hidden if spec.bits is None else -(-prob.hidden // QUANT_H_UNIT) * QUANT_H_UNIT
+
+
+def _inputs(spec, prob):
+    rng = np.random.default_rng(prob.seed)
+    M, V, H = prob.M, prob.V, _hidden(spec, prob)
+    # Off the grid: large logits too (w on the scale of h), so that a loader
+    # rounding to bfloat16 shows in logp (module docstring).
+    off = 1 + OFF_GRID if prob.off_grid else 1.0
+    h = _grid(rng, (M, H), 1.0) * off
+    w = _grid(rng, (V, H), 1.0 if prob.off_grid else 1 / 8) * off
+    h = mx.array(h.astype(np.float32)).astype(DTYPES[spec.h_dtype])
+    w = w.astype(np.float32)
     y = rng.integers(0, V, M).astype(np.int32)
-    y[list(ignored)] = IGNORE
+    y[list(prob.ignored)] = prob.ignore_index
     g = mx.array(_grid(rng, M, 1.0).astype(np.float32))
     g_lse = mx.array(_grid(rng, M, 1.0).astype(np.float32))
     if spec.bits is None:
@@ -99,7 +159,7 @@ def _inputs(spec, M, V, ignored, seed):
     # Random codes from mx.quantize, then exact scales and centred biases.
     sb = DTYPES[spec.sb_dtype]
     q, _, _ = mx.quantize(mx.array(w), group_size=spec.group_size, bits=spec.bits)
-    groups = (V, HIDDEN // spec.group_size)
+    groups = (V, H // spec.group_size)
     scales = 2.0 ** -rng.integers(4, 7, groups).astype(np.float32) / 2 ** (spec.bits - 2)
     biases = -scales * 2 ** (spec.bits - 1)
     return h, q, mx.array(scales).astype(sb), mx.array(biases).astype(sb), mx.array(y), g, g_lse
@@ -109,7 +169,7 @@ def _f64(a):
     return np.array(a.astype(mx.float32), dtype=np.float64)
 
 
-def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap):
+def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap, ignore_index):
     """fp64 |dS| @ |W|, |dS|^T @ |h| and B = |h| @ |W|^T of the problem."""
     with mx.stream(mx.cpu):
         W = _f64(w) if scales is None else _f64(fallback.dequantize_f32(
@@ -121,7 +181,7 @@ def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap):
     top = s.max(axis=1, keepdims=True)
     p = np.exp(s - top) / np.exp(s - top).sum(axis=1, keepdims=True)
     yy = np.array(y)
-    keep = yy != IGNORE
+    keep = yy != ignore_index
     gg = np.where(keep, _f64(g), 0.0)
     onehot = np.zeros_like(s)
     onehot[np.arange(len(yy))[keep], yy[keep]] = 1.0
@@ -153,11 +213,12 @@ class _Compare:
                           f"bound {bound[i]:.3g}")
 
 
-def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
-    h, w, scales, biases, y, g, g_lse = _inputs(spec, M, V, ignored, seed)
+def _check_problem(spec, native, stream, prob, cmp):
+    h, w, scales, biases, y, g, g_lse = _inputs(spec, prob)
     dense = scales is None
+    M, V, H, cap = prob.M, prob.V, _hidden(spec, prob), prob.softcap
     q = dict(group_size=spec.group_size or 64, bits=spec.bits, softcap=cap,
-             ignore_index=IGNORE)
+             ignore_index=prob.ignore_index)
     with mx.stream(mx.cpu):
         logp_r, lse_r = fallback.forward(h, w, y, scales, biases, **q)
         dh_r, dw_r = fallback.backward(h, w, y, lse_r, g, scales, biases, g_lse=g_lse,
@@ -165,8 +226,8 @@ def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
         mx.eval(logp_r, lse_r, dh_r, dw_r)
 
     u_op = UNIT[DTYPES[spec.h_dtype]]  # also the unit of dh's dtype
-    dsW, dsH, B = _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap)
-    ds = 2 * (HIDDEN + 2) * U32 * B
+    dsW, dsH, B = _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap, prob.ignore_index)
+    ds = 2 * (H + 2) * U32 * B
     lse64 = _f64(lse_r)
     row = 2 * ds.max(axis=1) + 2 * (V + 16) * U32 * (1 + np.abs(lse64))
     grad_unit = 2 * (V + 4) * U32 + u_op
@@ -196,14 +257,28 @@ def _check_problem(spec, native, stream, M, V, cap, ignored, seed, cmp):
     cmp("dh(vjp)", dh_v, dh_r, dh_bound)
 
 
+def _limit_plan(native, stream, max_splits=0, round_blocks=0):
+    """Caps the native path's vocabulary splits and blocks per launch round
+    on `stream` (0: the plan's choice), where the native path has them (the
+    Metal kernels)."""
+    limit = getattr(native, "metal_plan_limits", None)
+    if limit is not None:
+        limit(max_splits, round_blocks, stream=stream)
+
+
 def self_check(spec, native, stream, problems=PROBLEMS):
     """Runs `problems` for `spec` on `native` (an object with the signature of
-    flash_cce._ext's forward and backward) on `stream`. Never raises: an error
-    of the native path is a failed check."""
+    flash_cce._ext's forward and backward, and optionally its
+    metal_plan_limits) on `stream`. Never raises: an error of the native path
+    is a failed check."""
     cmp = _Compare()
     try:
-        for i, (M, V, cap, ignored) in enumerate(problems):
-            _check_problem(spec, native, stream, M, V, cap, ignored, seed=i, cmp=cmp)
+        for prob in problems:
+            _limit_plan(native, stream, prob.max_splits, prob.round_blocks)
+            try:
+                _check_problem(spec, native, stream, prob, cmp)
+            finally:
+                _limit_plan(native, stream)
     except Exception as err:  # noqa: BLE001 - a failing kernel may raise anything
         return CheckResult(False, float("inf"), f"{type(err).__name__}: {err}".strip())
     if cmp.worst <= 1.0:

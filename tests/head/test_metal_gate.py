@@ -216,6 +216,19 @@ def test_metal_status_reports_checks_and_errors(monkeypatch):
     assert "configs:" in text and ": fallback (" in text and ": native (" in text
 
 
+def test_metal_status_reports_compiled_libraries(monkeypatch):
+    # One library per launch plan's kernel set, as the Metal host records them.
+    libs = [(["fcce_combine", "fcce_fwd_hbf16_wbf16"], 61234, 0.42),
+            (["fcce_dh_hbf16_wbf16", "fcce_reduce_dh_bf16"], 60001, 0.38)]
+    monkeypatch.setattr(metal._ext, "metal_compiled", lambda: libs)
+    st = metal.metal_status(check=False, gate=gate()[0])
+    assert [c["kernels"] for c in st["compiled"]] == [k for k, _, _ in libs]
+    assert [c["seconds"] for c in st["compiled"]] == [0.42, 0.38]
+    assert [c["source_bytes"] for c in st["compiled"]] == [61234, 60001]
+    text = str(st)
+    assert "compiled: 2 libraries from source" in text and "0.42 s, 61234 bytes" in text
+
+
 def test_metal_status_without_metal():
     st = fc.metal_status()
     assert st["kernels_built"] == _ext.has_metal_kernels()
@@ -251,3 +264,31 @@ def test_the_check_runs_inside_compile_and_grad(cpu_gated):
     assert g.checks[HeadSpec.of(h, w).key].passed and not log
     want = mx.grad(lambda h_: -_ext.forward(h_, w, y, stream=mx.cpu)[0].sum())(h)
     assert np.array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_the_check_sets_each_problems_plan_limits_and_clears_them():
+    # The Metal path takes split and round limits per problem (one split of
+    # many blocks in rounds at a small size); they must not outlive the problem.
+    calls = []
+
+    class Limited(Native):
+        def metal_plan_limits(self, max_splits=0, round_blocks=0, stream=None):
+            calls.append((max_splits, round_blocks, stream))
+
+    probs = [p for p in PROBLEMS if p.max_splits][:2]
+    assert any(p.round_blocks for p in probs)
+    assert self_check(SPECS[0], Limited(), mx.cpu, probs).passed
+    want = []
+    for p in probs:
+        want += [(p.max_splits, p.round_blocks, mx.cpu), (0, 0, mx.cpu)]
+    assert calls == want
+
+
+def test_the_shipped_problems_cover_what_the_check_must_see():
+    # A float32 problem off the bfloat16 grid, a dense H with a partial tile, a
+    # custom ignore_index that is a real token id, and one split of >= 64 blocks.
+    assert any(p.off_grid for p in PROBLEMS)
+    assert any(p.hidden % 32 for p in PROBLEMS)
+    assert any(0 <= p.ignore_index < p.V and p.ignored for p in PROBLEMS)
+    assert any(p.max_splits == 1 and -(-p.V // 32) >= 64 and 0 < p.round_blocks < 64
+               for p in PROBLEMS)

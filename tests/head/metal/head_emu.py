@@ -27,7 +27,8 @@ METAL = ROOT / "metal"
 SOURCE = METAL / "flash_cce.metal"
 CACHE = ROOT / "build" / "metal-emu"
 PLAN_SOURCES = [ROOT / "tests/head/metal/plan_dump.cpp", ROOT / "csrc/metal/plan.cpp",
-                ROOT / "csrc/metal/plan.h", METAL / "params.h"]
+                ROOT / "csrc/metal/kernel_source.cpp", ROOT / "csrc/metal/plan.h",
+                ROOT / "csrc/metal/kernel_source.h", METAL / "params.h"]
 # Storage of each dtype in the host arrays: bfloat16 as its 16 bits.
 STORAGE = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
@@ -43,8 +44,9 @@ def _plan_tool() -> Path:
         CACHE.mkdir(parents=True, exist_ok=True)
         cxx = shutil.which("c++") or metal_emu.find_compiler()
         tmp = exe.with_suffix(f".{os.getpid()}.tmp")  # parallel workers build it too
-        subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"), str(PLAN_SOURCES[0]),
-                        str(PLAN_SOURCES[1]), "-o", str(tmp)], check=True)
+        subprocess.run([cxx, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"),
+                        *[str(p) for p in PLAN_SOURCES if p.suffix == ".cpp"], "-o", str(tmp)],
+                       check=True)
         tmp.rename(exe)
     return exe
 
@@ -60,6 +62,16 @@ def plan(pass_: str, M: int, H: int, V: int, *, h="f32", w="f32", sb="f32", out=
     if proc.returncode != 0:
         raise ValueError(proc.stderr.strip())
     return json.loads(proc.stdout)
+
+
+def select_kernels(source_path: Path, kernels) -> str:
+    """The Metal host's per-configuration source (csrc/metal/kernel_source.h)
+    for `kernels`, cut from the inlined source at `source_path`."""
+    proc = subprocess.run([str(_plan_tool()), "--select", str(source_path), *sorted(kernels)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ValueError(proc.stderr.strip())
+    return proc.stdout
 
 
 def kernel_names() -> list[str]:
@@ -125,10 +137,14 @@ def plan_kernels(*plans: dict) -> set[str]:
 
 
 def run_plan(program: metal_emu.Program, p: dict, arrays: dict, seed: int = 0) -> dict:
-    """Runs the plan's launches in order. arrays: role -> numpy array for the
-    caller's buffers (outputs updated in place). Returns the scratch arrays."""
+    """Runs the plan's launches in order. arrays: role -> numpy array (or
+    metal_emu.Window) for the caller's buffers (outputs updated in place), and
+    optionally for scratch roles. Returns the scratch arrays."""
     scratch = {}
     for s in p["scratch"]:
+        if s["role"] in arrays:
+            scratch[s["role"]] = arrays[s["role"]]
+            continue
         assert s["bytes"] % 4 == 0
         scratch[s["role"]] = np.full(s["bytes"] // 4, np.nan, np.float32)
     dispatches = []

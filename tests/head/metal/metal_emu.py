@@ -28,8 +28,8 @@ from msl_source import (
     mutate, parse_kernels, rewrite_threadgroup, strip_attributes, use_shadows,
 )
 
-__all__ = ["CompileError", "Dispatch", "EmulationError", "Program", "build", "find_compiler",
-           "mutate"]
+__all__ = ["CompileError", "Dispatch", "EmulationError", "Program", "Window", "build",
+           "find_compiler", "mutate"]
 
 HERE = Path(__file__).resolve().parent
 EMU = HERE / "emu"
@@ -69,6 +69,17 @@ def find_compiler() -> str | None:
         if path:
             return path
     return None
+
+
+@dataclass(eq=False)
+class Window:
+    """A device buffer of `nbytes` (mapped lazily: untouched pages cost no
+    memory) whose bytes [offset, offset + array.nbytes) are `array`'s, updated
+    in place after a run. For offsets beyond 32 bits without the memory."""
+
+    array: np.ndarray
+    nbytes: int
+    offset: int
 
 
 @dataclass
@@ -164,6 +175,15 @@ class Program:
                     return ids[key]
                 bid = len(ids)
                 ids[key] = bid
+                if isinstance(value, Window):
+                    if value.offset < 0 or value.offset + value.array.nbytes > value.nbytes:
+                        raise ValueError("the window's array does not fit its virtual buffer")
+                    arrays[bid] = value.array
+                    data = value.array.tobytes()
+                    (tmp / f"in{bid}").write_bytes(data)
+                    job.append(f"buffer {bid} {len(data)} {tmp / f'in{bid}'} {value.nbytes} "
+                               f"{value.offset}")
+                    return bid
                 if isinstance(value, np.ndarray):
                     if not value.flags.c_contiguous:
                         raise ValueError("buffers must be C-contiguous arrays")

@@ -3,13 +3,19 @@
 //   plan_dump pass M H V h w sb out quantized bits group_size softcap ignore_index fused compute_dw
 //             max_splits dw_slab_rows round_blocks round_m_tiles
 //   plan_dump --names
+//   plan_dump --select SOURCE NAME...   (csrc/metal/kernel_source.h: SOURCE cut
+//                                        down to the kernels NAME..., to stdout)
 // pass: forward | backward | fused_dh; dtypes: f32 | f16 | bf16.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
+#include "metal/kernel_source.h"
 #include "metal/plan.h"
 
 using namespace flash_cce::metal;
@@ -73,6 +79,14 @@ int main(int argc, char** argv) {
   try {
     if (argc == 2 && !std::strcmp(argv[1], "--names")) {
       for (const auto& n : kernel_names()) std::printf("%s\n", n.c_str());
+      return 0;
+    }
+    if (argc >= 3 && !std::strcmp(argv[1], "--select")) {
+      std::ifstream in(argv[2], std::ios::binary);
+      std::stringstream text;
+      text << in.rdbuf();
+      const std::set<std::string> names(argv + 3, argv + argc);
+      std::fputs(select_kernels(text.str(), names).c_str(), stdout);
       return 0;
     }
     if (argc != 20) {

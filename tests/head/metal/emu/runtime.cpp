@@ -9,7 +9,9 @@
 // priority first (one thread runs ahead); 2, any runnable thread at random.
 //
 // Job file, one command per line:
-//   buffer <id> <bytes> <input file | ->
+//   buffer <id> <bytes> <input file | -> [<virtual bytes> <offset>]
+//       (with a virtual size: a lazily mapped buffer of that many bytes whose
+//       bytes [offset, offset + bytes) are the file's and are what `save` writes)
 //   run <entry> <groups x y z> <threads x y z> <seed> <shuffle groups 0|1>
 //       <n> (<buffer index> <id>)*n <m> (<threadgroup index> <bytes>)*m
 //   save <id> <output file>
@@ -221,7 +223,8 @@ bool same(Site a, Site b) {
   return a.line == b.line && (a.file == b.file || (a.file && b.file && !strcmp(a.file, b.file)));
 }
 
-void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
+void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind,
+          bool orders_memory = true) {
   Fiber& f = cur();
   if (!m.waiting.empty() && (!same(m.site, site) || m.seq != seq)) {
     const Fiber& o = R.fibers[m.first];
@@ -243,9 +246,9 @@ void meet(Meeting& m, Site site, uint64_t seq, int expected, const char* kind) {
   f.wait_kind = kind;
   m.waiting.push_back(R.current);
   if (int(m.waiting.size()) == expected) release(m);
-  EMU_TSAN_ONLY(__tsan_release(&m.sync[seq & 1]));
+  EMU_TSAN_ONLY(if (orders_memory) __tsan_release(&m.sync[seq & 1]));
   to_scheduler();
-  EMU_TSAN_ONLY(__tsan_acquire(&m.sync[seq & 1]));
+  EMU_TSAN_ONLY(if (orders_memory) __tsan_acquire(&m.sync[seq & 1]));
 }
 
 int simd_active(int sg) {
@@ -477,10 +480,20 @@ std::vector<unsigned char> read_file(const std::string& path, size_t size) {
   return v;
 }
 
+// A buffer of `size` bytes mapped on demand (pages never touched cost nothing),
+// for offsets beyond 32 bits without the memory.
+void* map_virtual(size_t size) {
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (p == MAP_FAILED) fail("cannot map a virtual buffer of %zu bytes", size);
+  return p;
+}
+
 int run_job(const char* path) {
   std::ifstream job(path);
   if (!job) fail("cannot open job file %s", path);
   std::map<long, Span> buffers;
+  std::map<long, Span> windows;  // virtual buffers: the part that holds data
   std::string line;
   while (std::getline(job, line)) {
     std::istringstream in(line);
@@ -491,6 +504,18 @@ int run_job(const char* path) {
       size_t size;
       std::string src;
       in >> id >> size >> src;
+      size_t virtual_size = 0, offset = 0;
+      if (in >> virtual_size >> offset) {
+        if (offset + size > virtual_size) fail("buffer %ld: window past its virtual size", id);
+        char* base = static_cast<char*>(map_virtual(virtual_size));
+        if (size) {
+          auto v = read_file(src, size);
+          std::memcpy(base + offset, v.data(), size);
+        }
+        buffers[id] = Span{base, virtual_size};
+        windows[id] = Span{base + offset, size};
+        continue;
+      }
       // Exactly `size` bytes, so that AddressSanitizer catches one element too many.
       void* p = malloc(std::max<size_t>(size, 1));
       if (src == "-")
@@ -533,13 +558,19 @@ int run_job(const char* path) {
       std::string dst;
       in >> id >> dst;
       std::ofstream out(dst, std::ios::binary);
-      out.write(static_cast<const char*>(buffers.at(id).data), buffers.at(id).size);
+      const Span& s = windows.count(id) ? windows.at(id) : buffers.at(id);
+      out.write(static_cast<const char*>(s.data), s.size);
       if (!out) fail("cannot write %s", dst.c_str());
     } else {
       fail("unknown job command '%s'", cmd.c_str());
     }
   }
-  for (auto& [id, s] : buffers) free(s.data);
+  for (auto& [id, s] : buffers) {
+    if (windows.count(id))
+      munmap(s.data, s.size);
+    else
+      free(s.data);
+  }
   return 0;
 }
 
@@ -559,14 +590,14 @@ void fail(const char* fmt, ...) {
   _Exit(3);
 }
 
-void threadgroup_barrier(Site site) {
+void threadgroup_barrier(Site site, bool orders_memory) {
   Fiber& f = cur();
   f.barriers++;
   if (R.done > 0)
     fail("threadgroup_barrier reached after %d threads of the threadgroup returned (barrier in "
          "divergent control flow)",
          R.done);
-  meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier");
+  meet(R.tg, site, f.barriers, R.nthreads, "threadgroup_barrier", orders_memory);
 }
 
 const unsigned char* simd_exchange(const void* data, size_t size, Site site) {

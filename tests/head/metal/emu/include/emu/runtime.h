@@ -38,8 +38,10 @@ struct Site {
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 // Waits until every thread of the threadgroup reaches a threadgroup barrier,
-// the same one (site and count) or the run fails as divergent.
-void threadgroup_barrier(Site site);
+// the same one (site and count) or the run fails as divergent. Without
+// `orders_memory` (a barrier with mem_none) it orders no memory access in the
+// ThreadSanitizer build.
+void threadgroup_barrier(Site site, bool orders_memory = true);
 // Publishes `size` bytes for this lane, waits until every active lane of the
 // SIMD group has published at the same operation (site and count), and
 // returns the 32 slots (kSimdSlot bytes each). Call simd_release() once done

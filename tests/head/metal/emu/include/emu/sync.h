@@ -19,8 +19,14 @@ inline constexpr mem_flags operator|(mem_flags a, mem_flags b) {
   return mem_flags(int(a) | int(b));
 }
 
-// Memory flags are not modelled: emulated memory is always coherent.
-inline void threadgroup_barrier(mem_flags, EMU_AT) { emu::threadgroup_barrier(emu_at); }
+// A barrier whose flags name no memory (mem_none, or mem_texture alone) orders
+// execution only: under ThreadSanitizer it orders no access, so that a barrier
+// that needs mem_threadgroup or mem_device but says mem_none shows as a race.
+// Either memory flag orders every access (device and threadgroup alike).
+inline void threadgroup_barrier(mem_flags f, EMU_AT) {
+  emu::threadgroup_barrier(emu_at, (int(f) & (int(mem_flags::mem_device) |
+                                              int(mem_flags::mem_threadgroup))) != 0);
+}
 inline void simdgroup_barrier(mem_flags, EMU_AT) {
   emu::simd_exchange(nullptr, 0, emu_at);
   emu::simd_release();
