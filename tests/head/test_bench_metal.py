@@ -31,10 +31,10 @@ def test_table_puts_providers_side_by_side():
     finally:
         sys.path.remove(str(BENCH.parent))
     base = dict(M=512, H=2560, V=262144, variant="q4", mode="fwd_bwd")
-    results = [dict(base, provider="metal", ms=100.0, peak_gb=0.5),
+    results = [dict(base, provider="metal", ms=100.0, peak_gb=0.5, model_ms=80.25),
                dict(base, provider="fallback", ms=250.0, peak_gb=1.25),
                dict(base, provider="mlx", ms=None, error="out of memory"),
                dict(base, mode="check", abs_diff=1e-6)]
     lines = bench.table(results).splitlines()
     assert len(lines) == 3
-    assert lines[2] == "| 512,2560,262144 | q4 | fwd_bwd | 100.0 / 0.50 | 250.0 / 1.25 | fails | 2.50 |"
+    assert lines[2] == "| 512,2560,262144 | q4 | fwd_bwd | 100.0 / 0.50 | 250.0 / 1.25 | fails | 2.50 | 80.2 |"

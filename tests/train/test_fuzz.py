@@ -121,6 +121,9 @@ def bad_values(s):
         return st.one_of(TEXT.filter(lambda v: v != "auto"), NUMBER, BAD_CONTAINERS, st.none())
     if s.kind == "str_list":
         return st.one_of(NUMBER, st.just([]), st.lists(NUMBER, min_size=1, max_size=3), st.booleans())
+    if s.kind == "float_list":
+        return st.one_of(TEXT, NUMBER, st.just([]), st.lists(TEXT, min_size=1, max_size=3), st.booleans(),
+                         st.lists(st.sampled_from([float("nan"), float("inf")]), min_size=1, max_size=2))
     if s.kind == "schedule":  # a name, or mlx_lm's mapping (null is mlx_lm's constant rate)
         return st.one_of(TEXT.filter(lambda v: v not in s.choices), NUMBER, st.booleans(),
                          st.lists(st.integers(), min_size=1, max_size=3),

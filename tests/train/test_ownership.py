@@ -59,7 +59,8 @@ def test_demo_and_plot_leave_a_live_run_alone(env, tmp_path):
     demo = tmp_path / "demo"
     demo.mkdir()
     (demo / ".flash-cce-demo").write_text("made by flash-cce demo\n")  # a demo directory, resumed by train
-    with Live(train_argv(model_dir, data_dir, demo, 100000), demo) as live:
+    # No validation: the live run itself writes no plot.png (it draws one at each validation).
+    with Live(train_argv(model_dir, data_dir, demo, 100000, "--val-batches", "0"), demo) as live:
         one_line_error(flash_cce("demo", "--run-dir", demo, "--iters", "2"), f"in use by process {live.pid}")
         assert (demo / "config.yaml").exists() and (demo / "run.lock").exists() and live.poll() is None
         one_line_error(flash_cce("plot", demo), f"in use by process {live.pid}", "--output")
@@ -223,9 +224,9 @@ def test_dpo_warm_start_references_the_warm_started_model(env, tmp_path):
 # 14. Settings that do not apply to the objective: one rule, refused.
 @pytest.mark.parametrize("flags, yaml_text, needle", [
     (["--objective", "dpo", "--pref-weight", "3"], None, "pref_weight: applies to objective orpo, orpo_margin, cpo, not dpo"),
-    (["--objective", "orpo", "--loss-type", "sigmoid"], None, "loss_type: applies to objective dpo, cpo, kto, not orpo"),
+    (["--objective", "orpo", "--loss-type", "sigmoid"], None, "loss_type: applies to objective dpo, cpo, kto, grpo, not orpo"),
     (["--objective", "dpo"], "pref_weight: 1.0\n", "pref_weight: applies to objective orpo, orpo_margin, cpo, not dpo"),
-    (["--objective", "simpo", "--warm-reference", "base"], None, "warm_reference: applies to objective dpo, kto, not simpo"),
+    (["--objective", "simpo", "--warm-reference", "base"], None, "warm_reference: applies to objective dpo, kto, grpo, not simpo"),
 ])
 def test_settings_of_other_objectives_are_refused(env, tmp_path, flags, yaml_text, needle):
     _, model_dir, data_dir, _ = env

@@ -156,15 +156,16 @@ def _settings_flags(args):
 
 
 def _train(args, argv, log=print):
-    from .runner import run_train, train_settings
-
+    from .grpo_trainer import run_grpo
     from .mlx_lm_config import from_flags
+    from .runner import run_train, train_settings
 
     cfg = train_settings(from_flags(_settings_flags(args)), args.config)
     if cfg["gpu_capture"]:  # from a flag or the YAML file
         _restart_with_capture_enabled(argv)
     tic = time.perf_counter()
-    run_train(cfg, log=log)
+    # grpo (online RL) runs its own loop, with the same checks, lock and resume
+    (run_grpo if cfg["objective"] == "grpo" else run_train)(cfg, log=log)
     log(f"Done in {time.perf_counter() - tic:.1f} s")
 
 

@@ -58,19 +58,23 @@ def run_grpo_demo(run_dir="flash-cce-demo", iters=None, log=print):
     """Builds the tiny model, trains it with GRPO on the bundled prompts, prints
     the held-out mean reward curve and plots it; returns the validation records."""
     from .plot import plot_run
-    from .runner import resolve_config, run_train
+    from .grpo_trainer import run_grpo
+    from .runner import resolve_config
     from .tiny import build_tiny_model
 
     tic = time.perf_counter()
-    run_dir = _fresh_run_dir(run_dir)
-    model_dir = build_tiny_model(run_dir / "base_model", demo_words(), seed=0)
-    cfg = dict(GRPO_DEMO_CONFIG, model=str(model_dir), data=str(GRPO_DATA_DIR), run_dir=str(run_dir))
-    if iters is not None:
-        cfg["iters"] = iters
-    cfg = resolve_config({}, base=cfg)
-    evals = []
-    run_train(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,))
-    png = plot_run(run_dir)
+    run_dir, lock = _fresh_run_dir(run_dir, log)
+    try:
+        model_dir = build_tiny_model(run_dir / "base_model", demo_words(), seed=0)
+        cfg = dict(GRPO_DEMO_CONFIG, model=str(model_dir), data=str(GRPO_DATA_DIR), run_dir=str(run_dir))
+        if iters is not None:
+            cfg["iters"] = iters
+        cfg = resolve_config({}, base=cfg)
+        evals = []
+        run_grpo(cfg, log=log, on_eval=evals.append, hint=False, own_files=(model_dir.name,), lock=lock)
+        png = plot_run(run_dir)
+    finally:
+        lock.release()
     log("\nHeld-out mean reward (validation prompts, unseen triples; chance of one word: 1/46):")
     log("  " + "  ".join(f"step {r['step']}: {r['reward']:.2f}" for r in evals))
     prompt = grpo_records()["valid"][0]["prompt"]

@@ -361,8 +361,9 @@ def _mean_over_ranks(metrics, world):
     return {k: v / world.size() for k, v in zip(keys, total)}
 
 
-def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
-    """`runner.run_train` for objective grpo: the same checks before writing, lock and resume."""
+def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
+    """`runner.run_train` for objective grpo: the same checks before writing, lock and resume;
+    `lock`, the run directory's lock when the caller holds it already."""
     import mlx.core as mx
     import mlx.optimizers as optim
 
@@ -371,25 +372,22 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
     from .preflight import check_init_adapters, check_model, load_model
     from .reference import reference_source
     from .rewards import RewardError, load_rewards, reward_name
-    from .runner import Stop, _atomic_yaml, TRANSIENT, training_args
-    from .rundir import CONFIG, Lock, check_lock, check_writable, foreign_files, has_checkpoints, set_aside
+    from .identity import check_data, data_fingerprint
+    from .runner import Stop, _absolute, _atomic_yaml, _check_run_dir, recipe, training_args
+    from .rundir import CONFIG, Lock, check_lock, check_unchanged, set_aside
+    from .rundir import state as run_dir_state
     from .trainer import build_schedule, prepare_model, trainable_summary
 
     world = mx.distributed.init()
     rank = world.rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731
+    cfg = _absolute(cfg)
     run_dir, resume = Path(cfg["run_dir"]), cfg["resume"]
-    if rank == 0:
-        check_writable(run_dir)
-        if resume is None and has_checkpoints(run_dir):
-            raise RunError(f"run_dir: {run_dir} already holds a run's checkpoints; continue it with "
-                           f"--resume {run_dir}, or pick a new --run-dir")
-        foreign = [f for f in foreign_files(run_dir) if f not in own_files] if resume is None else []
-        if foreign:
-            raise RunError(f"run_dir: {run_dir} holds files a run does not write ({', '.join(foreign[:3])}"
-                           f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
+    if rank == 0:  # the writer; other ranks would see its lock
+        _check_run_dir(run_dir, resume, own_files)
         check_lock(run_dir)
+        seen = run_dir_state(run_dir)
     gcfg = check_settings(cfg)
     if world.size() > 1 and gcfg.generate_every > gcfg.gradient_accumulation_steps:
         raise RunError("num_iterations: a generation that serves several optimizer steps needs one process "
@@ -402,6 +400,10 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
     for split in ("train", "test") if cfg["test"] else ("train",):
         if not records.get(split):
             raise RunError(f"data: needs a non-empty {split}.jsonl in {cfg['data']}")
+    if resume is None:
+        cfg["data_fingerprint"] = data_fingerprint(cfg["data"], cfg["test"])
+    else:
+        cfg = check_data(cfg, cfg["data_fingerprint"], Path(resume).name, log)
     check_init_adapters(cfg)
     try:
         funcs, weights = load_rewards(cfg["reward_funcs"], cfg["reward_weights"], cfg["max_completion_length"])
@@ -447,8 +449,9 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
             raise RunError(str(e)) from None
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
-    lock = Lock(run_dir)
-    if rank == 0:
+    own_lock = lock is None
+    lock = lock or Lock(run_dir)
+    if rank == 0 and own_lock:
         stale = check_lock(run_dir)
         if stale:
             log(stale)
@@ -456,7 +459,10 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
         lock.acquire()
     try:
         if rank == 0:
-            _atomic_yaml({k: (None if k in TRANSIENT else v) for k, v in cfg.items()}, run_dir / CONFIG)
+            # Another command may have written here since the checks above: check again under the lock.
+            _check_run_dir(run_dir, resume, own_files)
+            check_unchanged(run_dir, seen)
+            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
         if rank == 0 and resume is not None:
             saved = json.loads((Path(resume) / "trainer_state.json").read_text())
             set_aside(run_dir, saved["step"], saved.get("best_step"), log)
@@ -475,7 +481,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=()):
                          cfg["seed"], cfg["batch_size"], -1, cfg["iters"])
             log(f"test: reward {r['reward']:.4f}")
     finally:
-        lock.release()
+        if own_lock:
+            lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
     if hint:

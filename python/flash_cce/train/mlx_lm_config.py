@@ -13,7 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
-from .settings import SettingsError
+from .settings import SCHEDULES, SettingsError
 
 # MLX's AdamW defaults (mlx.optimizers.AdamW): what an `optimizer: adamw` file
 # without `optimizer_config` trains with under mlx_lm.lora.
@@ -22,9 +22,6 @@ ADAM_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8, "bias_correction": False}
 
 # mlx.optimizers' schedules that mlx_lm's `lr_schedule: {name: ...}` may name,
 # with the number of arguments each takes (at least, at most).
-SCHEDULES = {"cosine_decay": (2, 3), "linear_schedule": (3, 3), "exponential_decay": (2, 2),
-             "step_decay": (3, 3)}
-
 
 def _same(ours):
     def put(value, out):
@@ -169,51 +166,6 @@ def from_mlx_lm(loaded, known):
     return out
 
 
-# ---- lr_schedule in mlx_lm's mapping form -----------------------------------
-
-
-def check_schedule(value, key, names):
-    """`value` of `lr_schedule`: one of `names` or mlx_lm's mapping
-    `{name, arguments, warmup, warmup_init}`; SettingsError otherwise."""
-    from .settings import _describe
-
-    if isinstance(value, str) and value in names:
-        return value
-    if not isinstance(value, dict):
-        raise SettingsError(f"{key}: got {_describe(value)}; allowed: {schedule_allowed(names)}")
-    unknown = set(value) - {"name", "arguments", "warmup", "warmup_init"}
-    if unknown:
-        raise SettingsError(f"{key}: unknown key {sorted(unknown)[0]!r}; allowed: name, arguments, warmup, warmup_init")
-    name = value.get("name")
-    if name not in SCHEDULES:
-        raise SettingsError(f"{key}.name: got {name!r}; allowed: one of {', '.join(SCHEDULES)}")
-    args = value.get("arguments")
-    low, high = SCHEDULES[name]
-    if (not isinstance(args, list) or not low <= len(args) <= high
-            or not all(_number(a) for a in args)):
-        raise SettingsError(f"{key}.arguments: got {args!r}; allowed: a list of {low}"
-                            f"{'' if low == high else f' or {high}'} numbers for {name} (mlx.optimizers.{name}'s)")
-    if not args[0] > 0:
-        raise SettingsError(f"{key}.arguments: got {args!r}; the first, the initial learning rate, must be > 0")
-    warmup = value.get("warmup", 0)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise SettingsError(f"{key}.warmup: got {warmup!r}; allowed: an integer >= 0")
-    init = value.get("warmup_init", 0.0)
-    if not _number(init) or init < 0:
-        raise SettingsError(f"{key}.warmup_init: got {init!r}; allowed: a number >= 0")
-    return {"name": name, "arguments": [float(a) if isinstance(a, float) else a for a in args],
-            "warmup": warmup, "warmup_init": float(init)}
-
-
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def schedule_allowed(names):
-    return (f"one of {', '.join(names)}, or mlx_lm's mapping {{name, arguments, warmup, warmup_init}} "
-            f"(name: {', '.join(SCHEDULES)})")
-
-
 # ---- flags --------------------------------------------------------------------
 
 # mlx_lm.lora's flags that are not ours: dest -> (argparse kwargs, help).
@@ -269,38 +221,6 @@ def _size(text):
 
 
 # ---- help and misspelt flags ----------------------------------------------------
-
-
-def near_flag(parser, message):
-    """' (did you mean --x?)' for the first unrecognised flag of argparse's
-    `message`, matched against the flags of `parser` and its sub-commands
-    (underscores read as dashes, as mlx_lm.lora's YAML keys are written)."""
-    import difflib
-
-    marker = "unrecognized arguments: "
-    if marker not in message:
-        return ""
-    words = [w for w in message.split(marker, 1)[1].split() if w.startswith("--")]
-    if not words:
-        return ""
-    flags = set()
-    for p in _parsers(parser):
-        flags.update(s for a in p._actions for s in a.option_strings if s.startswith("--"))
-    word = words[0].split("=", 1)[0]
-    dashed = "--" + word[2:].replace("_", "-")
-    if dashed in flags and dashed != word:
-        return f" (did you mean {dashed}?)"
-    close = difflib.get_close_matches(dashed, sorted(flags), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _parsers(parser):
-    out = [parser]
-    for a in parser._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            for p in a.choices.values():
-                out += _parsers(p)
-    return out
 
 
 def train_summary():

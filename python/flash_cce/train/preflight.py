@@ -188,3 +188,32 @@ def quantize_model(model, quantize):
     nn.quantize(model, group_size=gs, bits=bits,
                 class_predicate=lambda _, m: hasattr(m, "to_quantized")
                 and not hasattr(m, "bits") and m.weight.shape[-1] % gs == 0)
+
+
+def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=None, quantize=None):
+    """Freezes `model` and makes its fine-tuned part trainable, mlx-lm style:
+    LoRA/DoRA layers on the last `num_layers` blocks (-1: all) or, for "full",
+    those blocks' own weights. `quantize` ({"bits", "group_size"}) quantizes a
+    dense base first (QLoRA)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    if fine_tune_type not in ("lora", "dora", "full"):
+        raise ValueError(f"fine_tune_type must be 'lora', 'dora' or 'full', got {fine_tune_type!r}")
+    if num_layers > len(model.layers) or num_layers == 0 or num_layers < -1:
+        raise ValueError(f"num_layers: got {num_layers}; allowed: -1 or 1 to {len(model.layers)} "
+                         f"(the model has {len(model.layers)} blocks)")
+    if quantize:
+        if fine_tune_type == "full":
+            raise ValueError("quantize: a quantized base needs fine_tune_type 'lora' or 'dora', not 'full'")
+        quantize_model(model, quantize)
+    model.freeze()
+    if fine_tune_type == "full":
+        for layer in model.layers[-max(num_layers, 0):]:
+            layer.unfreeze()
+    else:
+        params = dict(lora_parameters or {})
+        params.setdefault("rank", 8)
+        params.setdefault("scale", 20.0)
+        params.setdefault("dropout", 0.0)
+        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
+    return model

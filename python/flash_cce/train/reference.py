@@ -156,7 +156,7 @@ def _kind(cfg):
 def _warm_model(cfg, ref_model, adapters):
     """`ref_model` with the warm start's adapters, as the trained model began."""
     from .checkpoint import load_adapters
-    from .trainer import prepare_model
+    from .preflight import prepare_model
 
     prepare_model(ref_model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
     load_adapters(adapters, ref_model, "init_adapters")

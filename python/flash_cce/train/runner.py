@@ -72,7 +72,9 @@ def training_args(cfg, progress=True):
 
 def resolve_config(flags, config_path=None, base=None):
     """Checked settings: `flags` (None = unset) > YAML at `config_path` > `base` > defaults."""
-    return settings.resolve(flags, config_path, base)
+    from .mlx_lm_config import from_mlx_lm
+
+    return settings.resolve(flags, config_path, base, lambda m: from_mlx_lm(m, settings.BY_NAME))
 
 
 def _absolute(cfg):
@@ -170,6 +172,11 @@ class Stop:
             signal.signal(s, h)
 
 
+def recipe(cfg):
+    """`cfg` as config.yaml keeps it: the transient settings at their defaults."""
+    return {k: (settings.BY_NAME[k].default if k in TRANSIENT else v) for k, v in cfg.items()}
+
+
 def _atomic_yaml(cfg, path):
     tmp = Path(path).with_name(CONFIG + ".tmp")
     try:
@@ -211,6 +218,8 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     Raises RunError (and nothing is written) when the run cannot start. `own_files`
     are names in the run directory that the caller put there (not foreign);
     `lock`, the run directory's lock when the caller holds it already."""
+    if cfg["objective"] == "grpo":
+        raise ValueError("objective grpo: online RL has a loop of its own, grpo_trainer.run_grpo")
     import mlx.core as mx
     import mlx.optimizers as optim
 
@@ -219,10 +228,6 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     from .reference import with_reference
     from .rundir import set_aside
 
-    if cfg["objective"] == "grpo":  # online RL: its own loop (grpo_trainer)
-        from .grpo_trainer import run_grpo
-
-        return run_grpo(cfg, log=log, on_eval=on_eval, hint=hint, own_files=own_files)
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
         log = lambda *a, **k: None  # noqa: E731
@@ -291,8 +296,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             # Another command may have written here since the checks above: check again under the lock.
             _check_run_dir(run_dir, resume, own_files)
             check_unchanged(run_dir, seen)
-            _atomic_yaml({k: (settings.BY_NAME[k].default if k in TRANSIENT else v) for k, v in cfg.items()},
-                         run_dir / CONFIG)
+            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
             if resume is not None:
                 set_aside(run_dir, resume_state["step"], resume_state["best_step"], log)
         pairs = [p for split in splits.values() for p in split] if cfg["precompute_ref_log_probs"] else None

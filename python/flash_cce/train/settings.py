@@ -49,8 +49,6 @@ class Setting:
             return "a mapping with keys " + ", ".join(f.name for f in self.fields) + (
                 " (or null)" if self.optional else "")
         if self.kind == "schedule":
-            from .mlx_lm_config import schedule_allowed
-
             return schedule_allowed(self.choices)
         if self.choices is not None:
             text = "one of " + ", ".join(show(c) for c in self.choices)
@@ -368,8 +366,6 @@ def check_value(setting, value, key=None):
     if kind == "table":
         return _check_table(setting, value, key)
     if kind == "schedule":
-        from .mlx_lm_config import check_schedule
-
         return check_schedule(value, key, setting.choices)
     if kind == "auto_bool":
         if value == AUTO or _bool(value):
@@ -522,13 +518,14 @@ def dump_yaml(cfg, path):
         yaml.safe_dump(cfg, f, sort_keys=True)
 
 
-def resolve(flags, config_path=None, base=None):
+def resolve(flags, config_path=None, base=None, translate=None):
     """Checked settings: `flags` (None = unset) > YAML at `config_path` > `base` > defaults.
+    `translate` maps the YAML file's keys to ours (the runner's: mlx_lm.lora's keys).
     A setting given in `flags` or the YAML file must apply to the objective (`check_applies`)."""
-    from .mlx_lm_config import from_mlx_lm
-
     cfg, given = {}, set()
-    yaml_layer = from_mlx_lm(load_yaml(config_path), BY_NAME) if config_path else {}
+    yaml_layer = load_yaml(config_path) if config_path else {}
+    if translate is not None:
+        yaml_layer = translate(yaml_layer)
     for layer in (base or {}), yaml_layer:
         for k, v in layer.items():
             cfg[k] = v
@@ -605,8 +602,6 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message):
-        from .mlx_lm_config import near_flag
-
         self.exit(2, f"{self.prog}: error: {message}{near_flag(self, message)} (see {self.prog} -h)\n")
 
 
@@ -694,3 +689,86 @@ def reference_markdown():
             rows.append(f"| `{s.name}.{f.name}` | {show(f.default)} | {f.allowed()} | "
                         f"{'may change' if s.resume == 'free' else 'fixed'} | {f.help} |")
     return "\n".join(rows)
+
+
+# mlx.optimizers schedules lr_schedule's mapping form may name: name -> (fewest, most) arguments.
+SCHEDULES = {"cosine_decay": (2, 3), "linear_schedule": (3, 3), "exponential_decay": (2, 2),
+             "step_decay": (3, 3)}
+
+
+# ---- lr_schedule in mlx_lm's mapping form -----------------------------------
+
+
+def check_schedule(value, key, names):
+    """`value` of `lr_schedule`: one of `names` or mlx_lm's mapping
+    `{name, arguments, warmup, warmup_init}`; SettingsError otherwise."""
+    if isinstance(value, str) and value in names:
+        return value
+    if not isinstance(value, dict):
+        raise SettingsError(f"{key}: got {_describe(value)}; allowed: {schedule_allowed(names)}")
+    unknown = set(value) - {"name", "arguments", "warmup", "warmup_init"}
+    if unknown:
+        raise SettingsError(f"{key}: unknown key {sorted(unknown)[0]!r}; allowed: name, arguments, warmup, warmup_init")
+    name = value.get("name")
+    if name not in SCHEDULES:
+        raise SettingsError(f"{key}.name: got {name!r}; allowed: one of {', '.join(SCHEDULES)}")
+    args = value.get("arguments")
+    low, high = SCHEDULES[name]
+    if (not isinstance(args, list) or not low <= len(args) <= high
+            or not all(_number(a) for a in args)):
+        raise SettingsError(f"{key}.arguments: got {args!r}; allowed: a list of {low}"
+                            f"{'' if low == high else f' or {high}'} numbers for {name} (mlx.optimizers.{name}'s)")
+    if not args[0] > 0:
+        raise SettingsError(f"{key}.arguments: got {args!r}; the first, the initial learning rate, must be > 0")
+    warmup = value.get("warmup", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise SettingsError(f"{key}.warmup: got {warmup!r}; allowed: an integer >= 0")
+    init = value.get("warmup_init", 0.0)
+    if not _number(init) or init < 0:
+        raise SettingsError(f"{key}.warmup_init: got {init!r}; allowed: a number >= 0")
+    return {"name": name, "arguments": [float(a) if isinstance(a, float) else a for a in args],
+            "warmup": warmup, "warmup_init": float(init)}
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def schedule_allowed(names):
+    return (f"one of {', '.join(names)}, or mlx_lm's mapping {{name, arguments, warmup, warmup_init}} "
+            f"(name: {', '.join(SCHEDULES)})")
+
+
+# ---- misspelt flags --------------------------------------------------------------
+
+
+def near_flag(parser, message):
+    """' (did you mean --x?)' for the first unrecognised flag of argparse's
+    `message`, matched against the flags of `parser` and its sub-commands
+    (underscores read as dashes, as mlx_lm.lora's YAML keys are written)."""
+    import difflib
+
+    marker = "unrecognized arguments: "
+    if marker not in message:
+        return ""
+    words = [w for w in message.split(marker, 1)[1].split() if w.startswith("--")]
+    if not words:
+        return ""
+    flags = set()
+    for p in _parsers(parser):
+        flags.update(s for a in p._actions for s in a.option_strings if s.startswith("--"))
+    word = words[0].split("=", 1)[0]
+    dashed = "--" + word[2:].replace("_", "-")
+    if dashed in flags and dashed != word:
+        return f" (did you mean {dashed}?)"
+    close = difflib.get_close_matches(dashed, sorted(flags), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _parsers(parser):
+    out = [parser]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for p in a.choices.values():
+                out += _parsers(p)
+    return out

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten, tree_map
 from . import checkpoint, settings
 from .checkpoint import Interrupted, NonFinite  # noqa: F401 (raised here, caught by the CLI)
 from .objectives import ObjectiveConfig
-from .preflight import quantize_model
+from .preflight import prepare_model, quantize_model  # noqa: F401 (prepare_model: the trainer's API)
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
 from .storage import WriteError, writing
@@ -421,35 +421,6 @@ def _eval_line(r):
     if margin is not None:
         parts.append(f"margin {margin:.4f}")
     return ", ".join(parts)
-
-
-def prepare_model(model, fine_tune_type="lora", num_layers=16, lora_parameters=None, quantize=None):
-    """Freezes `model` and makes its fine-tuned part trainable, mlx-lm style:
-    LoRA/DoRA layers on the last `num_layers` blocks (-1: all) or, for "full",
-    those blocks' own weights. `quantize` ({"bits", "group_size"}) quantizes a
-    dense base first (QLoRA)."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    if fine_tune_type not in ("lora", "dora", "full"):
-        raise ValueError(f"fine_tune_type must be 'lora', 'dora' or 'full', got {fine_tune_type!r}")
-    if num_layers > len(model.layers) or num_layers == 0 or num_layers < -1:
-        raise ValueError(f"num_layers: got {num_layers}; allowed: -1 or 1 to {len(model.layers)} "
-                         f"(the model has {len(model.layers)} blocks)")
-    if quantize:
-        if fine_tune_type == "full":
-            raise ValueError("quantize: a quantized base needs fine_tune_type 'lora' or 'dora', not 'full'")
-        quantize_model(model, quantize)
-    model.freeze()
-    if fine_tune_type == "full":
-        for layer in model.layers[-max(num_layers, 0):]:
-            layer.unfreeze()
-    else:
-        params = dict(lora_parameters or {})
-        params.setdefault("rank", 8)
-        params.setdefault("scale", 20.0)
-        params.setdefault("dropout", 0.0)
-        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
-    return model
 
 
 def trainable_summary(model):
