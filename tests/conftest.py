@@ -21,10 +21,11 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # Set before MLX is imported: it reads the graph limits when it creates its GPU
 # stream, at import (TF32 at the first matmul).
 DEVICE = os.environ.get("FLASH_CCE_TEST_DEVICE", "cpu")
+# MLX multiplies fp32 in TF32 on NVIDIA GPUs unless told otherwise; the suite's
+# fp32 tolerances mean fp32, also in the GPU parity tests that run on a CPU
+# default device (the processes the tests start inherit it).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 if DEVICE == "gpu":
-    # MLX multiplies fp32 in TF32 on NVIDIA GPUs unless told otherwise; the
-    # suite's fp32 tolerances mean fp32 (the processes the tests start inherit it).
-    os.environ.setdefault("MLX_ENABLE_TF32", "0")
     # MLX's CUDA backend frees a kernel's inputs only once the CUDA graph that
     # holds the kernel has run, and on Hopper closes a graph after 100 kernels or
     # 1000 MB of arrays by default: the memory tests would measure that batching, not the

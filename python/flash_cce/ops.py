@@ -54,9 +54,15 @@ def _tempered(h, softcap, temperature, stream):
     every backend then runs its usual kernels and autodiff carries 1/T into dh."""
     if temperature == 1.0:
         return h, softcap
-    with mx.stream(_device(stream)):
-        h = h.astype(mx.float32) * (1.0 / temperature)
-    return h, None if softcap is None else softcap / temperature
+    device = _device(stream)
+    with mx.stream(device):
+        scaled = h.astype(mx.float32) * (1.0 / temperature)
+        # The GPU kernels read h in its own type (bf16 for float32): keep a
+        # float16 h in float16 rather than let float32 send it to bf16. The
+        # CPU kernels compute in float32 and take the product as it is.
+        if device.type == mx.gpu and h.dtype != mx.float32:
+            scaled = scaled.astype(h.dtype)
+    return scaled, None if softcap is None else softcap / temperature
 
 
 def _stats(out):
