@@ -596,6 +596,29 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     assert diff <= REL * max(1.0, scale) + ABS, (diff, scale)
 
 
+def test_on_policy_bias_corrected_kl_gradient_matches_trl(model):
+    """On-policy (no old log-probs) the ratio is 1 but carries the policy's
+    gradient, so TRL 1.16's default `use_bias_correction_kl=True` changes the
+    KL's gradient: ours equals plain autodiff of the transcription and differs
+    from the uncorrected one by far more than the tolerance."""
+    rollouts = _rollouts(11)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, beta=0.5, loss_type="grpo")
+    rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(_current(model, rollouts, cfg))
+    grads = {}
+    for bias in (True, False):
+        cfg.use_bias_correction_kl = bias
+        _, grads[bias], _ = grpo_value_and_grad(model, rollouts, cfg, stack=STACK)
+
+        def plain():
+            return trl_batch(model, rollouts, cfg, None, rollouts.ref_logps, xp=mx)[0]
+
+        _, want = nn.value_and_grad(model, plain)()
+        diff, scale = max_diff(grads[bias], want)
+        assert diff <= REL * max(1.0, scale) + ABS, (bias, diff, scale)
+    diff, scale = max_diff(grads[True], grads[False])
+    assert diff > 100 * (REL * max(1.0, scale) + ABS), (diff, scale)
+
+
 # TRL 1.16.0's GRPOConfig defaults of the fields GRPOConfig carries (read in its
 # grpo_config.py; gradient_accumulation_steps is TrainingArguments').
 TRL_116_DEFAULTS = dict(
