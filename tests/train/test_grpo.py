@@ -2,8 +2,8 @@
 
 The reference below is written after TRL's `GRPOTrainer._generate_and_score_completions`
 (rewards, advantages, completion metrics) and `_compute_loss` (the loss of each
-loss type and its metrics), read at huggingface/trl f2cd577 (1.10.0.dev0, the
-newest TRL available here; the loss code is the one 1.16 documents). It runs on
+loss type and its metrics), read in TRL 1.16.0's `trl/trainer/grpo_trainer.py`
+(its wheel) and `grpo_config.py` (the defaults). It runs on
 TRL's own layout, a `[sequences, T]` batch padded to the longest completion,
 with per-token log-probs from mlx-lm's `model(tokens)` logits, and shares
 nothing with flash_cce but the model. Gradients are checked against plain MLX
@@ -12,6 +12,7 @@ autodiff of the same transcription (`xp = mx`) through `model(tokens)`.
 
 import math
 import warnings
+from dataclasses import asdict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -233,19 +234,18 @@ def trl_loss(xp, cfg, lp, old, ref, mask, adv, entropies, num_items, entropy_mas
     elif cfg.loss_type == "dr_grpo":
         loss = (ptl * mask).sum() / (B * cfg.max_completion_length)
     elif cfg.loss_type in ("cispo", "dapo", "vespo"):
-        loss = (ptl * mask).sum() / max(num_items, 1.0)
+        # num_items_in_batch spans the generation batch: rescaled to one window
+        spg = cfg.steps_per_generation or steps
+        loss = (ptl * mask).sum() / (max(num_items, 1.0) * steps / spg)
         steps = None
-    else:  # luspo
-        loss = (ptl * mask.sum(1, keepdims=True)).mean()
+    else:  # luspo: masked before the per-sequence sum
+        loss = (ptl * mask).sum(-1).mean()
     policy_loss = loss
     if steps is not None:
         loss = loss / steps
-    if cfg.entropy_coef != 0.0:
+    if cfg.entropy_coef != 0.0:  # the mean entropy whatever the loss type, over the accumulation steps
         eff = mask if entropy_mask is None else mask * entropy_mask
-        if steps is None:
-            entropy_loss = (entropies * eff).sum() / max(num_items, 1.0)
-        else:
-            entropy_loss = (entropies * eff).sum() / xp.maximum(eff.sum(), 1.0) / steps
+        entropy_loss = (entropies * eff).sum() / xp.maximum(eff.sum(), 1.0) / cfg.gradient_accumulation_steps
         loss = loss - cfg.entropy_coef * entropy_loss
     if xp is not np:
         return loss, {}
@@ -373,7 +373,7 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES + ["luspo"])
 def test_loss_types_off_policy_match_trl(model, loss_type, level):
     """Old log-probs ~0.3 away from the current ones: ratios spread over both
     clip bounds, so each loss type's clipped and unclipped branches count."""
@@ -397,11 +397,12 @@ def test_loss_types_on_policy_match_trl(model, loss_type, steps):
     _check(model, _rollouts(), cfg)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "luspo"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_kl_to_a_precomputed_reference_matches_trl(model, level, bias):
+def test_kl_to_a_precomputed_reference_matches_trl(model, level, bias, loss_type):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, beta=0.04, importance_sampling_level=level,
-                     use_bias_correction_kl=bias)
+                     use_bias_correction_kl=bias, loss_type=loss_type)
     rollouts = _rollouts(1)
     cur = _current(model, rollouts, cfg)
     old, ref = _perturbed(rollouts, 6, 0.1)(cur), _perturbed(rollouts, 7, 0.3)(cur)
@@ -458,7 +459,9 @@ def test_top_entropy_quantile_matches_trl(model, quantile, loss_type):
 
 
 @pytest.mark.parametrize("kw", [dict(loss_type="dapo"), dict(loss_type="bnpo", top_entropy_quantile=0.3),
-                                dict(loss_type="grpo", gradient_accumulation_steps=2)])
+                                dict(loss_type="grpo", gradient_accumulation_steps=2),
+                                dict(loss_type="cispo", gradient_accumulation_steps=2, steps_per_generation=4),
+                                dict(loss_type="luspo", top_entropy_quantile=0.5)])
 def test_entropy_bonus_matches_trl(model, kw):
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, entropy_coef=0.05, **kw)
     rollouts = _rollouts(12)
@@ -479,6 +482,7 @@ def test_entropy_bonus_matches_trl(model, kw):
          vllm_importance_sampling_clip_max=2.0, loss_type="vespo"),
     dict(vllm_importance_sampling_correction=False, off_policy_mask_threshold=0.0),
     dict(vllm_importance_sampling_mode="token_truncate", top_entropy_quantile=0.4),
+    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=1.2, loss_type="luspo"),
 ])
 def test_sampler_correction_matches_trl(model, kw, with_old):
     """The sampler's log-probs 0.2 from the trainer's: ratios on both sides of
@@ -558,6 +562,7 @@ GRADIENT_CASES = [
     dict(loss_type="sapo", temperature=0.8),
     dict(loss_type="vespo"),
     dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.01),
+    dict(loss_type="luspo", beta=0.05),
     dict(loss_type="dapo", entropy_coef=0.3, top_entropy_quantile=0.5),
     dict(loss_type="grpo", entropy_coef=0.2, gradient_accumulation_steps=2),
     dict(loss_type="dapo", vllm_importance_sampling_mode="token_truncate"),
@@ -591,6 +596,47 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     assert diff <= REL * max(1.0, scale) + ABS, (diff, scale)
 
 
+def test_on_policy_bias_corrected_kl_gradient_matches_trl(model):
+    """On-policy (no old log-probs) the ratio is 1 but carries the policy's
+    gradient, so TRL 1.16's default `use_bias_correction_kl=True` changes the
+    KL's gradient: ours equals plain autodiff of the transcription and differs
+    from the uncorrected one by far more than the tolerance."""
+    rollouts = _rollouts(11)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, beta=0.5, loss_type="grpo")
+    rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(_current(model, rollouts, cfg))
+    grads = {}
+    for bias in (True, False):
+        cfg.use_bias_correction_kl = bias
+        _, grads[bias], _ = grpo_value_and_grad(model, rollouts, cfg, stack=STACK)
+
+        def plain():
+            return trl_batch(model, rollouts, cfg, None, rollouts.ref_logps, xp=mx)[0]
+
+        _, want = nn.value_and_grad(model, plain)()
+        diff, scale = max_diff(grads[bias], want)
+        assert diff <= REL * max(1.0, scale) + ABS, (bias, diff, scale)
+    diff, scale = max_diff(grads[True], grads[False])
+    assert diff > 100 * (REL * max(1.0, scale) + ABS), (diff, scale)
+
+
+# TRL 1.16.0's GRPOConfig defaults of the fields GRPOConfig carries (read in its
+# grpo_config.py; gradient_accumulation_steps is TrainingArguments').
+TRL_116_DEFAULTS = dict(
+    loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, delta=None, importance_sampling_level="token",
+    sapo_temperature_neg=1.05, sapo_temperature_pos=1.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0, vespo_lambda_neg=2.0, use_bias_correction_kl=True, off_policy_mask_threshold=None,
+    top_entropy_quantile=1.0, mask_truncated_completions=False, entropy_coef=0.0,
+    vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+    vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=None, reward_weights=None,
+    multi_objective_aggregation="sum_then_normalize", scale_rewards="group", num_generations=8,
+    max_completion_length=512, temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+    num_iterations=1, steps_per_generation=None, gradient_accumulation_steps=1)
+
+
+def test_defaults_are_trl_1_16():
+    assert asdict(GRPOConfig()) == TRL_116_DEFAULTS
+
+
 # ----------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kw, match", [
@@ -608,7 +654,6 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     (dict(mask_truncated_completions="yes"), "mask_truncated_completions must be True or False"),
     (dict(reward_weights="1"), "reward_weights must be None or a list of numbers"),
     (dict(entropy_coef=float("inf")), "entropy_coef must be a finite number"),
-    (dict(loss_type="luspo"), "loss_type 'luspo' needs importance_sampling_level='sequence'"),
 ])
 def test_bad_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -650,12 +695,10 @@ def test_bad_reference_and_weights_are_named(model):
         grpo_value_and_grad(tiny_model("llama"), _rollouts(), cfg)
     rollouts = _rollouts()
     rollouts.sampling_logps = [[[-1.0] * len(c) for c in cs] for cs in rollouts.completions]
-    for loss_type, mode in (("vespo", "sequence_mask"), ("luspo", "token_mask")):
-        cfg = GRPOConfig(num_generations=G, max_completion_length=10, loss_type=loss_type,
-                         importance_sampling_level="sequence" if loss_type == "luspo" else "token",
-                         vllm_importance_sampling_mode=mode)
-        with pytest.raises(ValueError, match=f"vllm_importance_sampling_mode must be .* for loss_type '{loss_type}'"):
-            grpo_value_and_grad(model, rollouts, cfg)
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, loss_type="vespo",
+                     vllm_importance_sampling_mode="sequence_mask")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode must be .* for loss_type 'vespo'"):
+        grpo_value_and_grad(model, rollouts, cfg)
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, reward_weights=[1.0])
     with pytest.raises(ValueError, match=r"reward_weights has 1 weights for 2 reward functions"):
         grpo_value_and_grad(model, _rollouts(), cfg)

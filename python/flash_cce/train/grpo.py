@@ -1,4 +1,4 @@
-"""GRPO on recorded rollouts: TRL 1.16 GRPOTrainer's objective through the stack.
+"""GRPO on recorded rollouts: TRL 1.16.0 GRPOTrainer's objective through the stack.
 
     loss, grads, metrics = grpo_value_and_grad(model, rollouts, GRPOConfig(...))
 
@@ -107,10 +107,6 @@ def _check_sampler(config, rollouts):
     if config.loss_type == "vespo" and mode.startswith("sequence"):
         raise ValueError("vllm_importance_sampling_mode must be 'token_truncate' or 'token_mask' for "
                          f"loss_type 'vespo', got {mode!r}")
-    if config.loss_type == "luspo" and mode.startswith("token"):
-        # A token ratio makes TRL's luspo average over padded positions (see luspo's check).
-        raise ValueError("vllm_importance_sampling_mode must be 'sequence_truncate' or 'sequence_mask' "
-                         f"for loss_type 'luspo', got {mode!r}")
     return True
 
 

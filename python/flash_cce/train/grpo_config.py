@@ -1,4 +1,4 @@
-"""The settings of GRPO, named as the fields of TRL's `GRPOConfig` with its defaults.
+"""The settings of GRPO, named as the fields of TRL 1.16.0's `GRPOConfig` with its defaults.
 
 Only the fields that the objective, the advantages or the rollouts use are
 here; `validate` raises one ValueError naming the field and its allowed values.
@@ -15,7 +15,8 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # Loss types whose loss TRL divides by the gradient accumulation steps; the
-# others divide by the token count of the whole generation batch.
+# others divide by the generation batch's token count rescaled to one
+# accumulation window (`Totals.items` times `window_share`).
 PER_STEP_MEAN = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO clip, its clip ratios
 
@@ -38,7 +39,7 @@ class GRPOConfig:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    use_bias_correction_kl: bool = False  # the KL times the importance ratio (DeepSeek-V3.2)
+    use_bias_correction_kl: bool = True  # the KL times the importance ratio (DeepSeek-V3.2)
     off_policy_mask_threshold: Optional[float] = None  # drop negative-advantage sequences whose KL exceeds it
     top_entropy_quantile: float = 1.0  # keep the top quantile of tokens by entropy in the policy term
     mask_truncated_completions: bool = False  # completions without EOS leave the loss
@@ -108,11 +109,6 @@ class GRPOConfig:
         if self.vllm_importance_sampling_correction and truncate and low is None and high is None:
             raise ValueError("vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max must be "
                              "set when vllm_importance_sampling_mode is a *_truncate mode")
-        if self.loss_type == "luspo" and (self.importance_sampling_level != "sequence" or self.beta != 0.0):
-            # TRL's token-level luspo (and its KL term) average over padded positions,
-            # whose values depend on the padding TRL runs through the model.
-            raise ValueError("loss_type 'luspo' needs importance_sampling_level='sequence' and beta=0.0, got "
-                             f"importance_sampling_level={self.importance_sampling_level!r}, beta={self.beta!r}")
         return self
 
     @property
@@ -123,6 +119,13 @@ class GRPOConfig:
     def upper(self):
         """TRL's `epsilon_high`: the upper clip, epsilon where unset."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def window_share(self):
+        """gradient_accumulation_steps / steps_per_generation: TRL's rescaling of
+        the generation batch's token count (dapo, cispo, vespo) to one
+        accumulation window."""
+        return self.gradient_accumulation_steps / (self.steps_per_generation or self.gradient_accumulation_steps)
 
     @property
     def generate_every(self):

@@ -24,7 +24,7 @@ class Totals:
     sequences: int  # completions in the batch (TRL's micro-batch size)
     tokens: int  # loss tokens in the batch (bnpo's normalizer)
     items: int  # loss tokens of the generation batch (dapo / cispo / vespo: num_items_in_batch)
-    width: int  # the batch's longest completion (TRL's padded width)
+    width: int  # the batch's longest completion (TRL's padded width; vespo's sampler ratio sums over it)
     entropy_tokens: int  # loss tokens the entropy mask keeps (all of them without one)
 
 
@@ -132,24 +132,19 @@ def share(cfg, loss, mask, totals):
     if kind == "dr_grpo":
         return (loss * mask).sum() / (totals.sequences * cfg.max_completion_length) / steps
     if kind in ("dapo", "cispo", "vespo"):
-        return (loss * mask).sum() / max(totals.items, 1)
-    # luspo: each sequence's loss times its length, a mean over the batch's
-    # [sequences, width] (sequences only, for a loss of one value per sequence).
-    scaled = loss * mask.sum(-1, keepdims=True)
-    if scaled.shape[-1] == 1:
-        return scaled.sum() / totals.sequences / steps
-    return scaled.sum() / (totals.sequences * totals.width) / steps
+        # num_items_in_batch spans the generation batch: rescaled to one window
+        return (loss * mask).sum() / (max(totals.items, 1) * cfg.window_share)
+    # luspo: each sequence's masked loss summed over its tokens (a loss of one
+    # value per sequence: times its length), a mean over sequences.
+    return (loss * mask).sum() / totals.sequences / steps
 
 
 def entropy_share(cfg, entropy, mask, entropy_mask, totals):
     """The group's share of TRL's entropy bonus term (before `-entropy_coef`):
-    the batch's mean entropy over the tokens the policy term keeps, with dapo's,
-    cispo's and vespo's normalizer (the generation batch's tokens) where theirs."""
+    the micro-batch's mean entropy over the tokens the policy term keeps, over
+    the accumulation steps, whatever the loss type's normalizer."""
     kept = mask if entropy_mask is None else mask * entropy_mask
-    total = (entropy * kept).sum()
-    if cfg.loss_type in ("dapo", "cispo", "vespo"):
-        return total / max(totals.items, 1)
-    return total / max(totals.entropy_tokens, 1) / cfg.gradient_accumulation_steps
+    return (entropy * kept).sum() / max(totals.entropy_tokens, 1) / cfg.gradient_accumulation_steps
 
 
 def metric_sums(cfg, parts, mask, adv, entropy):

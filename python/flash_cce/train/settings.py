@@ -230,7 +230,7 @@ SETTINGS = (
     S("mask_truncated_completions", "bool", False, "Completions without EOS leave the loss."),
     S("top_entropy_quantile", "float", 1.0, "Keep the top quantile of tokens by entropy in the loss.", low=0,
       high=1),
-    S("use_bias_correction_kl", "bool", False, "The KL term times the importance ratio."),
+    S("use_bias_correction_kl", "bool", True, "The KL term times the importance ratio (beta != 0)."),
     S("entropy_coef", "float", 0.0, "Weight of the entropy bonus subtracted from the loss."),
     S("off_policy_mask_threshold", "float", None, "Drop negative-advantage sequences whose mean old - current "
       "log-ratio exceeds it (null: off).", low=0, optional=True),
