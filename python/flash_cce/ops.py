@@ -54,15 +54,19 @@ def _tempered(h, softcap, temperature, stream):
     every backend then runs its usual kernels and autodiff carries 1/T into dh."""
     if temperature == 1.0:
         return h, softcap
-    device = _device(stream)
-    with mx.stream(device):
-        scaled = h.astype(mx.float32) * (1.0 / temperature)
-        # The GPU kernels read h in its own type (bf16 for float32): keep a
-        # float16 h in float16 rather than let float32 send it to bf16. The
-        # CPU kernels compute in float32 and take the product as it is.
-        if device.type == mx.gpu and h.dtype != mx.float32:
-            scaled = scaled.astype(h.dtype)
-    return scaled, None if softcap is None else softcap / temperature
+    with mx.stream(_device(stream)):
+        h = h.astype(mx.float32) * (1.0 / temperature)
+    return h, None if softcap is None else softcap / temperature
+
+
+def _kernel_h(h, h_in, stream):
+    """The tempered `h` as the GPU kernels should read it: in `h_in`'s own type,
+    as they read an untempered h (a float32 product would send a float16 h to
+    bf16 operands). The CPU kernels and the fallback take the float32 product."""
+    if h is h_in or h_in.dtype == mx.float32 or _device(stream).type != mx.gpu:
+        return h
+    with mx.stream(_device(stream)):
+        return h.astype(h_in.dtype)
 
 
 def _stats(out):
@@ -193,12 +197,12 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
     native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
     kw = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
     if native and not entropy:
-        logp, lse = _ext.forward(h, w, targets, scales, biases, **kw,
+        logp, lse = _ext.forward(_kernel_h(h, h_in, stream), w, targets, scales, biases, **kw,
                                  fused_backward=fused_backward, tuning=tuning, stream=stream)
         return logp, lse
     if native and native_stats(stream):
-        out = _ext.forward(h, w, targets, scales, biases, **kw, fused_backward=fused_backward,
-                           tuning=tuning, stream=stream, stats=True)
+        out = _ext.forward(_kernel_h(h, h_in, stream), w, targets, scales, biases, **kw,
+                           fused_backward=fused_backward, tuning=tuning, stream=stream, stats=True)
         return _stats(out)
     lead = targets.shape
     if targets.size == 0:
@@ -246,8 +250,8 @@ def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
     native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
     if native and (g_entropy is None or native_stats(stream)):
         extra = {} if g_entropy is None else dict(entropy=entropy, g_entropy=g_entropy)
-        out = _ext.backward(h, w, targets, lse, g, g_lse, scales, biases, **kw, **extra,
-                            compute_dw=compute_dw, tuning=tuning, stream=stream)
+        out = _ext.backward(_kernel_h(h, h_in, stream), w, targets, lse, g, g_lse, scales, biases, **kw,
+                            **extra, compute_dw=compute_dw, tuning=tuning, stream=stream)
         dh, dw = out[0], (out[1] if compute_dw else None)
     else:
         flat = [None if a is None else a.reshape(-1) for a in (g_lse, entropy, g_entropy)]
