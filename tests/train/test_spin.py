@@ -98,3 +98,22 @@ def test_messages_records_and_errors(tiny, tmp_path, capsys):
     assert "has no other.jsonl.progress beside it" in capsys.readouterr().err
     assert _spin(tiny, data, tmp_path / "p.jsonl", "--top-p", "0") == 2
     assert "top_p must be in (0, 1], got 0.0" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_the_run_continues(tiny, tmp_path):
+    """A write that fails (here: a file size limit, as on a full disk) stops spin
+    with one line naming the file, exit 2; the next run continues the same file."""
+    from runs import flash_cce, ok
+
+    data, out = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    _sft(data, n=9)
+    argv = ["spin", "--model", tiny, "--data", data, "--out", out, "--max-tokens", "5", "--batch-size", "3",
+            "--no-progress"]
+    proc = flash_cce(*argv, file_size_limit=300)  # room for about one batch of pairs
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flash-cce spin: error: cannot write ") and "Traceback" not in proc.stderr
+    assert str(out) in err[0] or str(out.with_name(out.name + ".progress")) in err[0]
+    ok(flash_cce(*argv))
+    assert len(out.read_text().splitlines()) == 9  # every record once, nothing torn or repeated
+    assert all(json.loads(line)["rejected"] for line in out.read_text().splitlines())

@@ -26,6 +26,7 @@ from ..stack import statistics
 from ..stack.lm import adapters_off
 from .data import mismatched
 from .losses import get, scoring
+from .storage import writing
 
 TABLE = "reference_logps.npz"  # in the run directory
 
@@ -121,9 +122,13 @@ def fingerprint(model_path, settings, pairs):
 def save_table(path, table, print_):
     keys = sorted(table)
     tmp = Path(path).with_name(Path(path).name + ".tmp.npz")
-    np.savez(tmp, keys=np.array(keys), values=np.array([table[k] for k in keys], np.float64).reshape(-1, 2),
-             fingerprint=np.array(print_))
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            np.savez(tmp, keys=np.array(keys), values=np.array([table[k] for k in keys], np.float64).reshape(-1, 2),
+                     fingerprint=np.array(print_))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def load_table(path, print_):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .data import DataError, Encoder, _check_texts, read_jsonl
 from .report import use_bar
+from .storage import writing
 
 
 @dataclass
@@ -130,10 +131,22 @@ def _start(out, progress, key, total, log, restart):
     if len(lines) < state["lines"]:
         raise ValueError(f"out: {out} has {len(lines)} lines, fewer than the {state['lines']} recorded")
     if len(lines) > state["lines"]:
-        out.write_text("".join(lines[:state["lines"]]), encoding="utf-8")
+        with writing(out):
+            out.write_text("".join(lines[:state["lines"]]), encoding="utf-8")
     if state["records"] < total:
         log(f"Continuing {out} after {state['records']} of {total} records")
     return state["records"]
+
+
+def _save_progress(prog, records, lines, key):
+    """Records `records` done, `out` holding `lines` whole lines; written whole (rename)."""
+    tmp = prog.with_name(prog.name + ".tmp")
+    with writing(prog):
+        try:
+            tmp.write_text(json.dumps({"records": records, "lines": lines, "data": key["data"], "key": key}))
+            os.replace(tmp, prog)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _rejected(completion, text):
@@ -170,7 +183,10 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True, k
         bar = tqdm(total=len(records), initial=done, desc="spin", unit="record", dynamic_ncols=True)
     skipped = 0
     try:
-        with open(out, "a", encoding="utf-8") as f:
+        _save_progress(prog, done, lines, key)  # first, so that a failed first write can be continued
+        with writing(out):
+            f = open(out, "a", encoding="utf-8")
+        try:
             for start in range(done, len(records), s.batch_size):
                 batch = range(start, min(start + s.batch_size, len(records)))
                 mx.random.seed(s.seed * 1_000_003 + start)  # one seed per batch: resumable
@@ -181,16 +197,24 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True, k
                     if not text.strip():
                         skipped += 1
                         continue
-                    f.write(json.dumps({"prompt": rec["prompt"], "chosen": rec["completion"],
-                                        "rejected": _rejected(rec["completion"], text)}) + "\n")
+                    with writing(out):  # a torn line is cut away on the next run (the progress file)
+                        f.write(json.dumps({"prompt": rec["prompt"], "chosen": rec["completion"],
+                                            "rejected": _rejected(rec["completion"], text)}) + "\n")
                     lines += 1
-                f.flush()
-                os.fsync(f.fileno())
-                tmp = prog.with_name(prog.name + ".tmp")
-                tmp.write_text(json.dumps({"records": batch.stop, "lines": lines, "data": key["data"], "key": key}))
-                os.replace(tmp, prog)
+                with writing(out):
+                    f.flush()
+                    os.fsync(f.fileno())
+                _save_progress(prog, batch.stop, lines, key)
                 if bar is not None:
                     bar.update(len(batch))
+        except BaseException:
+            try:
+                f.close()
+            except OSError:
+                pass  # its buffer held the write that failed, which is what is reported
+            raise
+        with writing(out):
+            f.close()
     finally:
         if bar is not None:
             bar.close()
