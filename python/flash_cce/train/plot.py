@@ -6,6 +6,7 @@ training steps as a thin light line, validation as a thick dark line, each panel
 labelled with its value range and step range in a small pixel font.
 """
 
+import math
 import os
 import struct
 import zlib
@@ -116,7 +117,8 @@ def write_png(path, img):
 
 
 def _series(records, key, split):
-    rows = [r for r in records if r.get("split") == split and key in r]
+    # A non-finite value (a skipped step's NaN loss) has no place on the axis: left out.
+    rows = [r for r in records if r.get("split") == split and key in r and math.isfinite(r[key])]
     return [r["step"] for r in rows], [r[key] for r in rows]
 
 
