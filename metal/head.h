@@ -187,6 +187,22 @@ METAL_FUNC void accumulate_cw(
   }
 }
 
+// A head threadgroup's work in this launch: its split, its first row of h, and
+// the split's blocks of this round [vb0, vb1) (a round [block_begin,
+// + block_count); a later round resumes the split's statistics and partial
+// sums). grid.x runs over m tiles, so that threadgroups in flight share W's tiles.
+struct HeadRound {
+  int split, m0, split_vb0, vb0, vb1;
+
+  METAL_FUNC HeadRound(const constant FcceParams& p, uint3 group)
+      : split(p.split_begin + int(group.y)),
+        m0((p.m_tile_begin + int(group.x)) * FCCE_BM),
+        split_vb0(split * p.blocks_per_split),
+        vb0(split_vb0 + p.block_begin),
+        vb1(min(min(vb0 + p.block_count, split_vb0 + p.blocks_per_split),
+                (p.V + FCCE_BN - 1) / FCCE_BN)) {}
+};
+
 template <int MODE, typename HT, class W>
 METAL_FUNC void head_tiles(
     const device HT* h, thread const W& w, const device int* targets,
@@ -195,15 +211,8 @@ METAL_FUNC void head_tiles(
     device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
     uint3 group, uint tid, uint sgid, uint lane) {
   const HeadSmem sm(smem);
-  // grid.x runs over m tiles, so that threadgroups in flight share W's tiles.
-  const int split = p.split_begin + int(group.y);
-  const int m0 = (p.m_tile_begin + int(group.x)) * FCCE_BM;
-  // This launch's blocks of the split: a round [block_begin, + block_count);
-  // a later round resumes the split's statistics and partial sums.
-  const int split_vb0 = split * p.blocks_per_split;
-  const int split_vb1 = min(split_vb0 + p.blocks_per_split, (p.V + FCCE_BN - 1) / FCCE_BN);
-  const int vb0 = split_vb0 + p.block_begin;
-  const int vb1 = min(vb0 + p.block_count, split_vb1);
+  const HeadRound rd(p, group);
+  const int split = rd.split, m0 = rd.m0, split_vb0 = rd.split_vb0, vb0 = rd.vb0, vb1 = rd.vb1;
 
   // This thread's row and columns in the epilogue.
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;

@@ -24,6 +24,13 @@
 #define FCCE_SMEM_FLOATS                                                            \
   (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_GROUP_BLOCKS * FCCE_BM * (FCCE_BN + 4) + \
    FCCE_BM)
+// The dh kernel with its accumulator in registers (metal/dh_regs.h): each
+// threadgroup owns a chunk of FCCE_REG_PIECES BK-wide columns of H, held as
+// FCCE_REG_PIECES accumulator tiles of 8 floats per thread (64 floats), and
+// threadgroup memory for the h, w and one coefficient tile: 13,824 bytes.
+#define FCCE_REG_PIECES 8
+#define FCCE_REG_COLS (FCCE_REG_PIECES * FCCE_BK)
+#define FCCE_REG_SMEM_FLOATS (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4))
 // The most vocabulary rows (and, in dW, rows of h) one threadgroup processes
 // in one launch: macOS ends a command whose work runs too long, so long heads
 // are split into several launches.

@@ -69,6 +69,33 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   }
 }
 
+// dh with the accumulator in registers (metal/dh_regs.h): per (threadgroup,
+// block) the logits load h's [BM, H] rows and W's [BN, H] rows, and the
+// accumulation W's rows over the threadgroup's chunk of H; the float32
+// [BM, chunk] partial is written once per launch and read once when the
+// launch resumes its splits (block_begin > 0).
+void dh_regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
+  const FcceParams& q = l.params;
+  const int64_t total_blocks = cdiv(p.V, FCCE_BN);
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  const double chunks = l.grid[2];
+  int64_t tile_blocks = 0, tile_splits = 0;
+  for (int64_t s = q.split_begin; s < q.split_begin + int64_t(l.grid[1]); ++s) {
+    const int64_t in_split = std::min<int64_t>(q.blocks_per_split, total_blocks - s * q.blocks_per_split);
+    tile_blocks += std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
+    ++tile_splits;
+  }
+  const double m_tiles = l.grid[0];
+  const double blocks = m_tiles * double(tile_blocks); // per chunk
+  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double w_tile = double(FCCE_BN) * w_row_bytes(p);
+  const double part = m_tiles * double(tile_splits) * FCCE_BM * p.H * 4; // all chunks
+  c.flops = blocks * 2.0 * FCCE_BM * FCCE_BN * double(hk) * (chunks + 1);
+  c.bytes_read = blocks * (chunks * (h_tile + w_tile) + w_tile) +
+      (q.block_begin > 0 ? part : 0.0) + double(c.threadgroups) * FCCE_BM * 4 * 4;
+  c.bytes_written = part;
+}
+
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
 // h's rows again for dS^T h; per group of FCCE_GROUP_BLOCKS m tiles the
 // float32 [BN, H] rows read (but for the group at m tile 0) and written.
@@ -150,6 +177,9 @@ std::vector<LaunchCost> plan_cost(const Problem& p, const Plan& plan) {
     if (starts_with(c.kernel, "fcce_dw_")) {
       c.threadgroup_bytes += dw_threadgroup_bytes();
       dw_cost(p, l, c);
+    } else if (starts_with(c.kernel, "fcce_dhreg_")) {
+      c.threadgroup_bytes += dh_regs_threadgroup_bytes();
+      dh_regs_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_fwd_") || starts_with(c.kernel, "fcce_dh_")) {
       c.threadgroup_bytes += head_threadgroup_bytes();
       head_cost(p, l, c);

@@ -37,6 +37,16 @@ const char* const kHeadQuant[3][3][6] = {
      {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
 };
 
+// [h][w] and [h][bits]: dh with the accumulator in registers (metal/dh_regs.h).
+const char* const kDhRegDense[3][3] = {
+    {"fcce_dhreg_hf32_wf32", "fcce_dhreg_hf32_wf16", "fcce_dhreg_hf32_wbf16"},
+    {"fcce_dhreg_hf16_wf32", "fcce_dhreg_hf16_wf16", "fcce_dhreg_hf16_wbf16"},
+    {"fcce_dhreg_hbf16_wf32", "fcce_dhreg_hbf16_wf16", "fcce_dhreg_hbf16_wbf16"}};
+const char* const kDhRegQuant[3][6] = {
+    {"fcce_dhreg_hf32_q2", "fcce_dhreg_hf32_q3", "fcce_dhreg_hf32_q4", "fcce_dhreg_hf32_q5", "fcce_dhreg_hf32_q6", "fcce_dhreg_hf32_q8"},
+    {"fcce_dhreg_hf16_q2", "fcce_dhreg_hf16_q3", "fcce_dhreg_hf16_q4", "fcce_dhreg_hf16_q5", "fcce_dhreg_hf16_q6", "fcce_dhreg_hf16_q8"},
+    {"fcce_dhreg_hbf16_q2", "fcce_dhreg_hbf16_q3", "fcce_dhreg_hbf16_q4", "fcce_dhreg_hbf16_q5", "fcce_dhreg_hbf16_q6", "fcce_dhreg_hbf16_q8"}};
+
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
@@ -128,6 +138,9 @@ void check(const Problem& p) {
       bad("compute_dw needs a dense w");
     }
   }
+  if (p.dh_registers < -1 || p.dh_registers > 1) {
+    bad("dh_registers must be -1, 0 or 1, got " + std::to_string(p.dh_registers));
+  }
   if (p.max_splits < 0) {
     bad("max_splits must be >= 0, got " + std::to_string(p.max_splits));
   }
@@ -186,18 +199,21 @@ std::vector<Binding> operand_bindings(const Problem& p) {
   return b;
 }
 
-const char* head_kernel(const Problem& p, int mode) {
+const char* head_kernel(const Problem& p, int mode, bool regs) {
   const int h = dtype_index(p.h);
+  if (regs) {
+    return p.quantized ? kDhRegQuant[h][bits_index(p.bits)] : kDhRegDense[h][dtype_index(p.w)];
+  }
   return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
                      : kHeadDense[mode][h][dtype_index(p.w)];
 }
 
-Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
+Launch head_launch(const Problem& p, const FcceParams& q, int mode, int64_t chunks) {
   Launch l{};
-  l.kernel = head_kernel(p, mode);
+  l.kernel = head_kernel(p, mode, chunks > 0);
   l.grid[0] = u32(q.m_tiles, "m_tiles");
   l.grid[1] = u32(q.splits, "splits");
-  l.grid[2] = 1;
+  l.grid[2] = u32(std::max<int64_t>(chunks, 1), "chunks");
   l.threads[0] = FCCE_THREADS;
   l.threads[1] = l.threads[2] = 1;
   l.threadgroup_bytes = 0; // declared in the kernel
@@ -218,9 +234,10 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
 }
 
 // GEMMs per vocabulary block of a head kernel: the logits, plus the
-// coefficients times W where a partial sum is kept.
-int head_gemms(int mode) {
-  return mode == FCCE_MODE_FWD ? 1 : 2;
+// coefficients times W where a partial sum is kept; the dh kernel with the
+// accumulator in registers computes the logits once per chunk of H.
+int64_t head_gemms(int mode, int64_t chunks) {
+  return mode == FCCE_MODE_FWD ? 1 : 1 + std::max<int64_t>(chunks, 1);
 }
 
 // Appends the head kernel's launches: rounds of at most `blocks` vocabulary
@@ -230,9 +247,11 @@ int head_gemms(int mode) {
 // latter wherever one block of one m tile is within it: H <= 2^24). Rounds
 // run in order, so each split's blocks are visited in order, as the online
 // statistics need.
-void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
+// `chunks` > 0: the dh kernel with the accumulator in registers, grid.z over
+// that many chunks of H.
+void head_rounds(const Problem& p, const FcceParams& q, int mode, int64_t chunks, Plan& plan) {
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
-  const double tile = 2.0 * head_gemms(mode) * FCCE_BM * FCCE_BN * double(hk);
+  const double tile = 2.0 * head_gemms(mode, chunks) * FCCE_BM * FCCE_BN * double(hk);
   const int64_t splits = q.splits, m_tiles = q.m_tiles;
   auto fit = [&](double per_unit, int64_t most) {
     return std::clamp<int64_t>(int64_t(kLaunchFlops / per_unit), 1, most);
@@ -259,7 +278,7 @@ void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
         r.block_count = static_cast<int>(std::min<int64_t>(blocks, q.blocks_per_split - b0));
         r.m_tile_begin = static_cast<int>(mt);
         r.split_begin = static_cast<int>(s0);
-        Launch l = head_launch(p, r, mode);
+        Launch l = head_launch(p, r, mode, chunks);
         l.grid[0] = u32(std::min<int64_t>(m_chunk, m_tiles - mt), "m_tiles");
         l.grid[1] = u32(std::min<int64_t>(s_chunk, splits - s0), "splits");
         plan.launches.push_back(l);
@@ -293,7 +312,7 @@ void plan_forward(const Problem& p, Plan& plan) {
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
   }
-  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, plan);
+  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, 0, plan);
   plan.launches.push_back(elementwise(
       kCombine, p.M, q,
       {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
@@ -365,7 +384,7 @@ void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
-  head_rounds(p, q, FCCE_MODE_DH, plan);
+  head_rounds(p, q, FCCE_MODE_DH, dh_in_registers(p) ? dh_register_chunks(p.H) : 0, plan);
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
@@ -392,6 +411,17 @@ void plan_fused_dh(const Problem& p, Plan& plan) {
 
 } // namespace
 
+int64_t dh_register_chunks(int64_t H) {
+  return cdiv(H, FCCE_REG_COLS);
+}
+
+bool dh_in_registers(const Problem& p) {
+  if (p.dh_registers != 0) {
+    return p.dh_registers > 0;
+  }
+  return dh_register_chunks(p.H) == 1;
+}
+
 const char* role_name(Role r) {
   static const char* const names[] = {
       "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
@@ -402,6 +432,10 @@ const char* role_name(Role r) {
 
 size_t head_threadgroup_bytes() {
   return size_t(FCCE_SMEM_FLOATS) * 4;
+}
+
+size_t dh_regs_threadgroup_bytes() {
+  return size_t(FCCE_REG_SMEM_FLOATS) * 4;
 }
 
 size_t dw_threadgroup_bytes() {
@@ -415,11 +449,12 @@ double launch_gemm_flops(const Launch& l) {
   if (k.rfind("fcce_dw_", 0) == 0) {
     return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
   }
-  const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  const bool regs = k.rfind("fcce_dhreg_", 0) == 0;
+  const bool head = regs || k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
   if (!head) {
     return 0.0;
   }
-  return 2.0 * head_gemms(q.mode) * double(l.grid[0]) * FCCE_BM * double(l.grid[1]) *
+  return 2.0 * double(head_gemms(q.mode, regs ? l.grid[2] : 0)) * double(l.grid[0]) * FCCE_BM * double(l.grid[1]) *
       double(q.block_count) * FCCE_BN * hk;
 }
 
@@ -447,6 +482,8 @@ const std::vector<std::string>& kernel_names() {
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& mode : kHeadQuant)
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDhRegDense) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDhRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
     n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));

@@ -72,6 +72,9 @@ struct Problem {
   int dw_slab_rows = 0;
   int round_blocks = 0;
   int round_m_tiles = 0;
+  // The dh pass's kernel: 0 the plan's choice (dh_in_registers), 1 the
+  // accumulator in registers, -1 the partials in device memory per group of blocks.
+  int dh_registers = 0;
 };
 
 enum class Role {
@@ -138,8 +141,19 @@ const std::vector<std::string>& kernel_names();
 double launch_gemm_flops(const Launch& l);
 constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
+// Whether the dh pass runs the kernel with its accumulator in registers
+// (metal/dh_regs.h): chosen where H fits one chunk of FCCE_REG_COLS columns,
+// where it does strictly less work than the grouped kernel (the same logits
+// and W reads, the partial written once per launch). With more chunks it
+// would recompute the logits per chunk (at e4b, H 2560: 10 times), which
+// costs more than the grouped kernel's partial traffic (docs/metal.md).
+bool dh_in_registers(const Problem& p);
+// Chunks of H (grid.z) of that kernel.
+int64_t dh_register_chunks(int64_t H);
+
 // Threadgroup memory each kernel family declares, in bytes (under 32 KB).
 size_t head_threadgroup_bytes();
+size_t dh_regs_threadgroup_bytes();
 size_t dw_threadgroup_bytes();
 
 } // namespace flash_cce::metal

@@ -108,6 +108,35 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   ASSERT_TRUE(near(written, mt * splits * groups * part));
 }
 
+// dh with the accumulator in registers, forced at e4b: the logits once per
+// chunk of H (10 chunks: 11 GEMMs), W's tiles per chunk plus once for the
+// accumulation, and the float32 partial written once per launch (read once
+// by each resuming launch), not once per group of blocks.
+TEST(MetalCost, DhRegistersAtE4b) {
+  const int64_t M = 512, mt = 16, blocks = 8192, chunks = 10;
+  const double h_tile = 32.0 * 2560 * 2, w_tile = 32 * (2560 * 0.5 + 40 * 2 * 2.0);
+  const double part = 32.0 * 2560 * 4;
+  Problem b = e4b(Pass::backward, M);
+  b.dh_registers = 1;
+  const Plan bp = make_plan(b);
+  const auto bc = plan_cost(b, bp);
+  double read = 0, written = 0, flops = 0, parts = 0, resumed = 0;
+  for (size_t i = 0; i < bc.size(); ++i) {
+    if (bc[i].flops == 0) continue;
+    const Launch& l = bp.launches[i];
+    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4");
+    ASSERT_EQ(int64_t(l.grid[2]), chunks);
+    read += bc[i].bytes_read, written += bc[i].bytes_written, flops += bc[i].flops;
+    parts += double(l.grid[0]) * l.grid[1];
+    resumed += l.params.block_begin > 0 ? double(l.grid[0]) * l.grid[1] : 0.0;
+  }
+  ASSERT_TRUE(near(flops, 2.0 * (chunks + 1) * 512 * 262144 * 2560));
+  ASSERT_TRUE(near(written, parts * part));
+  const double expect = mt * blocks * (chunks * (h_tile + w_tile) + w_tile) + resumed * part;
+  ASSERT_GE(read, expect);
+  ASSERT_LT(read - expect, 1e-3 * expect);
+}
+
 TEST(MetalCost, RooflineAndLaunchFields) {
   const AppleGpu& m1 = *find_apple_gpu("Apple M1");
   ASSERT_EQ(find_apple_gpu("Apple M9"), nullptr);

@@ -66,7 +66,8 @@ void check_plan(const Problem& p, const Plan& plan) {
 
 bool is_head(const Launch& l) {
   const std::string k = l.kernel;
-  return k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  return k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
+      k.rfind("fcce_dhreg_", 0) == 0;
 }
 
 bool is_dw(const Launch& l) {
@@ -95,13 +96,17 @@ size_t check_splits(const Problem& p, const Plan& plan) {
   // next[m tile][split]: the block (within the split) its next round starts at.
   std::vector<std::vector<int64_t>> next(m_tiles, std::vector<int64_t>(q0.splits, 0));
   const int64_t hk = (p.H + FCCE_BK - 1) / FCCE_BK * FCCE_BK;
-  const bool flops_bounded = 2.0 * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
+  // The dh kernel with the accumulator in registers computes the logits once per chunk of H.
+  const bool regs = std::string(head[0]->kernel).rfind("fcce_dhreg_", 0) == 0;
+  const int64_t chunks = regs ? dh_register_chunks(p.H) : 1;
+  const double gemms = regs ? double(chunks + 1) : 2.0;
+  const bool flops_bounded = gemms * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
   for (const Launch* l : head) {
     const FcceParams& q = l->params;
     EXPECT_EQ(std::string(l->kernel), std::string(head[0]->kernel));
     EXPECT_EQ(q.splits, q0.splits);
     EXPECT_EQ(q.blocks_per_split, q0.blocks_per_split);
-    EXPECT_EQ(l->grid[2], 1u);
+    EXPECT_EQ(int64_t(l->grid[2]), chunks);
     EXPECT_EQ(l->threads[0], unsigned(FCCE_THREADS));
     EXPECT_GE(q.block_count, 1);
     // The watchdog bound: vocabulary rows per threadgroup in one launch.
@@ -181,7 +186,7 @@ Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
 TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
-  ASSERT_EQ(n.size(), 109u);
+  ASSERT_EQ(n.size(), 136u); // 109 + 27 register dh kernels (9 dense, 18 quantized)
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -238,7 +243,9 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         check_plan(p, plan);
         const Launch& l = plan.launches[0];
         const std::string hn = h == DType::f32 ? "f32" : h == DType::f16 ? "f16" : "bf16";
-        ASSERT_EQ(std::string(l.kernel), "fcce_dh_h" + hn + "_q" + std::to_string(b));
+        // H = 256 is one chunk: dh with the accumulator in registers.
+        ASSERT_TRUE(dh_in_registers(p));
+        ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_h" + hn + "_q" + std::to_string(b));
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
         ASSERT_EQ(l.params.groups, 256 / gs);
         ASSERT_EQ(l.params.sb_dtype, 2);
@@ -284,14 +291,16 @@ TEST(MetalPlan, LaunchesAreBounded) {
       {40000, 64, 100}, {20000, 32, 4000}};
   for (const auto& s : shapes)
     for (bool quantized : {false, true})
-      for (int pass = 0; pass < 3; ++pass) {
+      for (int pass = 0; pass < 4; ++pass) {
         Problem p = problem(Pass::forward, s[0], s[1], s[2]);
+        // pass 3: the backward with dh's accumulator in registers at every H.
+        if (pass == 3) p.dh_registers = 1;
         p.quantized = quantized;
         p.group_size = 32;
         p.w = DType::bf16;
         p.h = DType::bf16;
         if (pass == 1) p.fused = true;
-        if (pass == 2) {
+        if (pass >= 2) {
           p.pass = Pass::backward;
           p.compute_dw = !quantized;
         }
@@ -324,6 +333,24 @@ TEST(MetalPlan, ForcedRounds) {
       const size_t rounds = (6 + rb - 1) / rb; // 11 blocks in 2 splits of 6
       ASSERT_EQ(n, rounds * (mc ? (3 + mc - 1) / mc : 1));
     }
+}
+
+// The plan's choice of dh kernel: registers where H fits one chunk, the
+// grouped partials beyond, either when forced.
+TEST(MetalPlan, DhKernelChoice) {
+  for (int64_t H : {8, 200, 256, 257, 320, 2560}) {
+    for (int forced : {0, 1, -1}) {
+      Problem p = problem(Pass::backward, 40, H, 333);
+      p.dh_registers = forced;
+      const Plan plan = make_plan(p);
+      check_plan(p, plan);
+      check_splits(p, plan);
+      const bool regs = forced ? forced > 0 : H <= FCCE_REG_COLS;
+      ASSERT_EQ(dh_in_registers(p), regs) << H << " " << forced;
+      ASSERT_EQ(std::string(plan.launches[0].kernel), regs ? "fcce_dhreg_hf32_wf32" : "fcce_dh_hf32_wf32");
+      ASSERT_EQ(int64_t(plan.launches[0].grid[2]), regs ? (H + FCCE_REG_COLS - 1) / FCCE_REG_COLS : 1);
+    }
+  }
 }
 
 TEST(MetalPlan, FusedDh) {
@@ -363,6 +390,9 @@ TEST(MetalPlan, RefusesWhatTheKernelsDoNotCover) {
   q.quantized = true;
   q.compute_dw = true;
   EXPECT_TRUE(refuses(q, "compute_dw"));
+  q = problem(Pass::backward, 4, 64, 10);
+  q.dh_registers = 2;
+  EXPECT_TRUE(refuses(q, "dh_registers"));
   EXPECT_TRUE(refuses(problem(Pass::forward, 0, 64, 10), "positive"));
   EXPECT_TRUE(refuses(problem(Pass::forward, 1 << 20, 1 << 12, 10), "2^31"));
   Problem s = problem(Pass::backward, 4, 64, 10);

@@ -1,7 +1,7 @@
 // Prints csrc/metal/plan.h's launch plan as JSON, so that the Python emulation
 // tests run exactly the launches the Metal host encodes.
 //   plan_dump pass M H V h w sb out quantized bits group_size softcap ignore_index fused compute_dw
-//             max_splits dw_slab_rows round_blocks round_m_tiles
+//             max_splits dw_slab_rows round_blocks round_m_tiles dh_registers
 //   plan_dump --names
 // pass: forward | backward | fused_dh; dtypes: f32 | f16 | bf16.
 #include <cstdio>
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
       for (const auto& n : kernel_names()) std::printf("%s\n", n.c_str());
       return 0;
     }
-    if (argc != 20) {
+    if (argc != 21) {
       std::fprintf(stderr, "usage: see the header of plan_dump.cpp\n");
       return 2;
     }
@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
     p.dw_slab_rows = std::atoi(argv[17]);
     p.round_blocks = std::atoi(argv[18]);
     p.round_m_tiles = std::atoi(argv[19]);
+    p.dh_registers = std::atoi(argv[20]);
     print_plan(make_plan(p));
     return 0;
   } catch (const std::exception& e) {

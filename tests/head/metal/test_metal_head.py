@@ -161,13 +161,36 @@ def plans_for(p: Head, softcap, compute_dw=False, **kw):
     c = softcap or 0.0
     out = [he.plan("forward", p.M, p.H, p.V, softcap=c, fused=f, **p.kw(**kw))
            for f in (False, True)]
-    out.append(he.plan("backward", p.M, p.H, p.V, softcap=c, compute_dw=compute_dw,
-                       **p.kw(**kw)))
+    for regs in (1, -1):  # both dh kernels, whichever the plan picks at p's H
+        out.append(he.plan("backward", p.M, p.H, p.V, softcap=c, compute_dw=compute_dw,
+                           **p.kw(**kw, dh_registers=regs)))
     out.append(he.plan("fused_dh", p.M, p.H, p.V, softcap=c, out=p.dtype, **p.kw()))
     return out
 
 
 # --- Checks -----------------------------------------------------------------
+
+def check_backward(prog, p: Head, softcap, ref_lse, compute_dw=False, seed=0, **plan_kw):
+    """The backward (dh, dW) from the float32-rounded reference lse."""
+    cap = softcap or None
+    ds = p.ds()
+    lse32 = ref_lse.astype(np.float32)
+    e_lse = U32 * (1 + np.abs(ref_lse).max())
+    g, g_lse = p.g.astype(np.float64), p.g_lse.astype(np.float64)
+    dS, _, _ = ref_ds(p, cap, g, g_lse, lse32.astype(np.float64))
+    ref_dh = dS @ p.W64
+    bw = run_backward(prog, p, softcap, lse32, compute_dw, seed=seed, **plan_kw)
+    dh = he.to_f64(bw["dh"], p.dtype)
+    tol_dh = UNIT[p.dtype] * np.abs(ref_dh) + \
+        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64))
+    np.testing.assert_array_less(np.abs(dh - ref_dh), tol_dh + 1e-30)
+    if compute_dw:
+        ref_dw = dS.T @ p.H64
+        dw = he.to_f64(bw["dw"], p.w_dtype)
+        tol_dw = UNIT[p.w_dtype] * np.abs(ref_dw) + \
+            ((p.M + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS).T @ np.abs(p.H64))
+        np.testing.assert_array_less(np.abs(dw - ref_dw), tol_dw + 1e-30)
+
 
 def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     """Forward (plain and fused), backward (dh, dW) and the fused dh against
@@ -192,23 +215,8 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     tol_gsum = ((p.V + 4) * U32 + 4 * ds + tol_lse) * (np.abs(P_dcap) @ np.abs(p.W64))
     np.testing.assert_array_less(np.abs(fused["gsum"] - ref_gsum), tol_gsum + 1e-30)
 
-    # Backward from the float32-rounded reference lse.
-    lse32 = ref_lse.astype(np.float32)
-    e_lse = U32 * (1 + np.abs(ref_lse).max())
+    check_backward(prog, p, softcap, ref_lse, compute_dw, seed + 2, **plan_kw)
     g, g_lse = p.g.astype(np.float64), p.g_lse.astype(np.float64)
-    dS, _, _ = ref_ds(p, cap, g, g_lse, lse32.astype(np.float64))
-    ref_dh = dS @ p.W64
-    bw = run_backward(prog, p, softcap, lse32, compute_dw, seed=seed + 2, **plan_kw)
-    dh = he.to_f64(bw["dh"], p.dtype)
-    tol_dh = UNIT[p.dtype] * np.abs(ref_dh) + \
-        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64))
-    np.testing.assert_array_less(np.abs(dh - ref_dh), tol_dh + 1e-30)
-    if compute_dw:
-        ref_dw = dS.T @ p.H64
-        dw = he.to_f64(bw["dw"], p.w_dtype)
-        tol_dw = UNIT[p.w_dtype] * np.abs(ref_dw) + \
-            ((p.M + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS).T @ np.abs(p.H64))
-        np.testing.assert_array_less(np.abs(dw - ref_dw), tol_dw + 1e-30)
 
     # The fused backward from the kernels' own forward outputs.
     fd = run_fused_dh(prog, p, softcap, fused["gsum"], fused["logp"], fused["lse"], seed + 3)
@@ -358,6 +366,46 @@ def test_quantized_rounds(quant):
 def test_quantized_half_scales(quant, sb_dtype):
     p = Head(5, 64, 77, "f32", quant=(4, 32), sb_dtype=sb_dtype, seed=11)
     check_all(quant, p, None)
+
+
+# --- dh with its accumulator in registers ------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_dh_registers_dense(dense, dtype, softcap):
+    # H = 300: two chunks of H (grid.z), the second of 44 columns (its last
+    # BK piece partial, the rest of its pieces past H); 11 blocks in 2 splits
+    # in rounds of 2 (each launch resumes the register accumulator from the
+    # partial its predecessor wrote), one m tile per launch (the second partial).
+    p = Head(37, 300, 333, dtype, ignore=(0, 5), seed=31 + len(dtype))
+    ref_lse = reference(p, softcap)[1]
+    check_backward(dense, p, softcap, ref_lse, seed=1, max_splits=2, round_blocks=2,
+                   round_m_tiles=1, dh_registers=1)
+
+
+def test_dh_registers_custom_ignore_index(dense):
+    # The plan's own choice at H <= 256 (one chunk), a custom ignore_index that
+    # is a real token id, one split walked in one launch.
+    p = Head(20, 200, 150, "bf16", ignore=(1, 4), ignore_index=7, seed=32)
+    assert he.plan_kernels(he.plan("backward", p.M, p.H, p.V, **p.kw())) == \
+        {"fcce_dhreg_hbf16_wbf16", "fcce_reduce_dh_bf16"}
+    check_backward(dense, p, 2.0, reference(p, 2.0)[1], seed=2, max_splits=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_dh_registers_quantized(dh_regs_quant, dtype):
+    # 4-bit, group 64, H = 320: two chunks (the second of two pieces), a
+    # softcap, ignored rows, rounds of three blocks.
+    p = Head(33, 320, 200, dtype, quant=(4, 64), sb_dtype="bf16", ignore=(2,), seed=33)
+    ref_lse = reference(p, 30.0)[1]
+    check_backward(dh_regs_quant, p, 30.0, ref_lse, seed=3, max_splits=2, round_blocks=3,
+                   dh_registers=1)
+
+
+@pytest.fixture(scope="module")
+def dh_regs_quant():
+    return program({f"fcce_dhreg_h{dt}_q4" for dt in ("f32", "bf16")} |
+                   {"fcce_reduce_dh_f32", "fcce_reduce_dh_bf16"})
 
 
 def test_every_plan_kernel_is_in_the_source():

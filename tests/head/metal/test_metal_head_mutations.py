@@ -11,7 +11,7 @@ import pytest
 
 import head_emu as he
 import metal_emu
-from test_metal_head import U32, Head, check_all, plans_for, reference
+from test_metal_head import U32, Head, check_all, check_backward, plans_for, reference
 
 pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
 
@@ -160,7 +160,7 @@ GROUP_BARRIERS = {
 def group_source():
     p = Head(2, 8, 40)
     return he.kernel_source(he.plan_kernels(
-        forward_plan(p, True), he.plan("backward", 2, 8, 40, **p.kw())))
+        forward_plan(p, True), he.plan("backward", 2, 8, 40, **p.kw(dh_registers=-1))))
 
 
 def run_fused_passes(prog):
@@ -171,7 +171,7 @@ def run_fused_passes(prog):
     a.update(logp=np.zeros(p.M, np.float32), lse=np.zeros(p.M, np.float32),
              gsum=np.zeros((p.M, p.H), np.float32))
     he.run_plan(prog, fwd, a)
-    bwd = he.plan("backward", p.M, p.H, p.V, **p.kw(max_splits=1))
+    bwd = he.plan("backward", p.M, p.H, p.V, **p.kw(max_splits=1, dh_registers=-1))
     b = p.operands()
     b.update(lse=a["lse"], g=p.g, g_lse=p.g_lse, dh=np.zeros((p.M, p.H), np.float32))
     he.run_plan(prog, bwd, b)
@@ -186,3 +186,64 @@ def test_group_barrier_removed_is_caught_under_tsan(barrier):
     src = metal_emu.mutate(group_source(), *GROUP_BARRIERS[barrier])
     with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
         run_fused_passes(he.build(source=src, mode="tsan"))
+
+
+# dh with the accumulator in registers (metal/dh_regs.h): the barriers around
+# staging a W piece (before it, the coefficients must be complete and the
+# previous piece multiplied; after it, loaded), and each piece's fragments in
+# their own accumulator and columns.
+REG_BARRIERS = {
+    "before_piece_load": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "        w.load(p, v0, i0, sm.ws, tid);",
+                          "        w.load(p, v0, i0, sm.ws, tid);"),
+    "before_piece_mma": ("        w.load(p, v0, i0, sm.ws, tid);\n"
+                         "        threadgroup_barrier(mem_flags::mem_threadgroup);",
+                         "        w.load(p, v0, i0, sm.ws, tid);"),
+}
+# Two chunks of H (the second partial), three blocks in rounds of two (a
+# launch that resumes the accumulator), two m tiles.
+REG_PROBLEM = dict(M=37, H=264, V=70)
+REG_PLAN = dict(max_splits=1, round_blocks=2, dh_registers=1)
+
+
+def regs_source():
+    return he.kernel_source({"fcce_dhreg_hf32_wf32", "fcce_reduce_dh_f32"})
+
+
+def check_regs(prog, seed=0):
+    p = Head(**REG_PROBLEM, ignore=(3,), seed=12)
+    check_backward(prog, p, 3.0, reference(p, 3.0)[1], seed=seed, **REG_PLAN)
+
+
+def test_dh_registers_clean_under_tsan():
+    check_regs(he.build(source=regs_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("barrier", sorted(REG_BARRIERS))
+def test_dh_registers_barrier_removed_is_caught_under_tsan(barrier):
+    src = metal_emu.mutate(regs_source(), *REG_BARRIERS[barrier])
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        check_regs(he.build(source=src, mode="tsan"))
+
+
+REG_EDITS = {
+    # a piece's accumulator stored to another piece's columns
+    "stored_to_other_columns": ("      mma.Ctile = acc[j];\n      mma.store_result_safe",
+                                "      mma.Ctile = acc[j ^ 1];\n      mma.store_result_safe"),
+    # a block's W piece multiplied into the next piece's accumulator
+    "wrong_accumulator": ("        acc[j] = mma.Ctile;",
+                          "        acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
+    # a resumed round starting from zero, not from its predecessor's partial
+    "resume_dropped": ("    if (p.block_begin > 0 && dims.x > 0) {", "    if (false) {"),
+}
+
+
+def test_dh_registers_unmodified_passes():
+    check_regs(he.build(source=regs_source()))
+
+
+@pytest.mark.parametrize("edit", sorted(REG_EDITS))
+def test_dh_registers_wrong_fragment_is_caught(edit):
+    prog = he.build(source=metal_emu.mutate(regs_source(), *REG_EDITS[edit]))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_regs(prog)
