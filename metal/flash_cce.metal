@@ -147,8 +147,7 @@ template <typename HT, int bits>
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
 }
 
-// Backward for h with the accumulator in registers: the splits' partial dh,
-// one chunk of H per grid.z.
+// Backward for h with the accumulator in registers: the splits' partial dh.
 template <typename HT, typename WT>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs(
     const device HT* h [[buffer(0)]],
@@ -158,14 +157,17 @@ template <typename HT, typename WT>
     const device float* g [[buffer(6)]],
     const device float* g_lse [[buffer(7)]],
     device float* part_acc [[buffer(11)]],
+    device float* ds_stage [[buffer(16)]],
     constant FcceParams& p [[buffer(20)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float smem[FCCE_REG_SMEM_FLOATS];
   const fcce::DenseWeight<WT> wt{w};
-  fcce::dh_regs_tiles(h, wt, targets, lse, g, g_lse, part_acc, p, smem, group, tid, sgid, lane);
+  fcce::dh_regs_tiles(h, wt, targets, lse, g, g_lse, part_acc, ds_stage, p, smem, group,
+                      groups, tid, sgid, lane);
 }
 
 template <typename HT, int bits>
@@ -179,14 +181,17 @@ template <typename HT, int bits>
     const device float* g [[buffer(6)]],
     const device float* g_lse [[buffer(7)]],
     device float* part_acc [[buffer(11)]],
+    device float* ds_stage [[buffer(16)]],
     constant FcceParams& p [[buffer(20)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float smem[FCCE_REG_SMEM_FLOATS];
   const fcce::QuantWeight<bits> wt{w, scales, biases};
-  fcce::dh_regs_tiles(h, wt, targets, lse, g, g_lse, part_acc, p, smem, group, tid, sgid, lane);
+  fcce::dh_regs_tiles(h, wt, targets, lse, g, g_lse, part_acc, ds_stage, p, smem, group,
+                      groups, tid, sgid, lane);
 }
 
 // Backward for a dense w: float32 dW rows of the launch's slab.

@@ -70,30 +70,30 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
 }
 
 // dh with the accumulator in registers (metal/dh_regs.h): per (threadgroup,
-// block) the logits load h's [BM, H] rows and W's [BN, H] rows, and the
-// accumulation W's rows over the threadgroup's chunk of H; the float32
-// [BM, chunk] partial is written once per launch and read once when the
-// launch resumes its splits (block_begin > 0).
+// block) the logits load h's [BM, H] rows and W's [BN, H] rows once, the
+// accumulation W's rows once more (over all chunks of H), and with more than
+// one chunk the 4 KB dS tile is written once and read by each later chunk;
+// the float32 [BM, H] partial is written once per launch and read once when
+// the launch resumes its splits (block_begin > 0).
 void dh_regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const FcceParams& q = l.params;
   const int64_t total_blocks = cdiv(p.V, FCCE_BN);
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
-  const double chunks = l.grid[2];
-  int64_t tile_blocks = 0, tile_splits = 0;
+  const double chunks = double(dh_register_chunks(p.H));
+  int64_t tile_blocks = 0;
   for (int64_t s = q.split_begin; s < q.split_begin + int64_t(l.grid[1]); ++s) {
     const int64_t in_split = std::min<int64_t>(q.blocks_per_split, total_blocks - s * q.blocks_per_split);
     tile_blocks += std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
-    ++tile_splits;
   }
-  const double m_tiles = l.grid[0];
-  const double blocks = m_tiles * double(tile_blocks); // per chunk
+  const double blocks = double(l.grid[0]) * double(tile_blocks);
   const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
-  const double part = m_tiles * double(tile_splits) * FCCE_BM * p.H * 4; // all chunks
-  c.flops = blocks * 2.0 * FCCE_BM * FCCE_BN * double(hk) * (chunks + 1);
-  c.bytes_read = blocks * (chunks * (h_tile + w_tile) + w_tile) +
+  const double ds_tile = chunks > 1 ? double(FCCE_BM) * FCCE_BN * 4 : 0.0;
+  const double part = double(c.threadgroups) * FCCE_BM * p.H * 4;
+  c.flops = blocks * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  c.bytes_read = blocks * (h_tile + 2 * w_tile + (chunks - 1) * ds_tile) +
       (q.block_begin > 0 ? part : 0.0) + double(c.threadgroups) * FCCE_BM * 4 * 4;
-  c.bytes_written = part;
+  c.bytes_written = blocks * ds_tile + part;
 }
 
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and

@@ -208,12 +208,12 @@ const char* head_kernel(const Problem& p, int mode, bool regs) {
                      : kHeadDense[mode][h][dtype_index(p.w)];
 }
 
-Launch head_launch(const Problem& p, const FcceParams& q, int mode, int64_t chunks) {
+Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
   Launch l{};
-  l.kernel = head_kernel(p, mode, chunks > 0);
+  l.kernel = head_kernel(p, mode, regs);
   l.grid[0] = u32(q.m_tiles, "m_tiles");
   l.grid[1] = u32(q.splits, "splits");
-  l.grid[2] = u32(std::max<int64_t>(chunks, 1), "chunks");
+  l.grid[2] = 1;
   l.threads[0] = FCCE_THREADS;
   l.threads[1] = l.threads[2] = 1;
   l.threadgroup_bytes = 0; // declared in the kernel
@@ -227,6 +227,9 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode, int64_t chun
   if (mode != FCCE_MODE_FWD) {
     l.buffers.push_back({11, Role::part_acc});
   }
+  if (regs) {
+    l.buffers.push_back({16, Role::ds_stage});
+  }
   l.params_index = kParamsIndex;
   l.params = q;
   l.params.mode = mode;
@@ -234,10 +237,9 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode, int64_t chun
 }
 
 // GEMMs per vocabulary block of a head kernel: the logits, plus the
-// coefficients times W where a partial sum is kept; the dh kernel with the
-// accumulator in registers computes the logits once per chunk of H.
-int64_t head_gemms(int mode, int64_t chunks) {
-  return mode == FCCE_MODE_FWD ? 1 : 1 + std::max<int64_t>(chunks, 1);
+// coefficients times W where a partial sum is kept.
+int head_gemms(int mode) {
+  return mode == FCCE_MODE_FWD ? 1 : 2;
 }
 
 // Appends the head kernel's launches: rounds of at most `blocks` vocabulary
@@ -247,11 +249,15 @@ int64_t head_gemms(int mode, int64_t chunks) {
 // latter wherever one block of one m tile is within it: H <= 2^24). Rounds
 // run in order, so each split's blocks are visited in order, as the online
 // statistics need.
-// `chunks` > 0: the dh kernel with the accumulator in registers, grid.z over
-// that many chunks of H.
-void head_rounds(const Problem& p, const FcceParams& q, int mode, int64_t chunks, Plan& plan) {
+// `regs`: the dh kernel with the accumulator in registers; where it stages dS
+// (more than one chunk of H), a launch also holds at most kMaxStagedUnits
+// (m tile, split, block) units. Returns the most units of one launch.
+int64_t head_rounds(const Problem& p, const FcceParams& q, int mode, bool regs, Plan& plan) {
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
-  const double tile = 2.0 * head_gemms(mode, chunks) * FCCE_BM * FCCE_BN * double(hk);
+  double tile = 2.0 * head_gemms(mode) * FCCE_BM * FCCE_BN * double(hk);
+  if (regs && dh_register_chunks(p.H) > 1) {
+    tile = std::max(tile, kLaunchFlops / double(kMaxStagedUnits));
+  }
   const int64_t splits = q.splits, m_tiles = q.m_tiles;
   auto fit = [&](double per_unit, int64_t most) {
     return std::clamp<int64_t>(int64_t(kLaunchFlops / per_unit), 1, most);
@@ -270,6 +276,7 @@ void head_rounds(const Problem& p, const FcceParams& q, int mode, int64_t chunks
   }
   blocks = fit(tile * splits * m_chunk, blocks);
   const int64_t s_chunk = fit(tile * m_chunk * blocks, splits);
+  int64_t units = 0;
   for (int64_t b0 = 0; b0 < q.blocks_per_split; b0 += blocks) {
     for (int64_t mt = 0; mt < m_tiles; mt += m_chunk) {
       for (int64_t s0 = 0; s0 < splits; s0 += s_chunk) {
@@ -278,13 +285,15 @@ void head_rounds(const Problem& p, const FcceParams& q, int mode, int64_t chunks
         r.block_count = static_cast<int>(std::min<int64_t>(blocks, q.blocks_per_split - b0));
         r.m_tile_begin = static_cast<int>(mt);
         r.split_begin = static_cast<int>(s0);
-        Launch l = head_launch(p, r, mode, chunks);
+        Launch l = head_launch(p, r, mode, regs);
         l.grid[0] = u32(std::min<int64_t>(m_chunk, m_tiles - mt), "m_tiles");
         l.grid[1] = u32(std::min<int64_t>(s_chunk, splits - s0), "splits");
         plan.launches.push_back(l);
+        units = std::max(units, int64_t(l.grid[0]) * l.grid[1] * r.block_count);
       }
     }
   }
+  return units;
 }
 
 Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
@@ -312,7 +321,7 @@ void plan_forward(const Problem& p, Plan& plan) {
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
   }
-  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, 0, plan);
+  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, false, plan);
   plan.launches.push_back(elementwise(
       kCombine, p.M, q,
       {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
@@ -384,7 +393,14 @@ void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
-  head_rounds(p, q, FCCE_MODE_DH, dh_in_registers(p) ? dh_register_chunks(p.H) : 0, plan);
+  const bool regs = dh_in_registers(p);
+  const int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
+  if (regs) {
+    // One chunk stages nothing; the kernel's buffer is still bound.
+    const size_t tile = size_t(FCCE_BM) * FCCE_BN * 4;
+    plan.scratch.push_back(
+        {Role::ds_stage, dh_register_chunks(p.H) > 1 ? size_t(units) * tile : 16});
+  }
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
@@ -416,17 +432,14 @@ int64_t dh_register_chunks(int64_t H) {
 }
 
 bool dh_in_registers(const Problem& p) {
-  if (p.dh_registers != 0) {
-    return p.dh_registers > 0;
-  }
-  return dh_register_chunks(p.H) == 1;
+  return p.dh_registers >= 0;
 }
 
 const char* role_name(Role r) {
   static const char* const names[] = {
       "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
       "gsum", "g",  "g_lse",  "dh",       "dw",       "part_max",     "part_sum",
-      "target_logit", "part_acc", "dw_acc"};
+      "target_logit", "part_acc", "dw_acc", "ds_stage"};
   return names[static_cast<int>(r)];
 }
 
@@ -449,12 +462,12 @@ double launch_gemm_flops(const Launch& l) {
   if (k.rfind("fcce_dw_", 0) == 0) {
     return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
   }
-  const bool regs = k.rfind("fcce_dhreg_", 0) == 0;
-  const bool head = regs || k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
+      k.rfind("fcce_dhreg_", 0) == 0;
   if (!head) {
     return 0.0;
   }
-  return 2.0 * double(head_gemms(q.mode, regs ? l.grid[2] : 0)) * double(l.grid[0]) * FCCE_BM * double(l.grid[1]) *
+  return 2.0 * head_gemms(q.mode) * double(l.grid[0]) * FCCE_BM * double(l.grid[1]) *
       double(q.block_count) * FCCE_BN * hk;
 }
 

@@ -97,6 +97,7 @@ enum class Role {
   target_logit, // [M] the target's (softcapped) logit
   part_acc, // [splits, M, H] per-split partial dh / gsum
   dw_acc, // [dw_slab_rows, H] float32 dW rows of one slab (half-precision w)
+  ds_stage, // [threadgroups of a launch, block_count, BM, BN] dS tiles of the register dh
 };
 
 const char* role_name(Role r);
@@ -142,14 +143,16 @@ double launch_gemm_flops(const Launch& l);
 constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
 // Whether the dh pass runs the kernel with its accumulator in registers
-// (metal/dh_regs.h): chosen where H fits one chunk of FCCE_REG_COLS columns,
-// where it does strictly less work than the grouped kernel (the same logits
-// and W reads, the partial written once per launch). With more chunks it
-// would recompute the logits per chunk (at e4b, H 2560: 10 times), which
-// costs more than the grouped kernel's partial traffic (docs/metal.md).
+// (metal/dh_regs.h), the plan's choice unless Problem::dh_registers is -1:
+// the same GEMMs and tile loads as the grouped kernel, its partial written
+// once per launch instead of read and written per group of blocks, and with
+// more than one chunk of H a 4 KB dS tile per block staged in device memory.
 bool dh_in_registers(const Problem& p);
-// Chunks of H (grid.z) of that kernel.
+// Chunks of FCCE_REG_COLS columns of H that kernel walks.
 int64_t dh_register_chunks(int64_t H);
+// The most (m tile, split, block) units of one launch of that kernel when it
+// stages dS (more than one chunk): its ds_stage is at most 4 KB per unit (64 MiB).
+constexpr int64_t kMaxStagedUnits = 16384;
 
 // Threadgroup memory each kernel family declares, in bytes (under 32 KB).
 size_t head_threadgroup_bytes();

@@ -96,17 +96,19 @@ size_t check_splits(const Problem& p, const Plan& plan) {
   // next[m tile][split]: the block (within the split) its next round starts at.
   std::vector<std::vector<int64_t>> next(m_tiles, std::vector<int64_t>(q0.splits, 0));
   const int64_t hk = (p.H + FCCE_BK - 1) / FCCE_BK * FCCE_BK;
-  // The dh kernel with the accumulator in registers computes the logits once per chunk of H.
-  const bool regs = std::string(head[0]->kernel).rfind("fcce_dhreg_", 0) == 0;
-  const int64_t chunks = regs ? dh_register_chunks(p.H) : 1;
-  const double gemms = regs ? double(chunks + 1) : 2.0;
-  const bool flops_bounded = gemms * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
+  const bool flops_bounded = 2.0 * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
+  // The register dh's staged dS: at most kMaxStagedUnits units per launch.
+  const bool staged = std::string(head[0]->kernel).rfind("fcce_dhreg_", 0) == 0 &&
+      dh_register_chunks(p.H) > 1;
   for (const Launch* l : head) {
     const FcceParams& q = l->params;
     EXPECT_EQ(std::string(l->kernel), std::string(head[0]->kernel));
     EXPECT_EQ(q.splits, q0.splits);
     EXPECT_EQ(q.blocks_per_split, q0.blocks_per_split);
-    EXPECT_EQ(int64_t(l->grid[2]), chunks);
+    EXPECT_EQ(l->grid[2], 1u);
+    if (staged) {
+      EXPECT_LE(int64_t(l->grid[0]) * l->grid[1] * q.block_count, kMaxStagedUnits);
+    }
     EXPECT_EQ(l->threads[0], unsigned(FCCE_THREADS));
     EXPECT_GE(q.block_count, 1);
     // The watchdog bound: vocabulary rows per threadgroup in one launch.
@@ -243,7 +245,6 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         check_plan(p, plan);
         const Launch& l = plan.launches[0];
         const std::string hn = h == DType::f32 ? "f32" : h == DType::f16 ? "f16" : "bf16";
-        // H = 256 is one chunk: dh with the accumulator in registers.
         ASSERT_TRUE(dh_in_registers(p));
         ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_h" + hn + "_q" + std::to_string(b));
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
@@ -335,8 +336,8 @@ TEST(MetalPlan, ForcedRounds) {
     }
 }
 
-// The plan's choice of dh kernel: registers where H fits one chunk, the
-// grouped partials beyond, either when forced.
+// The plan's dh kernel: registers unless forced off; its dS stage sized for
+// the largest launch where H takes more than one chunk.
 TEST(MetalPlan, DhKernelChoice) {
   for (int64_t H : {8, 200, 256, 257, 320, 2560}) {
     for (int forced : {0, 1, -1}) {
@@ -345,10 +346,15 @@ TEST(MetalPlan, DhKernelChoice) {
       const Plan plan = make_plan(p);
       check_plan(p, plan);
       check_splits(p, plan);
-      const bool regs = forced ? forced > 0 : H <= FCCE_REG_COLS;
+      const bool regs = forced >= 0;
       ASSERT_EQ(dh_in_registers(p), regs) << H << " " << forced;
       ASSERT_EQ(std::string(plan.launches[0].kernel), regs ? "fcce_dhreg_hf32_wf32" : "fcce_dh_hf32_wf32");
-      ASSERT_EQ(int64_t(plan.launches[0].grid[2]), regs ? (H + FCCE_REG_COLS - 1) / FCCE_REG_COLS : 1);
+      size_t stage = 0, units = 0;
+      for (const auto& s : plan.scratch)
+        if (s.role == Role::ds_stage) stage = s.bytes;
+      for (const auto& l : plan.launches)
+        if (is_head(l)) units = std::max<size_t>(units, size_t(l.grid[0]) * l.grid[1] * l.params.block_count);
+      ASSERT_EQ(stage, !regs ? 0 : H > FCCE_REG_COLS ? units * FCCE_BM * FCCE_BN * 4 : 16) << H;
     }
   }
 }

@@ -190,20 +190,25 @@ def test_group_barrier_removed_is_caught_under_tsan(barrier):
 
 # dh with the accumulator in registers (metal/dh_regs.h): the barriers around
 # staging a W piece (before it, the coefficients must be complete and the
-# previous piece multiplied; after it, loaded), and each piece's fragments in
-# their own accumulator and columns.
+# previous piece multiplied; after it, loaded) and before a later chunk
+# reloads its dS tile (the previous block's pieces still read it); and each
+# piece's fragments in their own accumulator and columns, each block's dS tile
+# at its own place in the stage.
 REG_BARRIERS = {
-    "before_piece_load": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                          "        w.load(p, v0, i0, sm.ws, tid);",
-                          "        w.load(p, v0, i0, sm.ws, tid);"),
-    "before_piece_mma": ("        w.load(p, v0, i0, sm.ws, tid);\n"
-                         "        threadgroup_barrier(mem_flags::mem_threadgroup);",
-                         "        w.load(p, v0, i0, sm.ws, tid);"),
+    "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "          w.load(p, v0, i0, sm.ws, tid);",
+                          "          w.load(p, v0, i0, sm.ws, tid);"),
+    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, tid);\n"
+                         "          threadgroup_barrier(mem_flags::mem_threadgroup);",
+                         "          w.load(p, v0, i0, sm.ws, tid);"),
+    "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                         "        for (int k = 0; k < 8; ++k) {\n          crow[k] = ds[k];",
+                         "        for (int k = 0; k < 8; ++k) {\n          crow[k] = ds[k];"),
 }
 # Two chunks of H (the second partial), three blocks in rounds of two (a
 # launch that resumes the accumulator), two m tiles.
 REG_PROBLEM = dict(M=37, H=264, V=70)
-REG_PLAN = dict(max_splits=1, round_blocks=2, dh_registers=1)
+REG_PLAN = dict(max_splits=1, round_blocks=2)
 
 
 def regs_source():
@@ -228,13 +233,16 @@ def test_dh_registers_barrier_removed_is_caught_under_tsan(barrier):
 
 REG_EDITS = {
     # a piece's accumulator stored to another piece's columns
-    "stored_to_other_columns": ("      mma.Ctile = acc[j];\n      mma.store_result_safe",
-                                "      mma.Ctile = acc[j ^ 1];\n      mma.store_result_safe"),
+    "stored_to_other_columns": ("        mma.Ctile = acc[j];\n        mma.store_result_safe",
+                                "        mma.Ctile = acc[j ^ 1];\n        mma.store_result_safe"),
     # a block's W piece multiplied into the next piece's accumulator
-    "wrong_accumulator": ("        acc[j] = mma.Ctile;",
-                          "        acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
+    "wrong_accumulator": ("          acc[j] = mma.Ctile;",
+                          "          acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
     # a resumed round starting from zero, not from its predecessor's partial
-    "resume_dropped": ("    if (p.block_begin > 0 && dims.x > 0) {", "    if (false) {"),
+    "resume_dropped": ("      if (p.block_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    # a later chunk reading another block's staged dS tile
+    "wrong_stage_tile": ("          crow[k] = ds[k];",
+                         "          crow[k] = (vb > vb0 ? ds - FCCE_BM * FCCE_BN : ds)[k];"),
 }
 
 
