@@ -90,7 +90,7 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   // a split's first group) and written once per group of FCCE_GROUP_BLOCKS
   // blocks of a launch.
   Problem b = e4b(Pass::backward, M);
-  b.dh_registers = -1; // the grouped kernel (the plan's dh: DhRegistersAtE4b)
+  b.acc_registers = -1; // the grouped kernel (the plan's dh: DhRegistersAtE4b)
   const Plan bp = make_plan(b);
   const auto bc = plan_cost(b, bp);
   read = written = 0;
@@ -110,14 +110,14 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
 }
 
 // The plan's dh at e4b (the accumulator in registers, 10 chunks of H): two
-// GEMMs per block, h's tile and W's twice per (m tile, block), the 4 KB dS
-// tile written once and read by 9 later chunks, and the float32 partial
+// GEMMs per block, h's tile and W's twice per (m tile, block), the staged dS
+// tile (4.1 KB) written once and read by 9 later chunks, and the float32 partial
 // written once per launch (read once by each resuming launch), not once per
 // group of blocks.
 TEST(MetalCost, DhRegistersAtE4b) {
   const int64_t M = 512, mt = 16, blocks = 8192, chunks = 10;
   const double h_tile = 32.0 * 2560 * 2, w_tile = 32 * (2560 * 0.5 + 40 * 2 * 2.0);
-  const double part = 32.0 * 2560 * 4, ds = 32.0 * 32 * 4;
+  const double part = 32.0 * 2560 * 4, ds = (32.0 * 32 + 32) * 4;
   Problem b = e4b(Pass::backward, M);
   const Plan bp = make_plan(b);
   const auto bc = plan_cost(b, bp);

@@ -1,7 +1,7 @@
 // Prints csrc/metal/plan.h's launch plan as JSON, so that the Python emulation
 // tests run exactly the launches the Metal host encodes.
 //   plan_dump pass M H V h w sb out quantized bits group_size softcap ignore_index fused compute_dw
-//             max_splits dw_slab_rows round_blocks round_m_tiles dh_registers
+//             max_splits dw_slab_rows round_blocks round_m_tiles acc_registers
 //   plan_dump --names
 // pass: forward | backward | fused_dh; dtypes: f32 | f16 | bf16.
 #include <cstdio>
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
     p.dw_slab_rows = std::atoi(argv[17]);
     p.round_blocks = std::atoi(argv[18]);
     p.round_m_tiles = std::atoi(argv[19]);
-    p.dh_registers = std::atoi(argv[20]);
+    p.acc_registers = std::atoi(argv[20]);
     print_plan(make_plan(p));
     return 0;
   } catch (const std::exception& e) {

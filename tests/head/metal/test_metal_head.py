@@ -164,11 +164,12 @@ def run_fused_dh(prog, p: Head, softcap, gsum, logp, lse, seed=0):
 def plans_for(p: Head, softcap, compute_dw=False, **kw):
     """The launch plans a full check of p runs (for building their kernels)."""
     c = softcap or 0.0
-    out = [he.plan("forward", p.M, p.H, p.V, softcap=c, fused=f, **p.kw(**kw))
-           for f in (False, True)]
-    for regs in (1, -1):  # both dh kernels, whichever the plan picks at p's H
+    # Both kernels of the fused forward and of dh, whichever the plan picks.
+    out = [he.plan("forward", p.M, p.H, p.V, softcap=c, fused=f, **p.kw(**kw, acc_registers=r))
+           for f, r in ((False, 0), (True, 1), (True, -1))]
+    for regs in (1, -1):
         out.append(he.plan("backward", p.M, p.H, p.V, softcap=c, compute_dw=compute_dw,
-                           **p.kw(**kw, dh_registers=regs)))
+                           **p.kw(**kw, acc_registers=regs)))
     out.append(he.plan("fused_dh", p.M, p.H, p.V, softcap=c, out=p.dtype, **p.kw()))
     return out
 
@@ -323,7 +324,7 @@ def test_rounds(dense, dtype):
     # grouped kernel (the partials per group of blocks).
     p = Head(70, 40, 333, dtype, ignore=(3,), scale=4.0, seed=21)
     check_all(dense, p, 3.0, compute_dw=True, max_splits=2, round_blocks=2, round_m_tiles=1,
-              dw_slab_rows=64, dh_registers=-1)
+              dw_slab_rows=64, acc_registers=-1)
 
 
 def test_dw_groups_of_m_tiles(dense):
@@ -366,7 +367,7 @@ def test_quantized_rounds(quant):
     # One block per round: a quantized split resumed at every block (dh on the
     # grouped kernel).
     p = Head(40, 64, 200, "f32", quant=(4, 32), seed=22)
-    check_all(quant, p, 30.0, max_splits=2, round_blocks=1, round_m_tiles=1, dh_registers=-1)
+    check_all(quant, p, 30.0, max_splits=2, round_blocks=1, round_m_tiles=1, acc_registers=-1)
 
 
 @pytest.mark.parametrize("sb_dtype", ["f16", "bf16"])
@@ -379,7 +380,7 @@ def test_quantized_half_scales(quant, sb_dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_dh_registers_dense(dense, dtype, softcap):
+def test_acc_registers_dense(dense, dtype, softcap):
     # H = 300: two chunks of H (the second walks the staged dS tiles), the
     # second of 44 columns (its last BK piece partial, the rest of its pieces
     # past H); 11 blocks in 2 splits in rounds of 2 (each launch resumes the
@@ -388,10 +389,20 @@ def test_dh_registers_dense(dense, dtype, softcap):
     p = Head(37, 300, 333, dtype, ignore=(0, 5), seed=31 + len(dtype))
     ref_lse = reference(p, softcap)[1]
     check_backward(dense, p, softcap, ref_lse, seed=1, max_splits=2, round_blocks=2,
-                   round_m_tiles=1, dh_registers=1)
+                   round_m_tiles=1, acc_registers=1)
 
 
-def test_dh_registers_custom_ignore_index(dense):
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_fused_forward_registers(dense, dtype):
+    # Every pass at H = 300 (two chunks): the fused forward's register gsum
+    # replays each block's staged coefficients and row-maximum factors for
+    # the second chunk, and resumes statistics and partial across rounds of
+    # two blocks; a large logit scale moves the row maximum across blocks.
+    p = Head(37, 300, 333, dtype, ignore=(4,), scale=4.0, seed=34)
+    check_all(dense, p, 3.0, max_splits=2, round_blocks=2)
+
+
+def test_acc_registers_custom_ignore_index(dense):
     # One chunk (nothing staged), a custom ignore_index that is a real token
     # id, one split walked in one launch.
     p = Head(20, 200, 150, "bf16", ignore=(1, 4), ignore_index=7, seed=32)
@@ -401,13 +412,13 @@ def test_dh_registers_custom_ignore_index(dense):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_dh_registers_quantized(dh_regs_quant, dtype):
+def test_acc_registers_quantized(dh_regs_quant, dtype):
     # 4-bit, group 64, H = 320: two chunks (the second of two pieces), a
     # softcap, ignored rows, rounds of three blocks.
     p = Head(33, 320, 200, dtype, quant=(4, 64), sb_dtype="bf16", ignore=(2,), seed=33)
     ref_lse = reference(p, 30.0)[1]
     check_backward(dh_regs_quant, p, 30.0, ref_lse, seed=3, max_splits=2, round_blocks=3,
-                   dh_registers=1)
+                   acc_registers=1)
 
 
 @pytest.fixture(scope="module")
