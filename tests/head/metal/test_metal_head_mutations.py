@@ -283,10 +283,10 @@ def fused_regs_source():
     return he.kernel_source(he.plan_kernels(*plans_for(p, 3.0)))
 
 
-def check_fused_regs(prog):
+def check_fused_regs(prog, acc_registers=1):
     # Two chunks, rounds of two blocks, a logit scale that moves the maximum.
     p = Head(9, 264, 150, scale=4.0, seed=14)
-    check_all(prog, p, 3.0, max_splits=1, round_blocks=2)
+    check_all(prog, p, 3.0, max_splits=1, round_blocks=2, acc_registers=acc_registers)
 
 
 def test_fused_forward_registers_clean_under_tsan():
@@ -298,3 +298,12 @@ def test_fused_forward_registers_mutation_is_caught(edit):
     prog = he.build(source=metal_emu.mutate(fused_regs_source(), *FUSED_EDITS[edit]))
     with pytest.raises(AssertionError, match="Mismatched elements"):
         check_fused_regs(prog)
+
+
+def test_fused_forward_grouped_rescale_dropped_is_caught():
+    # The same defect in the grouped kernel (head.h), which runs when forced.
+    edit = ("              acc.Ctile.frag_at(i, j) *= f;",
+            "              acc.Ctile.frag_at(i, j) *= 1.0f;")
+    prog = he.build(source=metal_emu.mutate(fused_regs_source(), *edit))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_fused_regs(prog, acc_registers=-1)
