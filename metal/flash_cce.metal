@@ -14,6 +14,7 @@
 #include "params.h"
 #include "loaders.h"
 #include "head.h"
+#include "regs.h"
 #include "dw.h"
 #include "rows.h"
 
@@ -144,6 +145,100 @@ template <typename HT, int bits>
   const fcce::QuantWeight<bits> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
+}
+
+// The fused forward (statistics and partial gsum) and the backward for h
+// (partial dh) with the accumulator in registers (metal/regs.h).
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_regs(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::regs_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, part_acc, stage, p, smem, group, groups, tid, sgid, lane);
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_regs_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::regs_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, part_acc, stage, p, smem, group, groups, tid, sgid, lane);
+}
+
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::regs_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr, nullptr,
+      part_acc, stage, p, smem, group, groups, tid, sgid, lane);
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::regs_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr, nullptr,
+      part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
 
 // Backward for a dense w: float32 dW rows of the launch's slab.
@@ -330,6 +425,64 @@ template [[host_name("fcce_dh_hbf16_q4")]] [[kernel]] decltype(head_dh_q<bfloat1
 template [[host_name("fcce_dh_hbf16_q5")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5>) head_dh_q<bfloat16_t, 5>;
 template [[host_name("fcce_dh_hbf16_q6")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6>) head_dh_q<bfloat16_t, 6>;
 template [[host_name("fcce_dh_hbf16_q8")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8>) head_dh_q<bfloat16_t, 8>;
+// fused forward with the accumulator in registers: dense heads
+template [[host_name("fcce_fwdreg_hf32_wf32")]] [[kernel]] decltype(head_fwd_fused_regs<float, float>) head_fwd_fused_regs<float, float>;
+template [[host_name("fcce_fwdreg_hf32_wf16")]] [[kernel]] decltype(head_fwd_fused_regs<float, half>) head_fwd_fused_regs<float, half>;
+template [[host_name("fcce_fwdreg_hf32_wbf16")]] [[kernel]] decltype(head_fwd_fused_regs<float, bfloat16_t>) head_fwd_fused_regs<float, bfloat16_t>;
+template [[host_name("fcce_fwdreg_hf16_wf32")]] [[kernel]] decltype(head_fwd_fused_regs<half, float>) head_fwd_fused_regs<half, float>;
+template [[host_name("fcce_fwdreg_hf16_wf16")]] [[kernel]] decltype(head_fwd_fused_regs<half, half>) head_fwd_fused_regs<half, half>;
+template [[host_name("fcce_fwdreg_hf16_wbf16")]] [[kernel]] decltype(head_fwd_fused_regs<half, bfloat16_t>) head_fwd_fused_regs<half, bfloat16_t>;
+template [[host_name("fcce_fwdreg_hbf16_wf32")]] [[kernel]] decltype(head_fwd_fused_regs<bfloat16_t, float>) head_fwd_fused_regs<bfloat16_t, float>;
+template [[host_name("fcce_fwdreg_hbf16_wf16")]] [[kernel]] decltype(head_fwd_fused_regs<bfloat16_t, half>) head_fwd_fused_regs<bfloat16_t, half>;
+template [[host_name("fcce_fwdreg_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_fused_regs<bfloat16_t, bfloat16_t>) head_fwd_fused_regs<bfloat16_t, bfloat16_t>;
+// fused forward with the accumulator in registers: quantized heads
+template [[host_name("fcce_fwdreg_hf32_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 2>) head_fwd_fused_regs_q<float, 2>;
+template [[host_name("fcce_fwdreg_hf32_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 3>) head_fwd_fused_regs_q<float, 3>;
+template [[host_name("fcce_fwdreg_hf32_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 4>) head_fwd_fused_regs_q<float, 4>;
+template [[host_name("fcce_fwdreg_hf32_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 5>) head_fwd_fused_regs_q<float, 5>;
+template [[host_name("fcce_fwdreg_hf32_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 6>) head_fwd_fused_regs_q<float, 6>;
+template [[host_name("fcce_fwdreg_hf32_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 8>) head_fwd_fused_regs_q<float, 8>;
+template [[host_name("fcce_fwdreg_hf16_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 2>) head_fwd_fused_regs_q<half, 2>;
+template [[host_name("fcce_fwdreg_hf16_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 3>) head_fwd_fused_regs_q<half, 3>;
+template [[host_name("fcce_fwdreg_hf16_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 4>) head_fwd_fused_regs_q<half, 4>;
+template [[host_name("fcce_fwdreg_hf16_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 5>) head_fwd_fused_regs_q<half, 5>;
+template [[host_name("fcce_fwdreg_hf16_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 6>) head_fwd_fused_regs_q<half, 6>;
+template [[host_name("fcce_fwdreg_hf16_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 8>) head_fwd_fused_regs_q<half, 8>;
+template [[host_name("fcce_fwdreg_hbf16_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 2>) head_fwd_fused_regs_q<bfloat16_t, 2>;
+template [[host_name("fcce_fwdreg_hbf16_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 3>) head_fwd_fused_regs_q<bfloat16_t, 3>;
+template [[host_name("fcce_fwdreg_hbf16_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 4>) head_fwd_fused_regs_q<bfloat16_t, 4>;
+template [[host_name("fcce_fwdreg_hbf16_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 5>) head_fwd_fused_regs_q<bfloat16_t, 5>;
+template [[host_name("fcce_fwdreg_hbf16_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 6>) head_fwd_fused_regs_q<bfloat16_t, 6>;
+template [[host_name("fcce_fwdreg_hbf16_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 8>) head_fwd_fused_regs_q<bfloat16_t, 8>;
+// dh with the accumulator in registers: dense heads
+template [[host_name("fcce_dhreg_hf32_wf32")]] [[kernel]] decltype(head_dh_regs<float, float>) head_dh_regs<float, float>;
+template [[host_name("fcce_dhreg_hf32_wf16")]] [[kernel]] decltype(head_dh_regs<float, half>) head_dh_regs<float, half>;
+template [[host_name("fcce_dhreg_hf32_wbf16")]] [[kernel]] decltype(head_dh_regs<float, bfloat16_t>) head_dh_regs<float, bfloat16_t>;
+template [[host_name("fcce_dhreg_hf16_wf32")]] [[kernel]] decltype(head_dh_regs<half, float>) head_dh_regs<half, float>;
+template [[host_name("fcce_dhreg_hf16_wf16")]] [[kernel]] decltype(head_dh_regs<half, half>) head_dh_regs<half, half>;
+template [[host_name("fcce_dhreg_hf16_wbf16")]] [[kernel]] decltype(head_dh_regs<half, bfloat16_t>) head_dh_regs<half, bfloat16_t>;
+template [[host_name("fcce_dhreg_hbf16_wf32")]] [[kernel]] decltype(head_dh_regs<bfloat16_t, float>) head_dh_regs<bfloat16_t, float>;
+template [[host_name("fcce_dhreg_hbf16_wf16")]] [[kernel]] decltype(head_dh_regs<bfloat16_t, half>) head_dh_regs<bfloat16_t, half>;
+template [[host_name("fcce_dhreg_hbf16_wbf16")]] [[kernel]] decltype(head_dh_regs<bfloat16_t, bfloat16_t>) head_dh_regs<bfloat16_t, bfloat16_t>;
+// dh with the accumulator in registers: quantized heads
+template [[host_name("fcce_dhreg_hf32_q2")]] [[kernel]] decltype(head_dh_regs_q<float, 2>) head_dh_regs_q<float, 2>;
+template [[host_name("fcce_dhreg_hf32_q3")]] [[kernel]] decltype(head_dh_regs_q<float, 3>) head_dh_regs_q<float, 3>;
+template [[host_name("fcce_dhreg_hf32_q4")]] [[kernel]] decltype(head_dh_regs_q<float, 4>) head_dh_regs_q<float, 4>;
+template [[host_name("fcce_dhreg_hf32_q5")]] [[kernel]] decltype(head_dh_regs_q<float, 5>) head_dh_regs_q<float, 5>;
+template [[host_name("fcce_dhreg_hf32_q6")]] [[kernel]] decltype(head_dh_regs_q<float, 6>) head_dh_regs_q<float, 6>;
+template [[host_name("fcce_dhreg_hf32_q8")]] [[kernel]] decltype(head_dh_regs_q<float, 8>) head_dh_regs_q<float, 8>;
+template [[host_name("fcce_dhreg_hf16_q2")]] [[kernel]] decltype(head_dh_regs_q<half, 2>) head_dh_regs_q<half, 2>;
+template [[host_name("fcce_dhreg_hf16_q3")]] [[kernel]] decltype(head_dh_regs_q<half, 3>) head_dh_regs_q<half, 3>;
+template [[host_name("fcce_dhreg_hf16_q4")]] [[kernel]] decltype(head_dh_regs_q<half, 4>) head_dh_regs_q<half, 4>;
+template [[host_name("fcce_dhreg_hf16_q5")]] [[kernel]] decltype(head_dh_regs_q<half, 5>) head_dh_regs_q<half, 5>;
+template [[host_name("fcce_dhreg_hf16_q6")]] [[kernel]] decltype(head_dh_regs_q<half, 6>) head_dh_regs_q<half, 6>;
+template [[host_name("fcce_dhreg_hf16_q8")]] [[kernel]] decltype(head_dh_regs_q<half, 8>) head_dh_regs_q<half, 8>;
+template [[host_name("fcce_dhreg_hbf16_q2")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 2>) head_dh_regs_q<bfloat16_t, 2>;
+template [[host_name("fcce_dhreg_hbf16_q3")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 3>) head_dh_regs_q<bfloat16_t, 3>;
+template [[host_name("fcce_dhreg_hbf16_q4")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 4>) head_dh_regs_q<bfloat16_t, 4>;
+template [[host_name("fcce_dhreg_hbf16_q5")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 5>) head_dh_regs_q<bfloat16_t, 5>;
+template [[host_name("fcce_dhreg_hbf16_q6")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 6>) head_dh_regs_q<bfloat16_t, 6>;
+template [[host_name("fcce_dhreg_hbf16_q8")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 8>) head_dh_regs_q<bfloat16_t, 8>;
 // dW (dense heads)
 template [[host_name("fcce_dw_hf32_wf32")]] [[kernel]] decltype(head_dw<float, float>) head_dw<float, float>;
 template [[host_name("fcce_dw_hf32_wf16")]] [[kernel]] decltype(head_dw<float, half>) head_dw<float, half>;

@@ -18,6 +18,9 @@
 // A launch runs one round of each split's blocks (FcceParams::block_begin,
 // block_count); a round after the first resumes from those statistics and
 // partials, so a long split is several bounded launches.
+// The plan runs the fused forward and dh with their accumulator in registers
+// (metal/regs.h, which reuses this file's pieces); the FWD_FUSED and DH modes
+// here remain for Problem::acc_registers = -1.
 #pragma once
 
 namespace fcce {
@@ -152,6 +155,40 @@ METAL_FUNC float row_max4(float x) {
   return max(x, simd_shuffle_xor(x, ushort(2)));
 }
 
+// The forward's row epilogue of one block for the thread's 8 logits s of
+// columns v0 ... v0 + 7 (softcapped): the target's logit, the row's online
+// (run_max, run_sum) moved past this block, and with kCoef the coefficients
+// crow = exp(s - new max) dcap. Returns exp(old max - new max), the factor
+// that rescales sums taken at the old maximum.
+template <bool kCoef>
+METAL_FUNC float online_row8(
+    threadgroup float* crow, thread float* s, thread const float* dcap, int v0,
+    const constant FcceParams& p, thread const RowTarget& t, device float* target_logit,
+    int m, thread float& run_max, thread float& run_sum) {
+  float bmax = kFloorLogit;
+  for (int j = 0; j < 8; ++j) {
+    const int v = v0 + j;
+    if (t.y_ok && v == t.y) {
+      target_logit[m] = s[j];
+    }
+    s[j] = v < p.V ? s[j] : kFloorLogit;
+    bmax = max(bmax, s[j]);
+  }
+  const float new_max = max(run_max, row_max4(bmax));
+  const float f = metal::precise::exp(run_max - new_max);
+  float part_e = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    const float e = metal::precise::exp(s[j] - new_max);
+    part_e += e;
+    if (kCoef) {
+      crow[j] = e * dcap[j];
+    }
+  }
+  run_sum = run_sum * f + row_sum4(part_e);
+  run_max = new_max;
+  return f;
+}
+
 // part[rows, :] = factor[row] * part[rows, :] (skipped for the split's first
 // group) + the sum over the group's `count` blocks (from vb) of their
 // coefficient tiles times their rows of w, H in BK-wide pieces.
@@ -187,6 +224,22 @@ METAL_FUNC void accumulate_cw(
   }
 }
 
+// A head threadgroup's work in this launch: its split, its first row of h, and
+// the split's blocks of this round [vb0, vb1) (a round [block_begin,
+// + block_count); a later round resumes the split's statistics and partial
+// sums). grid.x runs over m tiles, so that threadgroups in flight share W's tiles.
+struct HeadRound {
+  int split, m0, split_vb0, vb0, vb1;
+
+  METAL_FUNC HeadRound(const constant FcceParams& p, uint3 group)
+      : split(p.split_begin + int(group.y)),
+        m0((p.m_tile_begin + int(group.x)) * FCCE_BM),
+        split_vb0(split * p.blocks_per_split),
+        vb0(split_vb0 + p.block_begin),
+        vb1(min(min(vb0 + p.block_count, split_vb0 + p.blocks_per_split),
+                (p.V + FCCE_BN - 1) / FCCE_BN)) {}
+};
+
 template <int MODE, typename HT, class W>
 METAL_FUNC void head_tiles(
     const device HT* h, thread const W& w, const device int* targets,
@@ -195,15 +248,8 @@ METAL_FUNC void head_tiles(
     device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
     uint3 group, uint tid, uint sgid, uint lane) {
   const HeadSmem sm(smem);
-  // grid.x runs over m tiles, so that threadgroups in flight share W's tiles.
-  const int split = p.split_begin + int(group.y);
-  const int m0 = (p.m_tile_begin + int(group.x)) * FCCE_BM;
-  // This launch's blocks of the split: a round [block_begin, + block_count);
-  // a later round resumes the split's statistics and partial sums.
-  const int split_vb0 = split * p.blocks_per_split;
-  const int split_vb1 = min(split_vb0 + p.blocks_per_split, (p.V + FCCE_BN - 1) / FCCE_BN);
-  const int vb0 = split_vb0 + p.block_begin;
-  const int vb1 = min(vb0 + p.block_count, split_vb1);
+  const HeadRound rd(p, group);
+  const int split = rd.split, m0 = rd.m0, split_vb0 = rd.split_vb0, vb0 = rd.vb0, vb1 = rd.vb1;
 
   // This thread's row and columns in the epilogue.
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
@@ -232,25 +278,8 @@ METAL_FUNC void head_tiles(
       if (MODE == FCCE_MODE_DH) {
         write_ds8(crow, s, dcap, v0 + ec, p, t, r);
       } else {
-        float bmax = kFloorLogit;
-        for (int j = 0; j < 8; ++j) {
-          const int v = v0 + ec + j;
-          if (t.y_ok && v == t.y) {
-            target_logit[m] = s[j];
-          }
-          s[j] = v < p.V ? s[j] : kFloorLogit;
-          bmax = max(bmax, s[j]);
-        }
-        const float new_max = max(run_max, row_max4(bmax));
-        const float f = metal::precise::exp(run_max - new_max);
-        float part_e = 0.0f;
-        for (int j = 0; j < 8; ++j) {
-          const float e = metal::precise::exp(s[j] - new_max);
-          part_e += e;
-          if (MODE == FCCE_MODE_FWD_FUSED) {
-            crow[j] = e * dcap[j];
-          }
-        }
+        const float f = online_row8<MODE == FCCE_MODE_FWD_FUSED>(
+            crow, s, dcap, v0 + ec, p, t, target_logit, m, run_max, run_sum);
         if (MODE == FCCE_MODE_FWD_FUSED) {
           // The group's earlier coefficients (this thread's own entries) to the new maximum.
           for (int bb = 0; bb < b; ++bb) {
@@ -259,8 +288,6 @@ METAL_FUNC void head_tiles(
             }
           }
         }
-        run_sum = run_sum * f + row_sum4(part_e);
-        run_max = new_max;
       }
     }
     if (MODE != FCCE_MODE_FWD) {

@@ -24,6 +24,18 @@
 #define FCCE_SMEM_FLOATS                                                            \
   (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_GROUP_BLOCKS * FCCE_BM * (FCCE_BN + 4) + \
    FCCE_BM)
+// The dh and fused forward kernels with their accumulator in registers
+// (metal/regs.h) walk H in chunks of FCCE_REG_PIECES BK-wide columns, held as
+// FCCE_REG_PIECES accumulator tiles of 8 floats per thread (64 floats); their
+// threadgroup memory holds the h, w and one coefficient tile and the row
+// factors [BM]: 13,952 bytes.
+#define FCCE_REG_PIECES 8
+#define FCCE_REG_COLS (FCCE_REG_PIECES * FCCE_BK)
+#define FCCE_REG_SMEM_FLOATS \
+  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
+// Floats of one staged vocabulary block of those kernels where H takes more
+// than one chunk: its coefficient tile [BM, BN] and (fused forward) row factors [BM].
+#define FCCE_STAGE_FLOATS (FCCE_BM * FCCE_BN + FCCE_BM)
 // The most vocabulary rows (and, in dW, rows of h) one threadgroup processes
 // in one launch: macOS ends a command whose work runs too long, so long heads
 // are split into several launches.

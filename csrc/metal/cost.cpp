@@ -69,6 +69,42 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   }
 }
 
+// The kernels with the accumulator in registers (metal/regs.h): per
+// (threadgroup, block) the logits load h's [BM, H] rows and W's [BN, H] rows
+// once, the accumulation W's rows once more (over all chunks of H), and with
+// more than one chunk the block's staged coefficients (FCCE_STAGE_FLOATS) are
+// written once and read by each later chunk; the float32 [BM, H] partial is
+// written once per launch and read once when the launch resumes its splits
+// (block_begin > 0); per row the dh pass reads targets, lse, g and g_lse, the
+// fused forward targets (and its statistics when resuming) and writes them.
+void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
+  const FcceParams& q = l.params;
+  const int64_t total_blocks = cdiv(p.V, FCCE_BN);
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  const double chunks = double(register_chunks(p.H));
+  int64_t tile_blocks = 0;
+  for (int64_t s = q.split_begin; s < q.split_begin + int64_t(l.grid[1]); ++s) {
+    const int64_t in_split = std::min<int64_t>(q.blocks_per_split, total_blocks - s * q.blocks_per_split);
+    tile_blocks += std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
+  }
+  const double blocks = double(l.grid[0]) * double(tile_blocks);
+  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double w_tile = double(FCCE_BN) * w_row_bytes(p);
+  const double staged = chunks > 1 ? double(FCCE_STAGE_FLOATS) * 4 : 0.0;
+  const double rows = double(c.threadgroups) * FCCE_BM;
+  const double part = rows * p.H * 4;
+  c.flops = blocks * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  c.bytes_read = blocks * (h_tile + 2 * w_tile + (chunks - 1) * staged) +
+      (q.block_begin > 0 ? part : 0.0);
+  c.bytes_written = blocks * staged + part;
+  if (q.mode == FCCE_MODE_DH) {
+    c.bytes_read += rows * 4 * 4;
+  } else {
+    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
+    c.bytes_written += rows * 4 * 2;
+  }
+}
+
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
 // h's rows again for dS^T h; per group of FCCE_GROUP_BLOCKS m tiles the
 // float32 [BN, H] rows read (but for the group at m tile 0) and written.
@@ -150,6 +186,9 @@ std::vector<LaunchCost> plan_cost(const Problem& p, const Plan& plan) {
     if (starts_with(c.kernel, "fcce_dw_")) {
       c.threadgroup_bytes += dw_threadgroup_bytes();
       dw_cost(p, l, c);
+    } else if (starts_with(c.kernel, "fcce_dhreg_") || starts_with(c.kernel, "fcce_fwdreg_")) {
+      c.threadgroup_bytes += regs_threadgroup_bytes();
+      regs_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_fwd_") || starts_with(c.kernel, "fcce_dh_")) {
       c.threadgroup_bytes += head_threadgroup_bytes();
       head_cost(p, l, c);

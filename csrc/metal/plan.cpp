@@ -37,6 +37,25 @@ const char* const kHeadQuant[3][3][6] = {
      {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
 };
 
+// [h][w] and [h][bits]: the fused forward with the accumulator in registers.
+const char* const kFwdRegDense[3][3] = {
+    {"fcce_fwdreg_hf32_wf32", "fcce_fwdreg_hf32_wf16", "fcce_fwdreg_hf32_wbf16"},
+    {"fcce_fwdreg_hf16_wf32", "fcce_fwdreg_hf16_wf16", "fcce_fwdreg_hf16_wbf16"},
+    {"fcce_fwdreg_hbf16_wf32", "fcce_fwdreg_hbf16_wf16", "fcce_fwdreg_hbf16_wbf16"}};
+const char* const kFwdRegQuant[3][6] = {
+    {"fcce_fwdreg_hf32_q2", "fcce_fwdreg_hf32_q3", "fcce_fwdreg_hf32_q4", "fcce_fwdreg_hf32_q5", "fcce_fwdreg_hf32_q6", "fcce_fwdreg_hf32_q8"},
+    {"fcce_fwdreg_hf16_q2", "fcce_fwdreg_hf16_q3", "fcce_fwdreg_hf16_q4", "fcce_fwdreg_hf16_q5", "fcce_fwdreg_hf16_q6", "fcce_fwdreg_hf16_q8"},
+    {"fcce_fwdreg_hbf16_q2", "fcce_fwdreg_hbf16_q3", "fcce_fwdreg_hbf16_q4", "fcce_fwdreg_hbf16_q5", "fcce_fwdreg_hbf16_q6", "fcce_fwdreg_hbf16_q8"}};
+// [h][w] and [h][bits]: dh with the accumulator in registers (metal/regs.h).
+const char* const kDhRegDense[3][3] = {
+    {"fcce_dhreg_hf32_wf32", "fcce_dhreg_hf32_wf16", "fcce_dhreg_hf32_wbf16"},
+    {"fcce_dhreg_hf16_wf32", "fcce_dhreg_hf16_wf16", "fcce_dhreg_hf16_wbf16"},
+    {"fcce_dhreg_hbf16_wf32", "fcce_dhreg_hbf16_wf16", "fcce_dhreg_hbf16_wbf16"}};
+const char* const kDhRegQuant[3][6] = {
+    {"fcce_dhreg_hf32_q2", "fcce_dhreg_hf32_q3", "fcce_dhreg_hf32_q4", "fcce_dhreg_hf32_q5", "fcce_dhreg_hf32_q6", "fcce_dhreg_hf32_q8"},
+    {"fcce_dhreg_hf16_q2", "fcce_dhreg_hf16_q3", "fcce_dhreg_hf16_q4", "fcce_dhreg_hf16_q5", "fcce_dhreg_hf16_q6", "fcce_dhreg_hf16_q8"},
+    {"fcce_dhreg_hbf16_q2", "fcce_dhreg_hbf16_q3", "fcce_dhreg_hbf16_q4", "fcce_dhreg_hbf16_q5", "fcce_dhreg_hbf16_q6", "fcce_dhreg_hbf16_q8"}};
+
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
@@ -128,6 +147,9 @@ void check(const Problem& p) {
       bad("compute_dw needs a dense w");
     }
   }
+  if (p.acc_registers < -1 || p.acc_registers > 1) {
+    bad("acc_registers must be -1, 0 or 1, got " + std::to_string(p.acc_registers));
+  }
   if (p.max_splits < 0) {
     bad("max_splits must be >= 0, got " + std::to_string(p.max_splits));
   }
@@ -186,15 +208,21 @@ std::vector<Binding> operand_bindings(const Problem& p) {
   return b;
 }
 
-const char* head_kernel(const Problem& p, int mode) {
+const char* head_kernel(const Problem& p, int mode, bool regs) {
   const int h = dtype_index(p.h);
+  if (regs && mode == FCCE_MODE_DH) {
+    return p.quantized ? kDhRegQuant[h][bits_index(p.bits)] : kDhRegDense[h][dtype_index(p.w)];
+  }
+  if (regs) {
+    return p.quantized ? kFwdRegQuant[h][bits_index(p.bits)] : kFwdRegDense[h][dtype_index(p.w)];
+  }
   return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
                      : kHeadDense[mode][h][dtype_index(p.w)];
 }
 
-Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
+Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
   Launch l{};
-  l.kernel = head_kernel(p, mode);
+  l.kernel = head_kernel(p, mode, regs);
   l.grid[0] = u32(q.m_tiles, "m_tiles");
   l.grid[1] = u32(q.splits, "splits");
   l.grid[2] = 1;
@@ -210,6 +238,9 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode) {
   }
   if (mode != FCCE_MODE_FWD) {
     l.buffers.push_back({11, Role::part_acc});
+  }
+  if (regs) {
+    l.buffers.push_back({16, Role::stage});
   }
   l.params_index = kParamsIndex;
   l.params = q;
@@ -230,9 +261,16 @@ int head_gemms(int mode) {
 // latter wherever one block of one m tile is within it: H <= 2^24). Rounds
 // run in order, so each split's blocks are visited in order, as the online
 // statistics need.
-void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
+// `regs`: the kernel with the accumulator in registers (dh or fused
+// forward); where it stages coefficients (more than one chunk of H), a launch
+// also holds at most kMaxStagedUnits (m tile, split, block) units. Returns the
+// most units of one launch.
+int64_t head_rounds(const Problem& p, const FcceParams& q, int mode, bool regs, Plan& plan) {
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
-  const double tile = 2.0 * head_gemms(mode) * FCCE_BM * FCCE_BN * double(hk);
+  double tile = 2.0 * head_gemms(mode) * FCCE_BM * FCCE_BN * double(hk);
+  if (regs && register_chunks(p.H) > 1) {
+    tile = std::max(tile, kLaunchFlops / double(kMaxStagedUnits));
+  }
   const int64_t splits = q.splits, m_tiles = q.m_tiles;
   auto fit = [&](double per_unit, int64_t most) {
     return std::clamp<int64_t>(int64_t(kLaunchFlops / per_unit), 1, most);
@@ -251,6 +289,7 @@ void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
   }
   blocks = fit(tile * splits * m_chunk, blocks);
   const int64_t s_chunk = fit(tile * m_chunk * blocks, splits);
+  int64_t units = 0;
   for (int64_t b0 = 0; b0 < q.blocks_per_split; b0 += blocks) {
     for (int64_t mt = 0; mt < m_tiles; mt += m_chunk) {
       for (int64_t s0 = 0; s0 < splits; s0 += s_chunk) {
@@ -259,13 +298,23 @@ void head_rounds(const Problem& p, const FcceParams& q, int mode, Plan& plan) {
         r.block_count = static_cast<int>(std::min<int64_t>(blocks, q.blocks_per_split - b0));
         r.m_tile_begin = static_cast<int>(mt);
         r.split_begin = static_cast<int>(s0);
-        Launch l = head_launch(p, r, mode);
+        Launch l = head_launch(p, r, mode, regs);
         l.grid[0] = u32(std::min<int64_t>(m_chunk, m_tiles - mt), "m_tiles");
         l.grid[1] = u32(std::min<int64_t>(s_chunk, splits - s0), "splits");
         plan.launches.push_back(l);
+        units = std::max(units, int64_t(l.grid[0]) * l.grid[1] * r.block_count);
       }
     }
   }
+  return units;
+}
+
+// The register kernels' stage for launches of at most `units` (m tile, split,
+// block) units: FCCE_STAGE_FLOATS per unit where H takes more than one chunk;
+// with one chunk nothing is staged, but the kernel's buffer is still bound.
+ScratchBuffer stage_buffer(const Problem& p, int64_t units) {
+  const size_t per = size_t(FCCE_STAGE_FLOATS) * 4;
+  return {Role::stage, register_chunks(p.H) > 1 ? size_t(units) * per : 16};
 }
 
 Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
@@ -293,7 +342,12 @@ void plan_forward(const Problem& p, Plan& plan) {
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
   }
-  head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, plan);
+  const bool regs = p.fused && acc_in_registers(p);
+  const int64_t units =
+      head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, regs, plan);
+  if (regs) {
+    plan.scratch.push_back(stage_buffer(p, units));
+  }
   plan.launches.push_back(elementwise(
       kCombine, p.M, q,
       {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
@@ -365,7 +419,11 @@ void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
-  head_rounds(p, q, FCCE_MODE_DH, plan);
+  const bool regs = acc_in_registers(p);
+  const int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
+  if (regs) {
+    plan.scratch.push_back(stage_buffer(p, units));
+  }
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
@@ -392,16 +450,28 @@ void plan_fused_dh(const Problem& p, Plan& plan) {
 
 } // namespace
 
+int64_t register_chunks(int64_t H) {
+  return cdiv(H, FCCE_REG_COLS);
+}
+
+bool acc_in_registers(const Problem& p) {
+  return p.acc_registers >= 0;
+}
+
 const char* role_name(Role r) {
   static const char* const names[] = {
       "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
       "gsum", "g",  "g_lse",  "dh",       "dw",       "part_max",     "part_sum",
-      "target_logit", "part_acc", "dw_acc"};
+      "target_logit", "part_acc", "dw_acc", "stage"};
   return names[static_cast<int>(r)];
 }
 
 size_t head_threadgroup_bytes() {
   return size_t(FCCE_SMEM_FLOATS) * 4;
+}
+
+size_t regs_threadgroup_bytes() {
+  return size_t(FCCE_REG_SMEM_FLOATS) * 4;
 }
 
 size_t dw_threadgroup_bytes() {
@@ -415,7 +485,8 @@ double launch_gemm_flops(const Launch& l) {
   if (k.rfind("fcce_dw_", 0) == 0) {
     return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
   }
-  const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
+      k.rfind("fcce_dhreg_", 0) == 0 || k.rfind("fcce_fwdreg_", 0) == 0;
   if (!head) {
     return 0.0;
   }
@@ -447,6 +518,10 @@ const std::vector<std::string>& kernel_names() {
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& mode : kHeadQuant)
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kFwdRegDense) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kFwdRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDhRegDense) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDhRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
     n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));

@@ -72,6 +72,10 @@ struct Problem {
   int dw_slab_rows = 0;
   int round_blocks = 0;
   int round_m_tiles = 0;
+  // The kernels of the dh pass and the fused forward: 0 the plan's choice
+  // (acc_in_registers), 1 the accumulator in registers, -1 the partials in
+  // device memory per group of blocks.
+  int acc_registers = 0;
 };
 
 enum class Role {
@@ -94,6 +98,7 @@ enum class Role {
   target_logit, // [M] the target's (softcapped) logit
   part_acc, // [splits, M, H] per-split partial dh / gsum
   dw_acc, // [dw_slab_rows, H] float32 dW rows of one slab (half-precision w)
+  stage, // [threadgroups of a launch, block_count, FCCE_STAGE_FLOATS] coefficients of the register kernels
 };
 
 const char* role_name(Role r);
@@ -138,8 +143,22 @@ const std::vector<std::string>& kernel_names();
 double launch_gemm_flops(const Launch& l);
 constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
+// Whether the dh pass and the fused forward run the kernels with their
+// accumulator in registers (metal/regs.h), the plan's choice unless
+// Problem::acc_registers is -1: the same GEMMs and tile loads as the grouped
+// kernels, the partial written once per launch instead of read and written
+// per group of blocks, and with more than one chunk of H each block's
+// coefficient tile (4.1 KB) staged in device memory.
+bool acc_in_registers(const Problem& p);
+// Chunks of FCCE_REG_COLS columns of H those kernels walk.
+int64_t register_chunks(int64_t H);
+// The most (m tile, split, block) units of one launch of those kernels when
+// they stage (more than one chunk): the stage is at most 4.1 KB per unit (66 MiB).
+constexpr int64_t kMaxStagedUnits = 16384;
+
 // Threadgroup memory each kernel family declares, in bytes (under 32 KB).
 size_t head_threadgroup_bytes();
+size_t regs_threadgroup_bytes();
 size_t dw_threadgroup_bytes();
 
 } // namespace flash_cce::metal

@@ -37,6 +37,7 @@ inline Slot role_slot(Pass pass, Role role) {
     case R::target_logit:
     case R::part_acc:
     case R::dw_acc:
+    case R::stage:
       return {Slot::scratch, -1};
     default:
       break;

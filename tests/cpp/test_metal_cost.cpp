@@ -86,10 +86,11 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   ASSERT_GE(read, tiles);
   ASSERT_LT(read - tiles, 1e-3 * tiles);
   ASSERT_LT(written, 1e-3 * tiles);
-  // The dh pass adds W's tiles again and the partials: read (but on a split's
-  // first group) and written once per group of FCCE_GROUP_BLOCKS blocks of a
-  // launch.
+  // The grouped dh kernel adds W's tiles again and the partials: read (but on
+  // a split's first group) and written once per group of FCCE_GROUP_BLOCKS
+  // blocks of a launch.
   Problem b = e4b(Pass::backward, M);
+  b.acc_registers = -1; // the grouped kernel (the plan's dh: DhRegistersAtE4b)
   const Plan bp = make_plan(b);
   const auto bc = plan_cost(b, bp);
   read = written = 0;
@@ -106,6 +107,34 @@ TEST(MetalCost, BytesOfTheHeadPasses) {
   ASSERT_GE(read, expect);
   ASSERT_LT(read - expect, 1e-3 * expect);
   ASSERT_TRUE(near(written, mt * splits * groups * part));
+}
+
+// The plan's dh at e4b (the accumulator in registers, 10 chunks of H): two
+// GEMMs per block, h's tile and W's twice per (m tile, block), the staged dS
+// tile (4.1 KB) written once and read by 9 later chunks, and the float32 partial
+// written once per launch (read once by each resuming launch), not once per
+// group of blocks.
+TEST(MetalCost, DhRegistersAtE4b) {
+  const int64_t M = 512, mt = 16, blocks = 8192, chunks = 10;
+  const double h_tile = 32.0 * 2560 * 2, w_tile = 32 * (2560 * 0.5 + 40 * 2 * 2.0);
+  const double part = 32.0 * 2560 * 4, ds = (32.0 * 32 + 32) * 4;
+  Problem b = e4b(Pass::backward, M);
+  const Plan bp = make_plan(b);
+  const auto bc = plan_cost(b, bp);
+  double read = 0, written = 0, flops = 0, parts = 0, resumed = 0;
+  for (size_t i = 0; i < bc.size(); ++i) {
+    if (bc[i].flops == 0) continue;
+    const Launch& l = bp.launches[i];
+    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4");
+    read += bc[i].bytes_read, written += bc[i].bytes_written, flops += bc[i].flops;
+    parts += double(l.grid[0]) * l.grid[1];
+    resumed += l.params.block_begin > 0 ? double(l.grid[0]) * l.grid[1] : 0.0;
+  }
+  ASSERT_TRUE(near(flops, 2.0 * 2 * 512 * 262144 * 2560));
+  ASSERT_TRUE(near(written, parts * part + mt * blocks * ds));
+  const double expect = mt * blocks * (h_tile + 2 * w_tile + (chunks - 1) * ds) + resumed * part;
+  ASSERT_GE(read, expect);
+  ASSERT_LT(read - expect, 1e-3 * expect);
 }
 
 TEST(MetalCost, RooflineAndLaunchFields) {

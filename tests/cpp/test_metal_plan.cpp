@@ -66,7 +66,8 @@ void check_plan(const Problem& p, const Plan& plan) {
 
 bool is_head(const Launch& l) {
   const std::string k = l.kernel;
-  return k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0;
+  return k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
+      k.rfind("fcce_dhreg_", 0) == 0 || k.rfind("fcce_fwdreg_", 0) == 0;
 }
 
 bool is_dw(const Launch& l) {
@@ -96,12 +97,19 @@ size_t check_splits(const Problem& p, const Plan& plan) {
   std::vector<std::vector<int64_t>> next(m_tiles, std::vector<int64_t>(q0.splits, 0));
   const int64_t hk = (p.H + FCCE_BK - 1) / FCCE_BK * FCCE_BK;
   const bool flops_bounded = 2.0 * 2 * FCCE_BM * FCCE_BN * hk <= kLaunchFlops;
+  // The register kernels' stage: at most kMaxStagedUnits units per launch.
+  const std::string k0 = head[0]->kernel;
+  const bool staged = (k0.rfind("fcce_dhreg_", 0) == 0 || k0.rfind("fcce_fwdreg_", 0) == 0) &&
+      register_chunks(p.H) > 1;
   for (const Launch* l : head) {
     const FcceParams& q = l->params;
     EXPECT_EQ(std::string(l->kernel), std::string(head[0]->kernel));
     EXPECT_EQ(q.splits, q0.splits);
     EXPECT_EQ(q.blocks_per_split, q0.blocks_per_split);
     EXPECT_EQ(l->grid[2], 1u);
+    if (staged) {
+      EXPECT_LE(int64_t(l->grid[0]) * l->grid[1] * q.block_count, kMaxStagedUnits);
+    }
     EXPECT_EQ(l->threads[0], unsigned(FCCE_THREADS));
     EXPECT_GE(q.block_count, 1);
     // The watchdog bound: vocabulary rows per threadgroup in one launch.
@@ -181,7 +189,7 @@ Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
 TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
-  ASSERT_EQ(n.size(), 109u);
+  ASSERT_EQ(n.size(), 163u); // 109 + 2 x 27 register kernels (9 dense, 18 quantized each)
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -200,7 +208,7 @@ TEST(MetalPlan, ForwardShapes) {
           const int splits = plan.launches[0].params.splits;
           ASSERT_EQ(plan.scratch[0].bytes, size_t(splits) * M * 4);
           if (fused) {
-            ASSERT_EQ(std::string(plan.launches[0].kernel), "fcce_fwd_fused_hf32_wf32");
+            ASSERT_EQ(std::string(plan.launches[0].kernel), "fcce_fwdreg_hf32_wf32");
             ASSERT_EQ(std::string(plan.launches[n + 1].kernel), "fcce_reduce_gsum");
             ASSERT_EQ(plan.launches[n + 1].params.mode, FCCE_REDUCE_GSUM);
           } else {
@@ -238,7 +246,8 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         check_plan(p, plan);
         const Launch& l = plan.launches[0];
         const std::string hn = h == DType::f32 ? "f32" : h == DType::f16 ? "f16" : "bf16";
-        ASSERT_EQ(std::string(l.kernel), "fcce_dh_h" + hn + "_q" + std::to_string(b));
+        ASSERT_TRUE(acc_in_registers(p));
+        ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_h" + hn + "_q" + std::to_string(b));
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
         ASSERT_EQ(l.params.groups, 256 / gs);
         ASSERT_EQ(l.params.sb_dtype, 2);
@@ -284,14 +293,16 @@ TEST(MetalPlan, LaunchesAreBounded) {
       {40000, 64, 100}, {20000, 32, 4000}};
   for (const auto& s : shapes)
     for (bool quantized : {false, true})
-      for (int pass = 0; pass < 3; ++pass) {
+      for (int pass = 0; pass < 4; ++pass) {
         Problem p = problem(Pass::forward, s[0], s[1], s[2]);
+        // pass 3: the backward with dh's accumulator in registers at every H.
+        if (pass == 3) p.acc_registers = 1;
         p.quantized = quantized;
         p.group_size = 32;
         p.w = DType::bf16;
         p.h = DType::bf16;
         if (pass == 1) p.fused = true;
-        if (pass == 2) {
+        if (pass >= 2) {
           p.pass = Pass::backward;
           p.compute_dw = !quantized;
         }
@@ -324,6 +335,34 @@ TEST(MetalPlan, ForcedRounds) {
       const size_t rounds = (6 + rb - 1) / rb; // 11 blocks in 2 splits of 6
       ASSERT_EQ(n, rounds * (mc ? (3 + mc - 1) / mc : 1));
     }
+}
+
+// The plan's dh and fused forward kernels: registers unless forced off; their
+// stage sized for the largest launch where H takes more than one chunk.
+TEST(MetalPlan, RegisterKernelChoice) {
+  for (int64_t H : {8, 200, 256, 257, 320, 2560})
+    for (int forced : {0, 1, -1})
+      for (bool dh : {true, false}) {
+        Problem p = problem(dh ? Pass::backward : Pass::forward, 40, H, 333);
+        p.fused = !dh;
+        p.acc_registers = forced;
+        const Plan plan = make_plan(p);
+        check_plan(p, plan);
+        check_splits(p, plan);
+        const bool regs = forced >= 0;
+        ASSERT_EQ(acc_in_registers(p), regs) << H << " " << forced;
+        const std::string kind = dh ? (regs ? "dhreg" : "dh") : (regs ? "fwdreg" : "fwd_fused");
+        ASSERT_EQ(std::string(plan.launches[0].kernel), "fcce_" + kind + "_hf32_wf32");
+        size_t stage = 0, units = 0;
+        for (const auto& s : plan.scratch)
+          if (s.role == Role::stage) stage = s.bytes;
+        for (const auto& l : plan.launches)
+          if (is_head(l)) units = std::max<size_t>(units, size_t(l.grid[0]) * l.grid[1] * l.params.block_count);
+        ASSERT_EQ(stage, !regs ? 0 : H > FCCE_REG_COLS ? units * FCCE_STAGE_FLOATS * 4 : 16) << H;
+      }
+  // The plain forward keeps no partial: its kernel is the same either way.
+  Problem f = problem(Pass::forward, 40, 300, 333);
+  ASSERT_EQ(std::string(make_plan(f).launches[0].kernel), "fcce_fwd_hf32_wf32");
 }
 
 TEST(MetalPlan, FusedDh) {
@@ -363,6 +402,9 @@ TEST(MetalPlan, RefusesWhatTheKernelsDoNotCover) {
   q.quantized = true;
   q.compute_dw = true;
   EXPECT_TRUE(refuses(q, "compute_dw"));
+  q = problem(Pass::backward, 4, 64, 10);
+  q.acc_registers = 2;
+  EXPECT_TRUE(refuses(q, "acc_registers"));
   EXPECT_TRUE(refuses(problem(Pass::forward, 0, 64, 10), "positive"));
   EXPECT_TRUE(refuses(problem(Pass::forward, 1 << 20, 1 << 12, 10), "2^31"));
   Problem s = problem(Pass::backward, 4, 64, 10);

@@ -11,8 +11,9 @@ B = |h| @ |W|^T:
     from exp/log: |dlse| <= 2 ds + (V + 16) u (1 + |lse|);
   - dh, dW and gsum sum V (or M) products of factors with relative error
     <= 4 ds (+ the error of the lse they were given) plus fp32 accumulation,
-    then round once to the output dtype:
-    |d dh| <= u_out |dh| + ((V + 4) u + 4 ds + e_lse) (|dS| @ |W|);
+    then round once to the output dtype (half its subnormal spacing more
+    where the result is subnormal there):
+    |d dh| <= u_out |dh| + tiny_out + ((V + 4) u + 4 ds + e_lse) (|dS| @ |W|);
   - the fused dh, (g_lse - g) gsum + g dcap_y W_y, carries gsum's error times
     |g_lse - g|, and with a softcap dcap_y = 1 - t^2 from t = (logp + lse) / cap
     moves by at most 2 e_sy / cap, e_sy the error of logp + lse.
@@ -31,6 +32,10 @@ from reference import dequantize, forward_backward
 
 U32 = 2.0**-24
 UNIT = {"f32": 2.0**-24, "bf16": 2.0**-8, "f16": 2.0**-11}
+# Rounding into a dtype's subnormal range errs by up to half its subnormal
+# spacing, which no relative bound covers (a float16 dh entry below 2^-14 can
+# be off by 2^-25 = 3.0e-8); added to the bounds of outputs in that dtype.
+TINY = {"f32": 2.0**-150, "bf16": 2.0**-134, "f16": 2.0**-25}
 DTYPES = ["f32", "f16", "bf16"]
 # The full sweep (quantized heads with float16 and bfloat16 h too) is opt-in.
 SWEEP = os.environ.get("FLASH_CCE_METAL_SWEEP") == "1"
@@ -159,15 +164,39 @@ def run_fused_dh(prog, p: Head, softcap, gsum, logp, lse, seed=0):
 def plans_for(p: Head, softcap, compute_dw=False, **kw):
     """The launch plans a full check of p runs (for building their kernels)."""
     c = softcap or 0.0
-    out = [he.plan("forward", p.M, p.H, p.V, softcap=c, fused=f, **p.kw(**kw))
-           for f in (False, True)]
-    out.append(he.plan("backward", p.M, p.H, p.V, softcap=c, compute_dw=compute_dw,
-                       **p.kw(**kw)))
+    # Both kernels of the fused forward and of dh, whichever the plan picks.
+    out = [he.plan("forward", p.M, p.H, p.V, softcap=c, fused=f, **p.kw(**kw, acc_registers=r))
+           for f, r in ((False, 0), (True, 1), (True, -1))]
+    for regs in (1, -1):
+        out.append(he.plan("backward", p.M, p.H, p.V, softcap=c, compute_dw=compute_dw,
+                           **p.kw(**kw, acc_registers=regs)))
     out.append(he.plan("fused_dh", p.M, p.H, p.V, softcap=c, out=p.dtype, **p.kw()))
     return out
 
 
 # --- Checks -----------------------------------------------------------------
+
+def check_backward(prog, p: Head, softcap, ref_lse, compute_dw=False, seed=0, **plan_kw):
+    """The backward (dh, dW) from the float32-rounded reference lse."""
+    cap = softcap or None
+    ds = p.ds()
+    lse32 = ref_lse.astype(np.float32)
+    e_lse = U32 * (1 + np.abs(ref_lse).max())
+    g, g_lse = p.g.astype(np.float64), p.g_lse.astype(np.float64)
+    dS, _, _ = ref_ds(p, cap, g, g_lse, lse32.astype(np.float64))
+    ref_dh = dS @ p.W64
+    bw = run_backward(prog, p, softcap, lse32, compute_dw, seed=seed, **plan_kw)
+    dh = he.to_f64(bw["dh"], p.dtype)
+    tol_dh = UNIT[p.dtype] * np.abs(ref_dh) + TINY[p.dtype] + \
+        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64))
+    np.testing.assert_array_less(np.abs(dh - ref_dh), tol_dh + 1e-30)
+    if compute_dw:
+        ref_dw = dS.T @ p.H64
+        dw = he.to_f64(bw["dw"], p.w_dtype)
+        tol_dw = UNIT[p.w_dtype] * np.abs(ref_dw) + TINY[p.w_dtype] + \
+            ((p.M + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS).T @ np.abs(p.H64))
+        np.testing.assert_array_less(np.abs(dw - ref_dw), tol_dw + 1e-30)
+
 
 def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     """Forward (plain and fused), backward (dh, dW) and the fused dh against
@@ -192,23 +221,8 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     tol_gsum = ((p.V + 4) * U32 + 4 * ds + tol_lse) * (np.abs(P_dcap) @ np.abs(p.W64))
     np.testing.assert_array_less(np.abs(fused["gsum"] - ref_gsum), tol_gsum + 1e-30)
 
-    # Backward from the float32-rounded reference lse.
-    lse32 = ref_lse.astype(np.float32)
-    e_lse = U32 * (1 + np.abs(ref_lse).max())
+    check_backward(prog, p, softcap, ref_lse, compute_dw, seed + 2, **plan_kw)
     g, g_lse = p.g.astype(np.float64), p.g_lse.astype(np.float64)
-    dS, _, _ = ref_ds(p, cap, g, g_lse, lse32.astype(np.float64))
-    ref_dh = dS @ p.W64
-    bw = run_backward(prog, p, softcap, lse32, compute_dw, seed=seed + 2, **plan_kw)
-    dh = he.to_f64(bw["dh"], p.dtype)
-    tol_dh = UNIT[p.dtype] * np.abs(ref_dh) + \
-        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64))
-    np.testing.assert_array_less(np.abs(dh - ref_dh), tol_dh + 1e-30)
-    if compute_dw:
-        ref_dw = dS.T @ p.H64
-        dw = he.to_f64(bw["dw"], p.w_dtype)
-        tol_dw = UNIT[p.w_dtype] * np.abs(ref_dw) + \
-            ((p.M + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS).T @ np.abs(p.H64))
-        np.testing.assert_array_less(np.abs(dw - ref_dw), tol_dw + 1e-30)
 
     # The fused backward from the kernels' own forward outputs.
     fd = run_fused_dh(prog, p, softcap, fused["gsum"], fused["logp"], fused["lse"], seed + 3)
@@ -221,7 +235,7 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     ref_fd = coef * ref_gsum + (gm * dcap_y)[:, None] * Wy
     e_sy = ds + 4 * U32 * (np.abs(ref_logp) + np.abs(ref_lse) + 1)
     e_dcap = 2 * e_sy / softcap if softcap else 0.0 * e_sy
-    tol_fd = UNIT[p.dtype] * np.abs(ref_fd) + np.abs(coef) * tol_gsum + \
+    tol_fd = UNIT[p.dtype] * np.abs(ref_fd) + TINY[p.dtype] + np.abs(coef) * tol_gsum + \
         (np.abs(gm) * e_dcap)[:, None] * np.abs(Wy) + \
         2 * U32 * (np.abs(coef * ref_gsum) + np.abs(gm[:, None] * Wy))
     got = he.to_f64(fd["dh"], p.dtype)
@@ -306,10 +320,11 @@ def test_one_split_many_blocks(dense):
 def test_rounds(dense, dtype):
     # Bounded launches at a small shape: each split's 6 blocks in rounds of 2
     # (resuming the online statistics and partial sums), one m tile per
-    # launch, and dW in 64-row slabs walked one m tile per launch.
+    # launch, and dW in 64-row slabs walked one m tile per launch; dh on the
+    # grouped kernel (the partials per group of blocks).
     p = Head(70, 40, 333, dtype, ignore=(3,), scale=4.0, seed=21)
     check_all(dense, p, 3.0, compute_dw=True, max_splits=2, round_blocks=2, round_m_tiles=1,
-              dw_slab_rows=64)
+              dw_slab_rows=64, acc_registers=-1)
 
 
 def test_dw_groups_of_m_tiles(dense):
@@ -349,15 +364,67 @@ def test_quantized(quant, bits, group_size, dtype):
 
 
 def test_quantized_rounds(quant):
-    # One block per round: a quantized split resumed at every block.
+    # One block per round: a quantized split resumed at every block (dh on the
+    # grouped kernel).
     p = Head(40, 64, 200, "f32", quant=(4, 32), seed=22)
-    check_all(quant, p, 30.0, max_splits=2, round_blocks=1, round_m_tiles=1)
+    check_all(quant, p, 30.0, max_splits=2, round_blocks=1, round_m_tiles=1, acc_registers=-1)
 
 
 @pytest.mark.parametrize("sb_dtype", ["f16", "bf16"])
 def test_quantized_half_scales(quant, sb_dtype):
     p = Head(5, 64, 77, "f32", quant=(4, 32), sb_dtype=sb_dtype, seed=11)
     check_all(quant, p, None)
+
+
+# --- dh with its accumulator in registers ------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_acc_registers_dense(dense, dtype, softcap):
+    # H = 300: two chunks of H (the second walks the staged dS tiles), the
+    # second of 44 columns (its last BK piece partial, the rest of its pieces
+    # past H); 11 blocks in 2 splits in rounds of 2 (each launch resumes the
+    # register accumulator from the partial its predecessor wrote), one m tile
+    # per launch (the second partial).
+    p = Head(37, 300, 333, dtype, ignore=(0, 5), seed=31 + len(dtype))
+    ref_lse = reference(p, softcap)[1]
+    check_backward(dense, p, softcap, ref_lse, seed=1, max_splits=2, round_blocks=2,
+                   round_m_tiles=1, acc_registers=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_fused_forward_registers(dense, dtype):
+    # Every pass at H = 300 (two chunks): the fused forward's register gsum
+    # replays each block's staged coefficients and row-maximum factors for
+    # the second chunk, and resumes statistics and partial across rounds of
+    # two blocks; a large logit scale moves the row maximum across blocks.
+    p = Head(37, 300, 333, dtype, ignore=(4,), scale=4.0, seed=34)
+    check_all(dense, p, 3.0, max_splits=2, round_blocks=2)
+
+
+def test_acc_registers_custom_ignore_index(dense):
+    # One chunk (nothing staged), a custom ignore_index that is a real token
+    # id, one split walked in one launch.
+    p = Head(20, 200, 150, "bf16", ignore=(1, 4), ignore_index=7, seed=32)
+    assert he.plan_kernels(he.plan("backward", p.M, p.H, p.V, **p.kw())) == \
+        {"fcce_dhreg_hbf16_wbf16", "fcce_reduce_dh_bf16"}
+    check_backward(dense, p, 2.0, reference(p, 2.0)[1], seed=2, max_splits=1)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_acc_registers_quantized(dh_regs_quant, dtype):
+    # 4-bit, group 64, H = 320: two chunks (the second of two pieces), a
+    # softcap, ignored rows, rounds of three blocks.
+    p = Head(33, 320, 200, dtype, quant=(4, 64), sb_dtype="bf16", ignore=(2,), seed=33)
+    ref_lse = reference(p, 30.0)[1]
+    check_backward(dh_regs_quant, p, 30.0, ref_lse, seed=3, max_splits=2, round_blocks=3,
+                   acc_registers=1)
+
+
+@pytest.fixture(scope="module")
+def dh_regs_quant():
+    return program({f"fcce_dhreg_h{dt}_q4" for dt in ("f32", "bf16")} |
+                   {"fcce_reduce_dh_f32", "fcce_reduce_dh_bf16"})
 
 
 def test_every_plan_kernel_is_in_the_source():

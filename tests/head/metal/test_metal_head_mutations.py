@@ -11,7 +11,7 @@ import pytest
 
 import head_emu as he
 import metal_emu
-from test_metal_head import U32, Head, check_all, plans_for, reference
+from test_metal_head import U32, Head, check_all, check_backward, plans_for, reference
 
 pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
 
@@ -21,13 +21,15 @@ PROBLEM = dict(M=37, H=70, V=333)
 SMALL = dict(M=33, H=36, V=70)
 
 
-def forward_plan(p, fused):
-    return he.plan("forward", p.M, p.H, p.V, fused=fused, max_splits=3, **p.kw())
+def forward_plan(p, fused, regs=-1):
+    # The grouped fused forward unless regs = 1 (the accumulator in registers).
+    return he.plan("forward", p.M, p.H, p.V, fused=fused, max_splits=3,
+                   **p.kw(acc_registers=regs))
 
 
-def forward_error(program, p, fused, seed=0, scratch_short=None):
+def forward_error(program, p, fused, seed=0, scratch_short=None, regs=-1):
     """Largest |lse - reference| over the rows, relative to its derived bound."""
-    plan = forward_plan(p, fused)
+    plan = forward_plan(p, fused, regs)
     if scratch_short:
         for s in plan["scratch"]:
             if s["role"] == scratch_short:
@@ -43,9 +45,10 @@ def forward_error(program, p, fused, seed=0, scratch_short=None):
 
 
 def source_for(fused=None):
-    """The kernels of both forward plans (one build serves both)."""
+    """The kernels of the forward plans (one build serves them all)."""
     p = Head(2, 8, 40)
-    return he.kernel_source(he.plan_kernels(forward_plan(p, False), forward_plan(p, True)))
+    return he.kernel_source(he.plan_kernels(forward_plan(p, False), forward_plan(p, True),
+                                            forward_plan(p, True, regs=1)))
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +107,19 @@ def test_barrier_removed_is_caught(head, barrier):
     assert max(forward_error(prog, head, False, seed=s) for s in range(4)) > 1
 
 
-def test_threadgroup_memory_one_float_short_is_caught(small):
-    # The fused forward writes the last float (the row factors' last entry).
+@pytest.mark.parametrize("regs", [-1, 1])
+def test_threadgroup_memory_one_float_short_is_caught(small, regs):
+    # Both fused forwards write their last float (the row factors' last entry).
     src = source_for()
-    decl = "threadgroup float smem[FCCE_SMEM_FLOATS];"
-    at = src[: src.index("void head_fwd_fused(")].count(decl)  # the fused forward's own
-    src = metal_emu.mutate(src, decl, "threadgroup float smem[FCCE_SMEM_FLOATS - 1];",
-                           occurrence=at)
+    size, kernel = ("FCCE_REG_SMEM_FLOATS", "head_fwd_fused_regs(") if regs > 0 else \
+        ("FCCE_SMEM_FLOATS", "head_fwd_fused(")
+    decl = f"threadgroup float smem[{size}];"
+    at = src[: src.index(f"void {kernel}")].count(decl)  # that kernel's own
+    src = metal_emu.mutate(src, decl, f"threadgroup float smem[{size} - 1];", occurrence=at)
     prog = he.build(source=src, mode="asan")
+    assert forward_error(he.build(source=source_for(), mode="asan"), small, True, regs=regs) <= 1
     with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
-        forward_error(prog, small, True)
+        forward_error(prog, small, True, regs=regs)
 
 
 def test_scratch_buffer_one_float_short_is_caught(small):
@@ -160,18 +166,18 @@ GROUP_BARRIERS = {
 def group_source():
     p = Head(2, 8, 40)
     return he.kernel_source(he.plan_kernels(
-        forward_plan(p, True), he.plan("backward", 2, 8, 40, **p.kw())))
+        forward_plan(p, True), he.plan("backward", 2, 8, 40, **p.kw(acc_registers=-1))))
 
 
 def run_fused_passes(prog):
     # Five blocks in one split: a group of four and a group of one.
     p = Head(9, 36, 150, seed=10)
-    fwd = he.plan("forward", p.M, p.H, p.V, fused=True, **p.kw(max_splits=1))
+    fwd = he.plan("forward", p.M, p.H, p.V, fused=True, **p.kw(max_splits=1, acc_registers=-1))
     a = p.operands()
     a.update(logp=np.zeros(p.M, np.float32), lse=np.zeros(p.M, np.float32),
              gsum=np.zeros((p.M, p.H), np.float32))
     he.run_plan(prog, fwd, a)
-    bwd = he.plan("backward", p.M, p.H, p.V, **p.kw(max_splits=1))
+    bwd = he.plan("backward", p.M, p.H, p.V, **p.kw(max_splits=1, acc_registers=-1))
     b = p.operands()
     b.update(lse=a["lse"], g=p.g, g_lse=p.g_lse, dh=np.zeros((p.M, p.H), np.float32))
     he.run_plan(prog, bwd, b)
@@ -186,3 +192,118 @@ def test_group_barrier_removed_is_caught_under_tsan(barrier):
     src = metal_emu.mutate(group_source(), *GROUP_BARRIERS[barrier])
     with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
         run_fused_passes(he.build(source=src, mode="tsan"))
+
+
+# dh with the accumulator in registers (metal/regs.h): the barriers around
+# staging a W piece (before it, the coefficients must be complete and the
+# previous piece multiplied; after it, loaded) and before a later chunk
+# reloads its dS tile (the previous block's pieces still read it); and each
+# piece's fragments in their own accumulator and columns, each block's dS tile
+# at its own place in the stage.
+REG_BARRIERS = {
+    "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "          w.load(p, v0, i0, sm.ws, tid);",
+                          "          w.load(p, v0, i0, sm.ws, tid);"),
+    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, tid);\n"
+                         "          threadgroup_barrier(mem_flags::mem_threadgroup);",
+                         "          w.load(p, v0, i0, sm.ws, tid);"),
+    "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          crow[k] = st[er * FCCE_BN + ec + k];",
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          crow[k] = st[er * FCCE_BN + ec + k];"),
+}
+# Two chunks of H (the second partial), three blocks in rounds of two (a
+# launch that resumes the accumulator), two m tiles.
+REG_PROBLEM = dict(M=37, H=264, V=70)
+REG_PLAN = dict(max_splits=1, round_blocks=2)
+
+
+def regs_source():
+    return he.kernel_source({"fcce_dhreg_hf32_wf32", "fcce_reduce_dh_f32"})
+
+
+def check_regs(prog, seed=0):
+    p = Head(**REG_PROBLEM, ignore=(3,), seed=12)
+    check_backward(prog, p, 3.0, reference(p, 3.0)[1], seed=seed, **REG_PLAN)
+
+
+def test_acc_registers_clean_under_tsan():
+    check_regs(he.build(source=regs_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("barrier", sorted(REG_BARRIERS))
+def test_acc_registers_barrier_removed_is_caught_under_tsan(barrier):
+    src = metal_emu.mutate(regs_source(), *REG_BARRIERS[barrier])
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        check_regs(he.build(source=src, mode="tsan"))
+
+
+REG_EDITS = {
+    # a piece's accumulator stored to another piece's columns
+    "stored_to_other_columns": ("        mma.Ctile = acc[j];\n        mma.store_result_safe",
+                                "        mma.Ctile = acc[j ^ 1];\n        mma.store_result_safe"),
+    # a block's W piece multiplied into the next piece's accumulator
+    "wrong_accumulator": ("          acc[j] = mma.Ctile;",
+                          "          acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
+    # a resumed round starting from zero, not from its predecessor's partial
+    "resume_dropped": ("      if (p.block_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    # a later chunk reading another block's staged dS tile
+    "wrong_stage_tile": ("          crow[k] = st[er * FCCE_BN + ec + k];",
+                         "          crow[k] = (vb > vb0 ? st - FCCE_STAGE_FLOATS : st)"
+                         "[er * FCCE_BN + ec + k];"),
+}
+
+
+def test_acc_registers_unmodified_passes():
+    check_regs(he.build(source=regs_source()))
+
+
+@pytest.mark.parametrize("edit", sorted(REG_EDITS))
+def test_acc_registers_wrong_fragment_is_caught(edit):
+    prog = he.build(source=metal_emu.mutate(regs_source(), *REG_EDITS[edit]))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_regs(prog)
+
+
+# The fused forward with its accumulator in registers: the online-softmax
+# rescale of the accumulator dropped, and a later chunk replaying no factors
+# (the first chunk's last ones) are caught by the float64 gsum comparison;
+# ThreadSanitizer runs it clean.
+FUSED_EDITS = {
+    "rescale_dropped": ("                mma.Ctile.frag_at(a, b) *= f;",
+                        "                mma.Ctile.frag_at(a, b) *= 1.0f;"),
+    "factor_not_replayed": ("          factor[er] = st[FCCE_BM * FCCE_BN + er];",
+                            "          factor[er] = factor[er];"),
+}
+
+
+def fused_regs_source():
+    p = Head(2, 264, 40)
+    return he.kernel_source(he.plan_kernels(*plans_for(p, 3.0)))
+
+
+def check_fused_regs(prog, acc_registers=1):
+    # Two chunks, rounds of two blocks, a logit scale that moves the maximum.
+    p = Head(9, 264, 150, scale=4.0, seed=14)
+    check_all(prog, p, 3.0, max_splits=1, round_blocks=2, acc_registers=acc_registers)
+
+
+def test_fused_forward_registers_clean_under_tsan():
+    check_fused_regs(he.build(source=fused_regs_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("edit", sorted(FUSED_EDITS))
+def test_fused_forward_registers_mutation_is_caught(edit):
+    prog = he.build(source=metal_emu.mutate(fused_regs_source(), *FUSED_EDITS[edit]))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_fused_regs(prog)
+
+
+def test_fused_forward_grouped_rescale_dropped_is_caught():
+    # The same defect in the grouped kernel (head.h), which runs when forced.
+    edit = ("              acc.Ctile.frag_at(i, j) *= f;",
+            "              acc.Ctile.frag_at(i, j) *= 1.0f;")
+    prog = he.build(source=metal_emu.mutate(fused_regs_source(), *edit))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_fused_regs(prog, acc_registers=-1)
