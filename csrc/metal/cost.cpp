@@ -27,6 +27,17 @@ double w_row_bytes(const Problem& p) {
   return double(p.H) * p.bits / 8.0 + double(p.H / p.group_size) * 2 * dtype_bytes(p.sb);
 }
 
+// Per row of the launch's threadgroups: targets and the backward's lse, g,
+// g_lse, or the forward's statistics (read when resuming, written at the end).
+void add_row_bytes(const FcceParams& q, double rows, LaunchCost& c) {
+  if (q.mode == FCCE_MODE_DH) {
+    c.bytes_read += rows * 4 * 4;
+  } else {
+    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
+    c.bytes_written += rows * 4 * 2;
+  }
+}
+
 // The head kernel (metal/head.h, head_tiles): per (threadgroup, block) the
 // logits tile loads h's [BM, H] rows and W's [BN, H] rows; the fused forward
 // and dh modes load W's rows again (accumulate_cw) and, once per group of
@@ -58,15 +69,7 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     c.bytes_read += m_tiles * double(tile_groups - first_groups) * part_tile;
     c.bytes_written += m_tiles * double(tile_groups) * part_tile;
   }
-  // Per threadgroup and row: targets, the backward's lse, g, g_lse, or the
-  // forward's statistics (read when resuming, written at the end).
-  const double rows = double(c.threadgroups) * FCCE_BM;
-  if (q.mode == FCCE_MODE_DH) {
-    c.bytes_read += rows * 4 * 4;
-  } else {
-    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
-    c.bytes_written += rows * 4 * 2;
-  }
+  add_row_bytes(q, double(c.threadgroups) * FCCE_BM, c);
 }
 
 // The kernels with the accumulator in registers (metal/regs.h): per
@@ -97,12 +100,7 @@ void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.bytes_read = blocks * (h_tile + 2 * w_tile + (chunks - 1) * staged) +
       (q.block_begin > 0 ? part : 0.0);
   c.bytes_written = blocks * staged + part;
-  if (q.mode == FCCE_MODE_DH) {
-    c.bytes_read += rows * 4 * 4;
-  } else {
-    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
-    c.bytes_written += rows * 4 * 2;
-  }
+  add_row_bytes(q, rows, c);
 }
 
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
