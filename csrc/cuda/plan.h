@@ -34,7 +34,7 @@ inline int64_t cdiv(int64_t a, int64_t b) {
 // - row_block 4096: the fp32 [rows, H] accumulator is read and written once per
 //   vocabulary chunk and a chunk holds chunk_bytes / (2 rows) columns, so that
 //   traffic grows with rows^2; blocks of at most 4096 rows keep it linear in M.
-// - the dS / P buffer stays under 48 MB; vocab_chunk only narrows chunks.
+// - the dS / P buffer stays under chunk_mb (48 MB); vocab_chunk only narrows chunks.
 // - fwd_l2: the rows of h that a forward group re-reads for every vocabulary
 //   tile must stay in L2 beside the W tiles that the splits stream: 16/50 of
 //   it (16 MB of an H100's or H200's 50).
@@ -43,7 +43,7 @@ inline LaunchPlan plan_launch(const HeadTuning& t, const DeviceInfo& d) {
   LaunchPlan p;
   p.sms = std::max(d.sms, 1);
   p.row_block = t.row_block > 0 ? t.row_block : 4096;
-  p.chunk_bytes = int64_t(48) << 20;
+  p.chunk_bytes = (t.chunk_mb > 0 ? t.chunk_mb : 48) << 20;
   p.vocab_chunk = t.vocab_chunk;
   p.fwd_l2_bytes = t.fwd_l2_mb > 0 ? t.fwd_l2_mb << 20
                                    : std::max<int64_t>(d.l2_bytes * 16 / 50, int64_t(1) << 20);

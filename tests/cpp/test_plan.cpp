@@ -44,8 +44,10 @@ TEST(Plan, TuningOverridesDefaults) {
   t.vocab_chunk = 256;
   t.fwd_l2_mb = 3;
   t.dh_splits = 1;
+  t.chunk_mb = 96;
   const auto p = plan_launch(t, kH100);
   EXPECT_EQ(p.row_block, 100);
+  EXPECT_EQ(p.chunk_bytes, 96 * MB);
   EXPECT_EQ(p.vocab_chunk, 256);
   EXPECT_EQ(p.fwd_l2_bytes, 3 * MB);
   EXPECT_EQ(p.dh_splits, 1);
