@@ -312,7 +312,7 @@ def run(args):
                         providers = [("flash_cce", ours_entropy(cap, q, args.temperature,
                                                                 mode == "ent_fwd_bwd"))]
                     else:
-                        providers = [("flash_cce", ours_loss(cap, q, fused))]
+                        providers = [("flash_cce", ours_loss(cap, q, fused, args.tuning))]
                     # The other providers run the loss modes only.
                     loss_mode = mode in ("fwd", "fwd_bwd", "fwd_bwd_dw")
                     if loss_mode and name == "bf16" and "mma" in args.providers:
@@ -431,6 +431,8 @@ def main():
                             "trl_chunked"])
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the entropy modes' temperature")
+    p.add_argument("--tuning", type=json.loads, default=None,
+                   help='the ops\' tuning for our loss modes, e.g. \'{"chunk_mb": 192}\'')
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results here")

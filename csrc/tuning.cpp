@@ -18,6 +18,7 @@ const Field kFields[] = {
     {"gather_targets", &HeadTuning::gather_targets, nullptr},
     {"row_block", nullptr, &HeadTuning::row_block},
     {"vocab_chunk", nullptr, &HeadTuning::vocab_chunk},
+    {"chunk_mb", nullptr, &HeadTuning::chunk_mb},
     {"fwd_l2_mb", nullptr, &HeadTuning::fwd_l2_mb},
     {"dh_splits", nullptr, &HeadTuning::dh_splits},
     {"num_threads", nullptr, &HeadTuning::num_threads},

@@ -19,6 +19,7 @@ struct HeadTuning {
   // CUDA launch sizes.
   int64_t row_block = 0;   // rows per block of the chunked passes
   int64_t vocab_chunk = 0; // upper bound on the vocabulary chunk width
+  int64_t chunk_mb = 0;    // budget (MB) of the [rows, chunk] dS / P buffer
   int64_t fwd_l2_mb = 0;   // L2 budget (MB) for the rows of h a forward group keeps
   int64_t dh_splits = 0;   // most pieces a dh tile of the last round is split into
   // CPU.

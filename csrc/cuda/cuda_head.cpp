@@ -108,8 +108,8 @@ mx::cu::CommandEncoder& begin(mx::Stream s, HeadProblem& p, const std::vector<mx
 
 // Width of the vocabulary chunk of the backward and the fused forward for
 // blocks of M rows, a multiple of every tile width.
-int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V) {
-  return vocab_chunk(plan, M, V, kWgTileN);
+int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V, bool dw = false) {
+  return vocab_chunk(plan, M, V, kWgTileN, dw);
 }
 
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
@@ -538,7 +538,7 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
   // dW sums over every row per chunk: one block of all rows then.
   const LaunchPlan plan = launch_plan(s, p);
   const int64_t block = want_dw ? p.M : row_block(plan, p.M);
-  const int64_t chunk = backward_chunk(plan, block, V);
+  const int64_t chunk = backward_chunk(plan, block, V, want_dw);
   auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, ct);
   // fp32 dh accumulates in the output itself; other dtypes need an fp32 buffer
   // (one row block's, reused).

@@ -21,10 +21,14 @@ struct LaunchPlan {
   int sms = 0;             // grid of the persistent kernels
   int64_t row_block = 0;   // rows per block of the chunked passes
   int64_t chunk_bytes = 0; // the [rows, chunk] 16-bit dS / P buffer's budget
+  bool chunk_set = false;  // chunk_bytes came from the tuning
   int64_t vocab_chunk = 0; // upper bound on a chunk's width (0: none)
   int64_t fwd_l2_bytes = 0;
   int dh_splits = 0;
 };
+
+// Narrowest vocabulary chunk of the dW path (see vocab_chunk).
+constexpr int64_t kDwChunkCols = 3072;
 
 inline int64_t cdiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -34,7 +38,7 @@ inline int64_t cdiv(int64_t a, int64_t b) {
 // - row_block 4096: the fp32 [rows, H] accumulator is read and written once per
 //   vocabulary chunk and a chunk holds chunk_bytes / (2 rows) columns, so that
 //   traffic grows with rows^2; blocks of at most 4096 rows keep it linear in M.
-// - the dS / P buffer stays under 48 MB; vocab_chunk only narrows chunks.
+// - the dS / P buffer stays under chunk_mb (48 MB); vocab_chunk only narrows chunks.
 // - fwd_l2: the rows of h that a forward group re-reads for every vocabulary
 //   tile must stay in L2 beside the W tiles that the splits stream: 16/50 of
 //   it (16 MB of an H100's or H200's 50).
@@ -43,7 +47,8 @@ inline LaunchPlan plan_launch(const HeadTuning& t, const DeviceInfo& d) {
   LaunchPlan p;
   p.sms = std::max(d.sms, 1);
   p.row_block = t.row_block > 0 ? t.row_block : 4096;
-  p.chunk_bytes = int64_t(48) << 20;
+  p.chunk_bytes = (t.chunk_mb > 0 ? t.chunk_mb : 48) << 20;
+  p.chunk_set = t.chunk_mb > 0;
   p.vocab_chunk = t.vocab_chunk;
   p.fwd_l2_bytes = t.fwd_l2_mb > 0 ? t.fwd_l2_mb << 20
                                    : std::max<int64_t>(d.l2_bytes * 16 / 50, int64_t(1) << 20);
@@ -75,8 +80,16 @@ inline int64_t row_block(const LaunchPlan& plan, int64_t M) {
 // Width of the vocabulary chunk for blocks of M rows: a multiple of `tile`
 // (a multiple of every kernel's vocabulary tile), at least one tile, at most V
 // rounded up to tiles.
-inline int64_t vocab_chunk(const LaunchPlan& plan, int64_t M, int64_t V, int64_t tile) {
+// With `dw` (one block of every row, the dW GEMM's K) the chunk is at least
+// dw_chunk_cols wide unless chunk_mb was set: a narrow chunk leaves the dW GEMM
+// a few output tiles per multiprocessor and moves the fp32 [M, H] dh
+// accumulator once per chunk.
+inline int64_t vocab_chunk(const LaunchPlan& plan, int64_t M, int64_t V, int64_t tile,
+                           bool dw = false) {
   int64_t cols = plan.chunk_bytes / (2 * M);
+  if (dw && !plan.chunk_set) {
+    cols = std::max(cols, kDwChunkCols);
+  }
   if (plan.vocab_chunk > 0) {
     cols = std::min(cols, plan.vocab_chunk);
   }

@@ -44,8 +44,10 @@ TEST(Plan, TuningOverridesDefaults) {
   t.vocab_chunk = 256;
   t.fwd_l2_mb = 3;
   t.dh_splits = 1;
+  t.chunk_mb = 96;
   const auto p = plan_launch(t, kH100);
   EXPECT_EQ(p.row_block, 100);
+  EXPECT_EQ(p.chunk_bytes, 96 * MB);
   EXPECT_EQ(p.vocab_chunk, 256);
   EXPECT_EQ(p.fwd_l2_bytes, 3 * MB);
   EXPECT_EQ(p.dh_splits, 1);
@@ -81,6 +83,13 @@ TEST(Plan, RowBlockAndVocabChunk) {
   EXPECT_EQ(vocab_chunk(p, 4096, 200000, 256), 6144);
   EXPECT_EQ(vocab_chunk(p, 4096, 1000, 256), 1024); // V rounded up to tiles
   EXPECT_EQ(vocab_chunk(p, 1 << 20, 200000, 256), 256); // at least one tile
+  // The dW path: at least kDwChunkCols columns, unless chunk_mb is set.
+  EXPECT_EQ(vocab_chunk(p, 32768, 128256, 256, true), kDwChunkCols);
+  EXPECT_EQ(vocab_chunk(p, 4096, 200000, 256, true), 6144);
+  EXPECT_EQ(vocab_chunk(p, 32768, 1000, 256, true), 1024);
+  HeadTuning set;
+  set.chunk_mb = 48;
+  EXPECT_EQ(vocab_chunk(plan_launch(set, kH100), 32768, 128256, 256, true), 768);
   HeadTuning t;
   t.vocab_chunk = 700;
   const auto q = plan_launch(t, kH100);

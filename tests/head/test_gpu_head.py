@@ -90,9 +90,9 @@ def test_launch_plan_follows_tuning():
     assert auto["fwd_l2_bytes"] == max(auto["l2_bytes"] * 16 // 50, 1 << 20)
     assert (auto["row_block"], auto["dh_splits"], auto["vocab_chunk"]) == (4096, 4, 0)
     set_ = _ext.gpu_launch_plan({"row_block": 100, "fwd_l2_mb": 3, "dh_splits": 1,
-                                 "vocab_chunk": 256})
-    assert (set_["row_block"], set_["fwd_l2_bytes"], set_["dh_splits"], set_["vocab_chunk"]) == (
-        100, 3 << 20, 1, 256)
+                                 "vocab_chunk": 256, "chunk_mb": 96})
+    assert (set_["row_block"], set_["fwd_l2_bytes"], set_["dh_splits"], set_["vocab_chunk"],
+            set_["chunk_bytes"]) == (100, 3 << 20, 1, 256, 96 << 20)
     assert set_["sms"] == auto["sms"]
 
 

@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 
 import flash_cce as fc
+from flash_cce import _ext
 from conftest import DEVICE
 from reference import forward_backward, head_weight, operand_type, to64
 
 U32 = 2.0**-24
 UNIT = {mx.float32: 2.0**-24, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
 BACKENDS = ["native", "fallback"]
-GPU = DEVICE == "gpu" and fc._ext.has_gpu_kernels()
+GPU = DEVICE == "gpu" and _ext.has_gpu_kernels()
 
 
 def gpu_native(backend=None):
@@ -566,8 +567,8 @@ def test_backend_routing():
     assert ops._use_native(None, mx.cpu) and ops._use_native("native", mx.cpu)
     assert not ops._use_native("fallback", mx.cpu)
     gpu = mx.Device(mx.gpu, 0)
-    assert ops._use_native(None, gpu) == fc._ext.has_gpu_kernels()
-    if not fc._ext.has_gpu_kernels():
+    assert ops._use_native(None, gpu) == _ext.has_gpu_kernels()
+    if not _ext.has_gpu_kernels():
         with pytest.raises(ValueError, match="has no flash-CCE kernel"):
             ops._use_native("native", gpu)
 
@@ -592,11 +593,11 @@ def test_explicit_cpu_stream():
 def test_tuning_keys_and_defaults():
     """Every tuning key with its default; None keeps a default, and a set key
     comes back as given."""
-    defaults = fc._ext.check_tuning()
+    defaults = _ext.check_tuning()
     assert defaults == {"wgmma": True, "quant_rs": True, "gather_targets": True, "row_block": 0,
-                        "vocab_chunk": 0, "fwd_l2_mb": 0, "dh_splits": 0, "num_threads": 0}
-    assert fc._ext.check_tuning({"row_block": None}) == defaults
-    assert fc._ext.check_tuning({"wgmma": False, "num_threads": 3}) == {
+                        "vocab_chunk": 0, "chunk_mb": 0, "fwd_l2_mb": 0, "dh_splits": 0, "num_threads": 0}
+    assert _ext.check_tuning({"row_block": None}) == defaults
+    assert _ext.check_tuning({"wgmma": False, "num_threads": 3}) == {
         **defaults, "wgmma": False, "num_threads": 3}
 
 
