@@ -169,14 +169,14 @@ def torch_update(overrides, vocab, rolls, length, loss_type, repeats, liger):
         rewards = [[x[0] for x in rs] for rs in rolls.rewards]
         inputs = grpo_torch.trainer_inputs(rolls.prompts, rolls.completions, rewards, trainer.model.device)
         ms, gb, first, loss = grpo_torch.measure(grpo_torch.update_step(trainer, inputs), repeats)
+        norm = grpo_torch.grad_norm(trainer, inputs)
     except Exception as err:  # noqa: BLE001 - reported in the row
         return row(err)
     finally:
         trainer = inputs = None
         grpo_torch.release()
-    out = {"ms": round(ms, 2), "peak_gb": None if gb is None else round(gb, 4), "first_ms": round(first, 1),
-           "loss": loss}
-    return out
+    return {"ms": round(ms, 2), "peak_gb": None if gb is None else round(gb, 4), "first_ms": round(first, 1),
+            "loss": loss, "grad_norm": norm}
 
 
 def available(steps):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-TINY = ["--completions", "4", "--generations", "2", "--groups", "2", "--prompt", "6", "--repeats", "1"]
+TINY = ["--completions", "4", "--generations", "3", "--groups", "2", "--prompt", "6", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def finite_positive(x):
 def test_rollouts_against_batch_generate(bench_grpo, tmp_path, monkeypatch):
     got = run(bench_grpo, tmp_path, monkeypatch, "--phases", "rollout", "--providers", "flash_cce", "mlx-lm")
     (r,) = got["rows"]
-    assert r["rollout_tokens"] == 2 * 2 * 4 and r["update"] == {}
+    assert r["rollout_tokens"] == 3 * 2 * 4 and r["update"] == {}
     assert set(r["rollout"]) == {"flash_cce", "mlx-lm"}
     for name, cell in r["rollout"].items():
         # every row runs its full length (no EOS): the counted tokens are all of them
@@ -70,10 +70,12 @@ def test_trl_update(bench_grpo, tmp_path, monkeypatch):
     for loss_type, cells in r["update"].items():
         cell = cells["trl"]
         assert "error" not in cell and "not_available" not in cell, cell
-        for key in ("ms", "first_ms"):
+        # the recorded rewards (seeded) are 1, 0, 0 in both groups: advantages
+        # nonzero, so the adapters get a gradient
+        for key in ("ms", "first_ms", "grad_norm"):
             assert finite_positive(cell[key]), (loss_type, key, cell)
         # On-policy every ratio is 1, so each token's loss is -A; the completions
         # have equal lengths and the advantages of a group sum to zero, so both
         # aggregations give 0 up to float32 rounding of the advantages (|A| <=
-        # sqrt(G - 1) = 1 here; a few ulps of 1 per token).
+        # 2 / sqrt(3) here; a few ulps of 1 per token).
         assert math.isfinite(cell["loss"]) and abs(cell["loss"]) < 1e-5, (loss_type, cell)
