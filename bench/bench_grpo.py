@@ -6,6 +6,7 @@ LoRA rank 16 on every linear layer of every block, random weights).
     python bench/bench_grpo.py                 # small shapes, fits a 2-core CPU
     python bench/bench_grpo.py --full          # model A, G = 8, prompt 512, completions 1k and 4k
     python bench/bench_grpo.py --full --completions 4096 --json out.json
+    python bench/bench_grpo.py --full --phases rollout --rollout-completions 256 1024
 
 Rollout providers (G completions of each prompt, every completion exactly
 `--completions` tokens: no EOS stops them; temperature 1, no filters; the
@@ -220,7 +221,7 @@ def main():
     ap.add_argument("--phases", nargs="+", default=["rollout", "update"], choices=("rollout", "update"),
                     help="what to time")
     ap.add_argument("--rollout-completions", nargs="*", type=int,
-                    help="completion lengths whose rollouts are timed (default: all of --completions)")
+                    help="completion lengths whose rollouts are timed (default: those of --completions)")
     ap.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES,
                     help="the updates' loss types")
     ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
@@ -253,7 +254,9 @@ def main():
         return {k: v for k, v in steps.items() if wanted(k)}
 
     rollout_lengths = shape["completions"] if args.rollout_completions is None else args.rollout_completions
-    for length in shape["completions"]:
+    timed = lambda length: (("rollout" in args.phases and length in rollout_lengths)  # noqa: E731
+                            or ("update" in args.phases and length in shape["completions"]))
+    for length in sorted(filter(timed, set(shape["completions"]) | set(rollout_lengths))):
         r = dict(completion=length, rollout={}, update={})
         results["rows"].append(r)
         if "rollout" in args.phases and length in rollout_lengths:
@@ -265,7 +268,7 @@ def main():
             add_ratios(r["rollout"])
             print(json.dumps(r["rollout"]), flush=True)
             save()
-        if "update" in args.phases:
+        if "update" in args.phases and length in shape["completions"]:
             rolls = make_rollouts(prompts, G, length, vocab)
             for loss_type in args.loss_types:
                 steps = chosen(update_steps(model, rolls, length, loss_type)) if model is not None else {}
