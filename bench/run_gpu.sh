@@ -17,7 +17,7 @@
 #             (flash_cce, mlx-lm) in one process, then each update provider
 #             (flash_cce, mlx-lm-lora, trl, and trl-liger when FLASH_CCE_GRPO_LIGER=1)
 #             in a process of its own, each under FLASH_CCE_GRPO_TIMEOUT s (default
-#             105) and writing $OUT/grpo_<part>.json: a peer that hangs or fails
+#             100) and writing $OUT/grpo_<part>.json: a peer that hangs or fails
 #             loses only its own rows
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
 # skips nvcc with a fatbin built elsewhere from the same sources;
@@ -104,7 +104,7 @@ while [ $# -gt 0 ]; do
       python3 bench/bench_head.py --json "$out/bench_head.json" "$@" 2>&1 | tee "$out/bench.log" | tail -80
       break ;;
     grpo)
-      limit=${FLASH_CCE_GRPO_TIMEOUT:-105}
+      limit=${FLASH_CCE_GRPO_TIMEOUT:-100}
       parts=("rollout flash_cce mlx-lm" "update flash_cce" "update trl" "update mlx-lm-lora")
       if [ "${FLASH_CCE_GRPO_LIGER:-0}" = 1 ]; then
         parts+=("update trl-liger")
