@@ -58,6 +58,7 @@ FULL = dict(model="A4", generations=8, groups=1, prompt=512, completions=(1024, 
 LOSS_TYPES = ("dapo", "grpo")  # TRL 1.16's default, and the one every peer has
 LORA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")  # mlx-lm-lora 5.10.2's
 TORCH_PROVIDERS = ("trl", "trl-liger")
+PROVIDERS = ("flash_cce", "mlx-lm", "mlx-lm-lora") + TORCH_PROVIDERS
 
 
 class NoEos:
@@ -227,6 +228,9 @@ def main():
     ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
     ap.add_argument("--json", default="bench_grpo.json", help="where to write results")
     args = ap.parse_args()
+    unknown = set(args.providers or ()) - set(PROVIDERS)
+    if unknown:
+        ap.error(f"--providers: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(PROVIDERS)}")
     shape = dict(FULL if args.full else SMALL)
     for k in ("generations", "groups", "prompt", "repeats"):
         if getattr(args, k) is not None:

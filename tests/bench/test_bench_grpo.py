@@ -79,3 +79,11 @@ def test_trl_update(bench_grpo, tmp_path, monkeypatch):
         # aggregations give 0 up to float32 rounding of the advantages (|A| <=
         # 2 / sqrt(3) here; a few ulps of 1 per token).
         assert math.isfinite(cell["loss"]) and abs(cell["loss"]) < 1e-5, (loss_type, cell)
+
+
+def test_unknown_provider_is_refused(bench_grpo, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(bench_grpo, tmp_path, monkeypatch, "--phases", "update", "--providers", "trl", "tlr")
+    assert exit_info.value.code == 2
+    assert "--providers: unknown tlr; allowed: flash_cce, mlx-lm, mlx-lm-lora, trl, trl-liger" in capsys.readouterr().err
+    assert not (tmp_path / "grpo.json").exists()
