@@ -1,27 +1,40 @@
 """GRPO rollout and update, timed apart, with peak memory: flash_cce against
-mlx-lm-lora 5.10.2's GRPO and (rollouts) mlx-lm's `batch_generate`, in one
-process on one model (bench_orpo's model A: gemma3_text, LoRA rank 16 on every
-linear layer of every block, random weights).
+mlx-lm-lora 5.10.2's GRPO, (rollouts) mlx-lm's `batch_generate` and (updates)
+torch + TRL 1.16's GRPOTrainer, on one model (bench_orpo's model A: gemma3_text,
+LoRA rank 16 on every linear layer of every block, random weights).
 
     python bench/bench_grpo.py                 # small shapes, fits a 2-core CPU
     python bench/bench_grpo.py --full          # model A, G = 8, prompt 512, completions 1k and 4k
     python bench/bench_grpo.py --full --completions 4096 --json out.json
+    python bench/bench_grpo.py --full --phases rollout --rollout-completions 256 1024
 
 Rollout providers (G completions of each prompt, every completion exactly
-`--completions` tokens: no EOS stops them; temperature 1, no filters):
+`--completions` tokens: no EOS stops them; temperature 1, no filters; the
+tokens each provider returned are counted and give its tokens per second):
   flash_cce        `flash_cce.train.rollout.rollout`: each prompt prefilled once,
-                   its cache copied to its G rows, one batched decode
-  mlx-lm           mlx-lm 0.32.2 `batch_generate` of the G x prompts rows
+                   its cache copied to its G rows, one batched decode; returns
+                   the sampler's log-probs too
+  mlx-lm           mlx-lm 0.32.2 `batch_generate` of the G x prompts rows (each
+                   row prefilled), token ids returned, not its log-probs (they
+                   cost it a host sync per token)
   mlx-lm-lora      mlx-lm-lora 5.10.2 `generate_grpo` (shared prompt prefill,
                    mlx-lm's BatchGenerator)
-Update providers (one optimizer micro-step's loss and gradients, evaluated, on
-the same recorded rollouts: loss_type grpo, beta 0, on-policy):
+Update providers (one micro-step's loss and gradients, evaluated, on the same
+recorded rollouts: beta 0, on-policy, each of `--loss-types`):
   flash_cce        `flash_cce.train.grpo.grpo_value_and_grad` (groups through the
                    stack: the prompt encoded once for its G completions)
   mlx-lm-lora      mlx-lm-lora 5.10.2 `grpo_loss` under `nn.value_and_grad` (every
-                   row prompt + completion, full logits)
-A provider that is missing or fails is reported with its reason. Results: JSON
-(`--json`) with median ms, peak GB and, for rollouts, generated tokens per second.
+                   row prompt + completion, full logits); loss type grpo only
+  trl              TRL 1.16 GRPOTrainer's `compute_loss` + backward on transformers'
+                   Gemma 3 with model A's shapes, bf16, PEFT LoRA, gradient
+                   checkpointing, TRL's fused LM head (bench/grpo_torch.py), timed
+                   with CUDA events, torch's peak memory
+  trl-liger        the same with `use_liger_kernel` (Liger's layer kernels; TRL
+                   1.16 keeps its own head for GRPO)
+A provider that is missing is reported as not available, one that fails with its
+reason. Results: JSON (`--json`) with median ms, peak GB and, for rollouts,
+generated tokens per second; written after every phase, so a run cut short keeps
+what it measured.
 """
 
 import argparse
@@ -42,6 +55,10 @@ from flash_cce.train.rollout import RolloutRng, SamplingSettings, rollout  # noq
 
 SMALL = dict(model="A4", generations=4, groups=2, prompt=64, completions=(32, 64), repeats=3)
 FULL = dict(model="A4", generations=8, groups=1, prompt=512, completions=(1024, 4096), repeats=3)
+LOSS_TYPES = ("dapo", "grpo")  # TRL 1.16's default, and the one every peer has
+LORA_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")  # mlx-lm-lora 5.10.2's
+TORCH_PROVIDERS = ("trl", "trl-liger")
+PROVIDERS = ("flash_cce", "mlx-lm", "mlx-lm-lora") + TORCH_PROVIDERS
 
 
 class NoEos:
@@ -70,31 +87,44 @@ def make_rollouts(prompts, G, length, vocab, seed=1):
     return Rollouts(prompts, comps, rewards, ["r"], [[True] * G for _ in prompts])
 
 
-def rollout_steps(model, prompts, G, length):
+def rollout_steps(model, prompts, G, length, generated):
+    """name -> builder of a rollout step; each step records in `generated[name]`
+    how many tokens it returned."""
     s = SamplingSettings(max_completion_length=length, temperature=1.0)
     rng = RolloutRng(0)
 
     def ours():
-        return lambda: rollout(model, prompts, G, s, [], rng)
+        def step():
+            out = rollout(model, prompts, G, s, [], rng)
+            generated["flash_cce"] = sum(len(c) for cs in out.completions for c in cs)
+        return step
 
     def mlx_lm():
         from mlx_lm.generate import batch_generate
         from mlx_lm.sample_utils import make_sampler
 
         rows = [p for p in prompts for _ in range(G)]
-        return lambda: batch_generate(model, NoEos(), rows, max_tokens=length, sampler=make_sampler(temp=1.0),
-                                      completion_batch_size=len(rows), prefill_batch_size=len(rows))
+
+        def step():
+            out = batch_generate(model, NoEos(), rows, max_tokens=length, sampler=make_sampler(temp=1.0),
+                                 completion_batch_size=len(rows), prefill_batch_size=len(rows),
+                                 return_token_ids=True)
+            generated["mlx-lm"] = sum(len(t) for t in out.token_ids)
+        return step
 
     def lora():
         from mlx_lm_lora.trainer.grpo_trainer import generate_grpo
 
-        return lambda: generate_grpo(model, NoEos(), prompts, length, G, len(prompts), None, 1.0, 1.0, 0, 0.0)
+        def step():
+            completions = generate_grpo(model, NoEos(), prompts, length, G, len(prompts), None, 1.0, 1.0, 0, 0.0)[0]
+            generated["mlx-lm-lora"] = sum(len(c) for c in completions)
+        return step
 
     return {"flash_cce": ours, "mlx-lm": mlx_lm, "mlx-lm-lora": lora}
 
 
-def update_steps(model, rolls, length):
-    cfg = GRPOConfig(loss_type="grpo", beta=0.0, num_generations=len(rolls.completions[0]),
+def update_steps(model, rolls, length, loss_type):
+    cfg = GRPOConfig(loss_type=loss_type, beta=0.0, num_generations=len(rolls.completions[0]),
                      max_completion_length=length)
 
     def ours():
@@ -114,14 +144,41 @@ def update_steps(model, rolls, length):
         adv = mx.array(((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1))
         loss_and_grad = nn.value_and_grad(model, lambda m: grpo_loss(
             m, None, batch, comps, None, idx, adv, beta=0.0, epsilon=0.2, max_tokens=length,
-            grpo_loss_type="grpo")[0])
+            grpo_loss_type=loss_type)[0])
 
         def step():
             loss, grads = loss_and_grad(model)
             mx.eval(loss, grads)
         return step
 
-    return {"flash_cce": ours, "mlx-lm-lora": lora}
+    steps = {"flash_cce": ours}
+    if loss_type in LORA_LOSS_TYPES:
+        steps["mlx-lm-lora"] = lora
+    return steps
+
+
+def torch_update(overrides, vocab, rolls, length, loss_type, repeats, liger):
+    """The `trl` (or `trl-liger`) row: TRL 1.16 GRPOTrainer's update on the same
+    rollouts, or why it is not available."""
+    import grpo_torch
+
+    reason = grpo_torch.missing(liger)
+    if reason:
+        return {"not_available": reason}
+    try:
+        trainer = grpo_torch.build_trainer(overrides, vocab, len(rolls.completions[0]), len(rolls.prompts),
+                                           length, loss_type, liger)
+        rewards = [[x[0] for x in rs] for rs in rolls.rewards]
+        inputs = grpo_torch.trainer_inputs(rolls.prompts, rolls.completions, rewards, trainer.model.device)
+        ms, gb, first, loss = grpo_torch.measure(grpo_torch.update_step(trainer, inputs), repeats)
+        norm = grpo_torch.grad_norm(trainer, inputs)
+    except Exception as err:  # noqa: BLE001 - reported in the row
+        return row(err)
+    finally:
+        trainer = inputs = None
+        grpo_torch.release()
+    return {"ms": round(ms, 2), "peak_gb": None if gb is None else round(gb, 4), "first_ms": round(first, 1),
+            "loss": loss, "grad_norm": norm}
 
 
 def available(steps):
@@ -139,9 +196,19 @@ def row(result, tokens=None):
         return {"error": f"{type(result).__name__}: {str(result).splitlines()[0][:200] if str(result) else ''}"}
     ms, gb, first = result
     out = {"ms": round(ms, 2), "peak_gb": round(gb, 4), "first_ms": round(first, 1)}
-    if tokens:
+    if tokens is not None:
+        out["tokens"] = tokens
         out["tokens_per_s"] = round(tokens / (ms / 1e3), 1)
     return out
+
+
+def add_ratios(cells):
+    """flash_cce's time and memory over each peer's, in the peer's cell."""
+    ours = cells.get("flash_cce", {})
+    for k, v in cells.items():
+        if k != "flash_cce" and "ms" in v and "ms" in ours:
+            v["flash_cce_time_ratio"] = round(ours["ms"] / v["ms"], 3)
+            v["flash_cce_memory_ratio"] = round(ours["peak_gb"] / v["peak_gb"], 3) if v.get("peak_gb") else None
 
 
 def main():
@@ -155,10 +222,15 @@ def main():
     ap.add_argument("--phases", nargs="+", default=["rollout", "update"], choices=("rollout", "update"),
                     help="what to time")
     ap.add_argument("--rollout-completions", nargs="*", type=int,
-                    help="completion lengths whose rollouts are timed (default: all of --completions)")
+                    help="completion lengths whose rollouts are timed (default: those of --completions)")
+    ap.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES,
+                    help="the updates' loss types")
     ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
     ap.add_argument("--json", default="bench_grpo.json", help="where to write results")
     args = ap.parse_args()
+    unknown = set(args.providers or ()) - set(PROVIDERS)
+    if unknown:
+        ap.error(f"--providers: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(PROVIDERS)}")
     shape = dict(FULL if args.full else SMALL)
     for k in ("generations", "groups", "prompt", "repeats"):
         if getattr(args, k) is not None:
@@ -166,43 +238,56 @@ def main():
     if args.completions:
         shape["completions"] = tuple(args.completions)
     kind, overrides, bits = (FULL_MODELS if args.full else SMALL_MODELS)[shape["model"]]
-    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    model = build(kind, overrides, bits, dtype)
-    vocab = model.args.vocab_size
+    vocab = overrides.get("vocab_size", 262144)
+    wanted = (lambda name: not args.providers or name in args.providers)
+    model = None
+    if not args.providers or set(args.providers) - set(TORCH_PROVIDERS):  # an MLX provider runs
+        dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        model = build(kind, overrides, bits, dtype)
+        assert model.args.vocab_size == vocab
     G, prompts = shape["generations"], make_prompts(shape["groups"], shape["prompt"], vocab)
     results = dict(device=str(mx.default_device()), machine=platform.machine(), mlx=mx.__version__,
-                   shape={k: v for k, v in shape.items()}, rows=[])
+                   shape={k: v for k, v in shape.items()}, loss_types=args.loss_types, rows=[])
+
+    def save():  # after every phase: a run cut short keeps what it measured
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
     def chosen(steps):
-        steps = available(steps)
-        return {k: v for k, v in steps.items() if not args.providers or k in args.providers}
+        steps = available(steps) if model is not None else {}
+        return {k: v for k, v in steps.items() if wanted(k)}
 
     rollout_lengths = shape["completions"] if args.rollout_completions is None else args.rollout_completions
-    for length in shape["completions"]:
-        tokens = G * len(prompts) * length
-        gen, upd = {}, {}
-        if "rollout" in args.phases and length in rollout_lengths:
-            print(f"rollout, completions of {length}: {list(chosen(rollout_steps(model, prompts, G, length)))}",
-                  flush=True)
-            gen = measure(chosen(rollout_steps(model, prompts, G, length)), shape["repeats"])
-            print({k: row(v, tokens) for k, v in gen.items()}, flush=True)
-        if "update" in args.phases:
-            print(f"update, completions of {length}", flush=True)
-            upd = measure(chosen(update_steps(model, make_rollouts(prompts, G, length, vocab), length)),
-                          shape["repeats"])
-            print({k: row(v) for k, v in upd.items()}, flush=True)
-        r = dict(completion=length, rollout={k: row(v, tokens) for k, v in gen.items()},
-                 update={k: row(v) for k, v in upd.items()})
-        for phase in ("rollout", "update"):
-            ours = r[phase].get("flash_cce", {})
-            for k, v in r[phase].items():
-                if k != "flash_cce" and "ms" in v and "ms" in ours:
-                    v["flash_cce_time_ratio"] = round(ours["ms"] / v["ms"], 3)
-                    v["flash_cce_memory_ratio"] = round(ours["peak_gb"] / v["peak_gb"], 3) if v["peak_gb"] else None
+    timed = lambda length: (("rollout" in args.phases and length in rollout_lengths)  # noqa: E731
+                            or ("update" in args.phases and length in shape["completions"]))
+    for length in sorted(filter(timed, set(shape["completions"]) | set(rollout_lengths))):
+        r = dict(completion=length, rollout={}, update={})
         results["rows"].append(r)
-        print(json.dumps(r))
-        with open(args.json, "w") as f:  # after every length: a run cut short keeps what it measured
-            json.dump(results, f, indent=1)
+        if "rollout" in args.phases and length in rollout_lengths:
+            generated = {}
+            steps = chosen(rollout_steps(model, prompts, G, length, generated))
+            print(f"rollout, completions of {length}: {list(steps)}", flush=True)
+            r["rollout_tokens"] = G * len(prompts) * length  # what each provider should return
+            r["rollout"] = {k: row(v, generated.get(k)) for k, v in measure(steps, shape["repeats"]).items()}
+            add_ratios(r["rollout"])
+            print(json.dumps(r["rollout"]), flush=True)
+            save()
+        if "update" in args.phases and length in shape["completions"]:
+            rolls = make_rollouts(prompts, G, length, vocab)
+            for loss_type in args.loss_types:
+                steps = chosen(update_steps(model, rolls, length, loss_type)) if model is not None else {}
+                print(f"update {loss_type}, completions of {length}: {list(steps)}", flush=True)
+                cells = {k: row(v) for k, v in measure(steps, shape["repeats"]).items()}
+                for name in TORCH_PROVIDERS:
+                    if wanted(name):
+                        cells[name] = torch_update(overrides, vocab, rolls, length, loss_type, shape["repeats"],
+                                                   liger=name == "trl-liger")
+                        print(f"{name}: {json.dumps(cells[name])}", flush=True)
+                add_ratios(cells)
+                r["update"][loss_type] = cells
+                print(json.dumps(cells), flush=True)
+                save()
+    save()
     print(f"wrote {args.json}")
 
 

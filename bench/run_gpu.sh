@@ -13,6 +13,12 @@
 #             (such an archive from an earlier run) fills the workers' caches first
 #   sanitize  compute-sanitizer memcheck and racecheck on a small shape
 #   bench ARGS...  bench/bench_head.py ARGS (must come last)
+#   grpo ARGS...   bench/bench_grpo.py ARGS (must come last): the rollouts
+#             (flash_cce, mlx-lm) in one process, then each update provider
+#             (flash_cce, mlx-lm-lora, trl, and trl-liger when FLASH_CCE_GRPO_LIGER=1)
+#             in a process of its own, each under FLASH_CCE_GRPO_TIMEOUT s (default
+#             100) and writing $OUT/grpo_<part>.json: a peer that hangs or fails
+#             loses only its own rows
 # Logs and results go to $OUT (default runs/gpu). FLASH_CCE_PREBUILT_FATBIN
 # skips nvcc with a fatbin built elsewhere from the same sources;
 # FLASH_CCE_WHEELS names a folder of wheels (e.g. the torch peers of bench_head.py) to put
@@ -96,6 +102,22 @@ while [ $# -gt 0 ]; do
       done ;;
     bench)
       python3 bench/bench_head.py --json "$out/bench_head.json" "$@" 2>&1 | tee "$out/bench.log" | tail -80
+      break ;;
+    grpo)
+      limit=${FLASH_CCE_GRPO_TIMEOUT:-100}
+      parts=("rollout flash_cce mlx-lm" "update flash_cce" "update trl" "update mlx-lm-lora")
+      if [ "${FLASH_CCE_GRPO_LIGER:-0}" = 1 ]; then
+        parts+=("update trl-liger")
+      fi
+      for part in "${parts[@]}"; do
+        read -r phase providers <<<"$part"
+        name="${phase}_${providers// /_}"
+        start=$SECONDS
+        timeout -k 10 "$limit" python3 bench/bench_grpo.py --phases "$phase" --providers $providers \
+          --json "$out/grpo_$name.json" "$@" >"$out/grpo_$name.log" 2>&1
+        echo "grpo $name: exit $? in $((SECONDS - start)) s"
+        grep -E '^\{|^trl|rror' "$out/grpo_$name.log" | tail -6
+      done
       break ;;
     *)
       echo "unknown stage $stage" >&2
