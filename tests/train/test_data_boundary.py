@@ -141,7 +141,7 @@ def test_the_tokenizer_merges_across_the_boundary(tok):
 
 
 # The TRL trainer of each pair objective (docs/objectives.md): SimPO is a CPO loss
-# type, and ORPOTrainer tokenises as CPOTrainer.
+# type, orpo_margin is ORPO with a margin, and ORPOTrainer tokenises as CPOTrainer.
 TRL_TRAINER = {"dpo": "dpo", "cpo": "cpo", "orpo": "cpo", "simpo": "cpo", "orpo_margin": "cpo"}
 
 

@@ -11,7 +11,8 @@ which are unpaired as TRL's KTOTrainer does. SFT: TRL's `messages`,
 `prompt`/`completion` and `text` records (or pairs, whose `rejected` is unused).
 Message lists go through the tokenizer's chat template; strings are tokenised as
 plain text, with the tokenizer's special tokens on the prompt and EOS after each
-response.
+response. Prompt and response are tokenised together, as the TRL 1.16 trainer of
+the objective does (`Encoder`).
 """
 
 import json
