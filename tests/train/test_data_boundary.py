@@ -245,16 +245,26 @@ def test_sft_tokenises_as_trl_sft(tok, tmp_path, name):
         assert pair.chosen_prompt_len == mask.index(1)
 
 
+KTO = {
+    "paired": [PAIRS["trailing-space"], PAIRS["remerged"], PAIRS["standard"]],
+    "implicit": [PAIRS["implicit"], {"chosen": "x then.", "rejected": "x th no."}],
+    "unpaired": [{"prompt": "q: what color? a: ", "completion": "red.", "label": True},
+                 {"prompt": "x th", "completion": "en.", "label": False},
+                 {"prompt": "what color?", "completion": " blue.", "label": True}],
+    "chat": [PAIRS["chat"], PAIRS["chat-continued"]],
+}
+
+
+@pytest.mark.parametrize("name", KTO)
 @pytest.mark.parametrize("batch_size", [2, 3])
-def test_kto_tokenises_as_trl_kto(tok, tmp_path, batch_size):
-    rows = [PAIRS["trailing-space"], PAIRS["remerged"], {"prompt": "what color?", "chosen": " red.",
-                                                         "rejected": " blue."}]
+def test_kto_tokenises_as_trl_kto(tok, tmp_path, name, batch_size):
+    rows = KTO[name]
     examples, _ = load_pairs(_write(tmp_path / "k.jsonl", rows), tok, kind="unpaired", kl_chunk=batch_size,
                              objective="kto")
     got = [(e.tokens[:e.prompt_len], e.completion(), e.label, e.kl_completion) for e in examples]
     assert got == trl_kto(tok._tokenizer, rows, batch_size)
     # The KL pairs join one example's cut prompt to another's completion, merged token and all (TRL's collator).
-    assert any(e.completion()[0] == tok._tokenizer.convert_tokens_to_ids(" red") for e in examples)
+    assert any(e.completion()[0] in tok._tokenizer.convert_tokens_to_ids([" red", " the", "? "]) for e in examples)
 
 
 def test_grpo_prompts_tokenise_as_trl_grpo(tok):
@@ -336,13 +346,14 @@ def test_sft_against_trl_itself(tok, tmp_path, name):
         assert pair.chosen_prompt_len == row["labels"].count(-100)
 
 
+@pytest.mark.parametrize("name", KTO)
 @pytest.mark.parametrize("batch_size", [2, 3])
-def test_kto_against_trl_itself(tok, tmp_path, batch_size):
+def test_kto_against_trl_itself(tok, tmp_path, name, batch_size):
     pytest.importorskip("trl")
     from datasets import Dataset
     from trl.trainer.kto_trainer import KTOTrainer
 
-    rows = [PAIRS["trailing-space"], PAIRS["remerged"], PAIRS["standard"]]
+    rows = KTO[name]
     hf = tok._tokenizer
     trainer = _trainer(KTOTrainer, _tokenizer=hf, calculate_KL=True)
     data = trainer._prepare_dataset(Dataset.from_list(rows), hf, _args(per_device_train_batch_size=batch_size),
