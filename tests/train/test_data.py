@@ -26,7 +26,8 @@ def ids(tok, text):
     return [tok.vocab[w] for w in text.split()]
 
 
-STR_REC = {"prompt": "tom has a red ball .", "chosen": "red .", "rejected": "blue ."}
+# Responses open with a space, as in TRL's data: TRL tokenises `prompt + chosen` as one string.
+STR_REC = {"prompt": "tom has a red ball .", "chosen": " red .", "rejected": " blue ."}
 
 
 def test_string_record_layout(tok, tmp_path):
@@ -36,7 +37,7 @@ def test_string_record_layout(tok, tmp_path):
     assert pair.chosen == prompt + ids(tok, "red .") + [eos]
     assert pair.rejected == prompt + ids(tok, "blue .") + [eos]
     assert pair.chosen_prompt_len == pair.rejected_prompt_len == len(prompt)
-    assert report == dict(records=1, truncated=0, dropped=0, prompt_cut=0)
+    assert report == dict(records=1, truncated=0, dropped=0, prompt_cut=0, merged=0)
 
 
 def _chat_ids(tok, turns, generation_prompt):
@@ -113,7 +114,7 @@ def test_truncation_modes():
 def test_truncation_counts_and_errors(tok, tmp_path):
     path = _write(tmp_path / "t.jsonl", [STR_REC, dict(STR_REC, prompt="tom")])
     pairs, report = load_pairs(path, tok, max_seq_length=6, truncation="drop")
-    assert len(pairs) == 1 and report == dict(records=2, truncated=0, dropped=1, prompt_cut=0)
+    assert len(pairs) == 1 and report == dict(records=2, truncated=0, dropped=1, prompt_cut=0, merged=0)
     pairs, report = load_pairs(path, tok, max_seq_length=6, truncation="keep_end")
     assert [len(p.chosen) for p in pairs] == [6, 5] and report["truncated"] == 1
     with pytest.raises(ValueError, match=r"t.jsonl:1: .*max_seq_length=6"):
@@ -147,7 +148,7 @@ def test_unpaired_record_layout_and_truncation(tok, tmp_path):
     assert examples[0].prompt_len == len(prompt) and report["truncated"] == 0
     cut, report = load_pairs(tmp_path / "u.jsonl", tok, unpaired=True, max_seq_length=6)
     assert cut[0].tokens == examples[0].tokens[4:] and cut[0].prompt_len == len(prompt) - 4
-    assert report == dict(records=2, truncated=2, dropped=0, prompt_cut=0)
+    assert report == dict(records=2, truncated=2, dropped=0, prompt_cut=0, merged=0)
     assert "2 examples (1 desirable)" in format_summary("train", examples, report)
     # KTO's KL completions, fixed at loading: each the completion of the example before it.
     assert examples[1].kl_completion == examples[0].completion()

@@ -11,7 +11,8 @@ which are unpaired as TRL's KTOTrainer does. SFT: TRL's `messages`,
 `prompt`/`completion` and `text` records (or pairs, whose `rejected` is unused).
 Message lists go through the tokenizer's chat template; strings are tokenised as
 plain text, with the tokenizer's special tokens on the prompt and EOS after each
-response.
+response. Prompt and response are tokenised together, as the TRL 1.16 trainer of
+the objective does (`Encoder`).
 """
 
 import json
@@ -183,8 +184,32 @@ def read_jsonl(path, check=check_record):
     return records
 
 
+# The TRL 1.16 trainer whose tokenisation each objective reproduces (TRL's SimPO
+# is a CPO loss type; ORPO tokenises as CPO does): "cpo" for these, "dpo" (the
+# DPO, KTO and SFT trainers') for the others.
+TOKENISATION = {"orpo": "cpo", "orpo_margin": "cpo", "simpo": "cpo", "cpo": "cpo"}
+TOKENISATIONS = ("dpo", "cpo")
+
+
+def tokenisation(objective):
+    """The TRL trainer ("dpo" or "cpo") whose tokenisation `objective` reproduces."""
+    return TOKENISATION.get(objective, "dpo")
+
+
 class Encoder:
-    """Tokenises records into Pairs.
+    """Tokenises records into Pairs as TRL 1.16's trainers tokenise them.
+
+    `tokenisation` "dpo" (DPOTrainer, KTOTrainer, SFTTrainer): the prompt alone
+    and the prompt followed by each response (a string response with EOS text
+    appended) are tokenised; each sequence is the latter, and the prompt is their
+    common leading tokens (for a pair, the fewer of the two sides'). Where a token
+    merges across the boundary the prompt ends before it and the merged token
+    belongs to the response. "cpo" (CPOTrainer, ORPOTrainer): conversations are
+    rendered to text first; the prompt and the prompt followed by each response
+    are tokenised without special tokens, the response starts where the prompt's
+    tokens end, one token earlier where the prompt's tokens are not a prefix of
+    the joint ones; then BOS goes before each prompt and EOS after each response
+    (as ids, where missing).
 
     `chat_template`: "auto" uses the template for message records only, True also
     wraps string records as a user turn and an assistant turn, False never uses
@@ -192,73 +217,127 @@ class Encoder:
     when not None (Qwen3-style templates).
     """
 
-    def __init__(self, tokenizer, chat_template="auto", enable_thinking=None):
+    def __init__(self, tokenizer, chat_template="auto", enable_thinking=None, tokenisation="dpo"):
         if chat_template not in ("auto", True, False):
             raise ValueError(f"chat_template must be 'auto', true or false, got {chat_template!r}")
+        if tokenisation not in TOKENISATIONS:
+            raise ValueError(f"tokenisation must be one of {TOKENISATIONS}, got {tokenisation!r}")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tokenisation = tokenisation
+        # Records whose prompt's own tokens are no prefix of the joint ones (TRL warns of them).
+        self.merged = 0
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
-    def _template(self, messages, prompt):
-        return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=prompt, tokenize=True, return_dict=False,
-            **self.template_kwargs,
-        ))
+    def _template(self, messages, prompt, tokenize=True, **kwargs):
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=prompt, tokenize=tokenize, return_dict=False,
+            **kwargs, **self.template_kwargs,
+        )
+        return list(out) if tokenize else out
 
-    def _text(self, prompt, response):
-        tok = self.tokenizer
-        p = list(tok.encode(prompt)) if prompt else []
-        r = list(tok.encode(response, add_special_tokens=False))
-        if tok.eos_token_id is not None and (not r or r[-1] != tok.eos_token_id):
-            r.append(tok.eos_token_id)
-        return p + r, len(p)
+    def _with_eos(self, text):
+        eos = self.tokenizer.eos_token
+        return text if eos is None or text.endswith(eos) else text + eos
 
-    def _chat(self, prompt, response, where):
-        p = self._template(prompt, True)
-        full = self._template(prompt + response, False)
-        if full[: len(p)] != p:
-            # The template renders the prompt differently once a reply follows
-            # (some templates do); the prompt is then the common prefix.
-            n = _common_prefix(p, full)
-            if n == 0:
-                raise DataError(f"{where}: the chat template shares no prefix between prompt and conversation")
-            return full, n
-        return full, len(p)
-
-    def encode_one(self, prompt, response, where="record"):
-        """(tokens, prompt_len) of a prompt and one response (strings or messages)."""
-        messages = isinstance(response, list)
+    def _forms(self, prompt, responses, where):
+        """(prompt, responses, messages): string records as turns under chat_template true."""
+        messages = isinstance(responses[0], list)
         if messages and self.chat_template is False:
             raise DataError(f"{where}: chat messages need chat_template 'auto' or true")
         if not messages and self.chat_template is True:
             prompt = [{"role": "user", "content": prompt}]
-            response = [{"role": "assistant", "content": response}]
+            responses = [[{"role": "assistant", "content": r}] for r in responses]
             messages = True
+        return prompt, responses, messages
+
+    def encode_responses(self, prompt, responses, where="record"):
+        """[(tokens, prompt_len)] of `prompt` followed by each of `responses`
+        (strings or message lists), as the trainer of `tokenisation` makes them."""
+        prompt, responses, messages = self._forms(prompt, responses, where)
+        if self.tokenisation == "cpo":
+            if messages:
+                prompt, responses = self._rendered(prompt, responses, where)
+            return self._cpo(prompt, responses, where)
         if messages:
-            return self._chat(prompt, response, where)
-        return self._text(prompt, response)
+            p = self._template(prompt, True)
+            fulls = [self._template(prompt + r, False) for r in responses]
+        else:
+            p = list(self.tokenizer.encode(prompt))
+            fulls = [list(self.tokenizer.encode(prompt + self._with_eos(r))) for r in responses]
+        n = min(_common_prefix(p, f) for f in fulls)
+        self.merged += n < len(p)
+        if p and n == 0:
+            raise DataError(f"{where}: the prompt's tokens share no leading token with the prompt followed by "
+                            "its response (check the chat template or the tokenizer's special tokens)")
+        return [(f, n) for f in fulls]
+
+    def _rendered(self, prompt, responses, where):
+        """TRL's `apply_chat_template` of a record for CPO and ORPO: the prompt's
+        text (with the generation prompt, or continuing a final assistant turn) cut
+        to what it shares with every prompt-and-response text, and each response's
+        text after it."""
+        role = prompt[-1]["role"] if prompt else None
+        if role not in ("user", "tool", "assistant"):
+            raise DataError(f"{where}: the prompt's last message has role {role!r}; cpo, orpo and simpo read a "
+                            "prompt ending with a user, tool or assistant turn (as TRL's CPO and ORPO trainers)")
+        last = role == "assistant"
+        text = self._template(prompt, not last, tokenize=False, continue_final_message=last)
+        fulls = [self._template(prompt + r, False, tokenize=False) for r in responses]
+        for f in fulls:
+            text = text[:_common_prefix(text, f)]
+        return text, [f[len(text):] for f in fulls]
+
+    def _cpo(self, prompt, responses, where):
+        """TRL's CPO/ORPO `build_tokenized_answer` and `tokenize_row` of string texts."""
+        tok = self.tokenizer
+        p = list(tok.encode(prompt, add_special_tokens=False))
+        parts = []
+        for r in responses:
+            full = list(tok.encode(prompt + r, add_special_tokens=False))
+            if len(full) < len(p):
+                raise DataError(f"{where}: the prompt followed by its response has fewer tokens than the prompt "
+                                "alone (TRL's CPO and ORPO trainers refuse such a record)")
+            start = len(p) - (full[:len(p)] != p)  # the merged last prompt token goes with the response
+            parts.append((full[:start], full[start:]))
+        if len(parts) == 2:
+            (a, _), (b, _) = parts
+            if sum(x != y for x, y in zip(a, b)) > 1 or abs(len(a) - len(b)) > 1:
+                raise DataError(f"{where}: the prompt tokenises differently before chosen and before rejected in "
+                                "more than its last token (TRL's CPO and ORPO trainers refuse such a pair)")
+        self.merged += any(len(a) < len(p) for a, _ in parts)
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+        out = []
+        for prompt_ids, answer in parts:
+            if bos is not None and prompt_ids[:1] != [bos]:
+                prompt_ids = [bos] + prompt_ids
+            if eos is not None and answer[-1:] != [eos]:
+                answer = answer + [eos]
+            out.append((prompt_ids + answer, len(prompt_ids)))
+        return out
+
+    def encode_one(self, prompt, response, where="record"):
+        """(tokens, prompt_len) of a prompt and one response (strings or messages)."""
+        return self.encode_responses(prompt, [response], where)[0]
 
     def encode_prompt(self, prompt, where="record"):
-        """The token ids of a prompt alone, as `encode_one` begins a sequence
-        (a conversation with the chat template's generation prompt)."""
+        """The token ids of a prompt alone, as TRL's GRPOTrainer tokenises it for
+        generation: a string with the tokenizer's special tokens, a conversation
+        through the chat template with the generation prompt."""
         if isinstance(prompt, list) and self.chat_template is False:
             raise DataError(f"{where}: chat messages need chat_template 'auto' or true")
         if isinstance(prompt, str) and self.chat_template is True:
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, list):
             return self._template(prompt, True)
-        return list(self.tokenizer.encode(prompt)) if prompt else []
+        return list(self.tokenizer.encode(prompt))
 
     def encode_text(self, text, where="record"):
-        """(tokens, 0) of a `text` record: the text with the tokenizer's special
-        tokens and EOS (TRL's language-modelling records)."""
+        """(tokens, 0) of a `text` record: the text with EOS text appended, with
+        the tokenizer's special tokens (TRL's language-modelling records)."""
         if self.chat_template is True:
             raise DataError(f"{where}: a 'text' record has no turns for chat_template true; use auto or false")
-        tok = self.tokenizer
-        tokens = list(tok.encode(text))
-        if tok.eos_token_id is not None and tokens[-1:] != [tok.eos_token_id]:
-            tokens.append(tok.eos_token_id)
-        return tokens, 0
+        return list(self.tokenizer.encode(self._with_eos(text))), 0
 
     def encode_sft(self, rec, where="record"):
         """The Pair of an SFT record (`check_sft_record`'s form): the sequence on
@@ -278,10 +357,8 @@ class Encoder:
     def encode(self, rec, where="record"):
         if "prompt" not in rec:
             rec = dict(zip(("prompt", "chosen", "rejected"), implicit_prompt(rec["chosen"], rec["rejected"])))
-        chosen, cp = self.encode_one(rec["prompt"], rec["chosen"], where)
-        rejected, rp = self.encode_one(rec["prompt"], rec["rejected"], where)
-        pair = Pair(chosen, rejected, cp, rp)
-        return _valid(pair, where)
+        (chosen, cp), (rejected, rp) = self.encode_responses(rec["prompt"], [rec["chosen"], rec["rejected"]], where)
+        return _valid(Pair(chosen, rejected, cp, rp), where)
 
 
 def _valid(item, where):
@@ -327,13 +404,17 @@ def _fit_example(example, max_len, mode):
 
 
 def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end",
-                   chat_template="auto", enable_thinking=None, unpaired=False, kind=None, kl_chunk=None):
+                   chat_template="auto", enable_thinking=None, unpaired=False, kind=None, kl_chunk=None,
+                   objective=None):
     """(pairs, report) from `read_jsonl`'s records, or with `unpaired` (or `kind`
     "unpaired") (examples, report) from unpaired ones (prompt, completion, label);
-    `kind` "sft" reads `check_sft_record`'s records.
+    `kind` "sft" reads `check_sft_record`'s records. The token ids are those the
+    TRL trainer of `objective` makes of the records (`Encoder`; None: DPO's).
 
     `report` counts the records read, truncated and dropped by `truncation`
-    (one of TRUNCATION_MODES) at `max_seq_length` tokens per sequence.
+    (one of TRUNCATION_MODES) at `max_seq_length` tokens per sequence, those
+    whose whole prompt truncation cut (`prompt_cut`) and those whose prompt's
+    tokens are no prefix of the prompt and response's (`merged`).
     `kl_chunk`: KTO's KL completions rotate within chunks of this many examples
     (see `with_kl_completions`).
     """
@@ -342,7 +423,7 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
         raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
     if max_seq_length is None or max_seq_length < 2:
         raise ValueError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
-    enc = Encoder(tokenizer, chat_template, enable_thinking)
+    enc = Encoder(tokenizer, chat_template, enable_thinking, tokenisation(objective))
     encode = {"unpaired": enc.encode_example, "sft": enc.encode_sft, "pairs": enc.encode}[kind]
     fit = _fit_example if kind == "unpaired" else truncate
     pairs, truncated, dropped, prompt_cut = [], 0, 0, 0
@@ -360,7 +441,8 @@ def encode_records(records, tokenizer, max_seq_length=2048, truncation="keep_end
             pairs.append(fitted)
     if kind == "unpaired":
         pairs = with_kl_completions(pairs, kl_chunk)
-    return pairs, dict(records=len(records), truncated=truncated, dropped=dropped, prompt_cut=prompt_cut)
+    return pairs, dict(records=len(records), truncated=truncated, dropped=dropped, prompt_cut=prompt_cut,
+                       merged=enc.merged)
 
 
 def _prompt_len(item):

@@ -102,7 +102,8 @@ def encode(cfg, tokenizer, records, log):
         pairs, report = encode_records(recs, tokenizer, max_seq_length=cfg["max_seq_length"],
                                        truncation=cfg["truncation"], chat_template=cfg["chat_template"],
                                        enable_thinking=cfg["enable_thinking"],
-                                       kind=data_kind(cfg["objective"]), kl_chunk=cfg["batch_size"])
+                                       kind=data_kind(cfg["objective"]), kl_chunk=cfg["batch_size"],
+                                       objective=cfg["objective"])
         log(format_summary(split, pairs, report))
         for line in degenerate(split, pairs, report, cfg):
             log(line)
@@ -114,14 +115,20 @@ def encode(cfg, tokenizer, records, log):
 
 
 def degenerate(split, pairs, report, cfg):
-    """Warnings (one line each) about data that trains without a signal: pairs
-    whose chosen and rejected sides are one sequence, prompts that truncation cut away."""
+    """Warnings (one line each) about data that trains without a signal or not
+    as written: pairs whose chosen and rejected sides are one sequence, prompts
+    whose last tokens merged into the response, prompts that truncation cut away."""
     out = []
     if cfg["objective"] not in ("kto", "sft"):  # the objectives that compare two responses
         same = sum(p.chosen == p.rejected for p in pairs)
         if same:
             out.append(f"Warning: {split}.jsonl: {same} of {len(pairs)} pairs have chosen == rejected "
                        "(nothing to prefer; check the data)")
+    if report.get("merged"):
+        out.append(f"Warning: {split}.jsonl: in {report['merged']} of {report['records']} records the prompt's "
+                   "tokens are no prefix of the prompt and response's (a token merges across the boundary, or "
+                   "the chat template renders the prompt alone differently); as TRL does, the response starts "
+                   "where they differ (docs/cli.md, Data format)")
     if report.get("prompt_cut"):
         out.append(f"Warning: {split}.jsonl: truncation {cfg['truncation']} cut the whole prompt (BOS "
                    f"included) from {report['prompt_cut']} of {len(pairs)} pairs at max_seq_length="

@@ -168,10 +168,7 @@ def spin(model, tokenizer, data, out, settings=None, log=print, progress=True, k
     if not records:
         raise ValueError(f"data: {data} holds no records")
     enc = Encoder(tokenizer, s.chat_template)
-    prompts = []
-    for rec, where in records:
-        tokens, n = enc.encode_one(rec["prompt"], rec["completion"], where)
-        prompts.append(tokens[:n])
+    prompts = [enc.encode_prompt(rec["prompt"], where) for rec, where in records]
     prog = out.with_name(out.name + ".progress")
     key = key or progress_key(data, s)
     done = _start(out, prog, key, len(records), log, restart)

@@ -36,7 +36,9 @@ def _write_tokenizer(path, words):
     for w in words:
         vocab.setdefault(w, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Punctuation splits from words too: TRL tokenises `prompt + response` as one
+    # string, and "?" + "red ." must still read as the words "?", "red", ".".
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.add_special_tokens(SPECIAL_TOKENS)
     # Plain-text encodes start with BOS, as most real tokenizers do.
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
