@@ -596,6 +596,46 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     assert diff <= REL * max(1.0, scale) + ABS, (diff, scale)
 
 
+@pytest.fixture
+def cuda_like_head(monkeypatch):
+    """The head as on a device whose kernels have no entropy statistics (CUDA):
+    a call with them runs the pure-MLX fallback. Yields the fallback backward's
+    call count."""
+    import flash_cce.fallback as fallback
+    import flash_cce.ops as ops
+    import flash_cce.stack.stats as stats
+
+    calls = []
+    backward = fallback._backward
+    monkeypatch.setattr(ops, "native_stats", lambda device: False)
+    monkeypatch.setattr(stats, "native_stats", lambda device: False)
+    monkeypatch.setattr(fallback, "_backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kw", [dict(loss_type="dapo", beta=0.05), dict(loss_type="grpo", entropy_coef=0.2)])
+def test_without_native_entropy_statistics_the_update_is_unchanged(model, cuda_like_head, kw):
+    """Where the head has no native entropy statistics, the log-probs keep the
+    native head and the entropy metric takes a forward without gradient: no
+    backward over the vocabulary in pure MLX (the GPU update's memory), unless
+    the loss has an entropy bonus. Loss, metrics (TRL's) and gradients are
+    those of TRL's loss."""
+    cfg = GRPOConfig(num_generations=G, max_completion_length=10, **kw)
+    rollouts = _rollouts(11)
+    cur = _current(model, rollouts, cfg)
+    old = _perturbed(rollouts, 12, 0.15)(cur)
+    ref = _perturbed(rollouts, 13, 0.3)(cur) if cfg.beta else None
+    _, grads, _ = _check(model, rollouts, cfg, old=old, ref=ref)
+    assert bool(cuda_like_head) == (cfg.entropy_coef != 0.0)
+
+    def plain():
+        return trl_batch(model, rollouts, cfg, old, ref, xp=mx)[0]
+
+    _, want = nn.value_and_grad(model, plain)()
+    diff, scale = max_diff(grads, want)
+    assert diff <= REL * max(1.0, scale) + ABS, (diff, scale)
+
+
 def test_on_policy_bias_corrected_kl_gradient_matches_trl(model):
     """On-policy (no old log-probs) the ratio is 1 but carries the policy's
     gradient, so TRL 1.16's default `use_bias_correction_kl=True` changes the

@@ -13,7 +13,10 @@ Per group the output is a dict of float32 arrays `[G, T]`, T its longest
 completion, zero past each completion's end:
 
 - `logps`: `log softmax(logits / temperature)` of each completion token,
-- `entropy` (with `entropy=True`): the entropy of that softmax at each position.
+- `entropy` (with `entropy=True`): the entropy of that softmax at each position
+  (differentiable unless `entropy_grad=False`, where it is a statistic: on a
+  device whose head kernels have no entropy statistics the log-probs then keep
+  the native head and the entropies take a forward without gradient).
 """
 
 import functools
@@ -44,12 +47,12 @@ def _check_temperature(temperature):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-def _units(run, groups, temperature, entropy, backward):
+def _units(run, groups, temperature, entropy, backward, entropy_grad=True):
     for grp in groups:
         plan = run.group_plan(grp)
         yield plan, grp.sequences(), functools.partial(
             _from_hidden, run.lm, group=grp, flash=plan.flash_head, temperature=temperature,
-            entropy=entropy, backward=backward)
+            entropy=entropy, backward=backward, entropy_grad=entropy_grad)
 
 
 def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entropy=False):
@@ -60,16 +63,18 @@ def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entr
         return evaluated(run, _units(run, groups, temperature, entropy, backward=False))
 
 
-def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperature=1.0, entropy=False):
+def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperature=1.0, entropy=False,
+                         entropy_grad=True):
     """(outputs per group, gradients): the gradients of the sum over the groups
-    of `loss(i, out)` with respect to `model.trainable_parameters()`."""
+    of `loss(i, out)` with respect to `model.trainable_parameters()`.
+    `entropy_grad=False`: the loss takes no gradient through the entropies."""
     check_groups(groups, model.args.vocab_size, config.max_length)
     _check_temperature(temperature)
     with _Run(model, config, Scoring(), training=True) as run:
-        return differentiated(run, _units(run, groups, temperature, entropy, backward=True), loss)
+        return differentiated(run, _units(run, groups, temperature, entropy, True, entropy_grad), loss)
 
 
-def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward):
+def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward, entropy_grad):
     p = len(group.prompt)
     width = max(map(len, group.completions))
     idx, tgt, at = [], [], []
@@ -78,7 +83,8 @@ def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward):
         idx.extend(rows[b][p - 1:p - 1 + len(c)])
         tgt.extend(c)
         at.extend(b * width + k for k in range(len(c)))
-    lp, ent, _, _ = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward)
+    lp, ent, _, _ = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward,
+                                   entropy_grad)
     # [G, width] by a gather from the tokens and one trailing zero (for padding).
     where = np.full(len(group.completions) * width, len(idx), np.int64)
     where[at] = np.arange(len(idx))

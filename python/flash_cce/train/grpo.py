@@ -223,8 +223,9 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
     def loss(i, out):
         return _group_loss(config, data[i], out, totals)[0]
 
+    # The entropy is a metric unless the loss has TRL's entropy bonus.
     outs, grads = group_value_and_grad(model, groups, loss, stack, temperature=config.temperature,
-                                       entropy=True)
+                                       entropy=True, entropy_grad=config.entropy_coef != 0.0)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, grads, metrics
