@@ -238,3 +238,46 @@ def test_two_ranks_equal_one_process(env, tmp_path, loss_type):
         # them over processes: they differ from one process's where the ranks hold unequal token counts.
         for k in ("loss", "reward", "reward_std", "rewards/exact_match/mean", "grad_norm"):
             assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
+
+
+# AdamW at learning rate 1e3 without clipping (decoupled decay 0.01 scales the
+# weights by -9 a step) drives the tiny model's loss to NaN within a few steps,
+# as in test_run_guards.py's preference runs.
+DIVERGE = ("--learning-rate", "1e3", "--max-grad-norm", "null", "--max-nonfinite-steps", "3",
+           "--weight-decay", "0.01")
+
+
+def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkpoint(env, tmp_path):
+    import math
+
+    import numpy as np
+    from runs import weights
+
+    run = tmp_path / "r"
+    proc = flash_cce(*argv(env, run, 30, *DIVERGE, "--keep-checkpoints", "1"))
+    train = records(run)
+    bad = [r["step"] for r in train if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))]
+    assert bad, "the run never diverged: the test needs a non-finite step"
+    first = bad[0]
+    # Three in a row stop the run, counted in the metrics.
+    assert bad == [first, first + 1, first + 2] and train[-1]["step"] == first + 2
+    assert [r["nonfinite/consecutive"] for r in train[-3:]] == [1, 2, 3]
+    assert [r["nonfinite/skipped_steps"] for r in train[-3:]] == [1, 2, 3]
+    assert all(r["nonfinite/skipped_steps"] == 0 for r in train[:-3])
+    # A checkpoint a step (save_every 1): the last whose weights gave a finite
+    # loss is step first - 2's, which step first - 1 trained from (a reward
+    # says nothing of the loss, so no validation proves a later one).
+    good = first - 2
+    err = one_line_error(proc, f"stopped after step {first + 2}: 3 non-finite steps in a row",
+                         f"step-{good:07d}", rc=3)
+    assert "--resume" in err
+    assert published_step(run / "adapters") == published_step(run) == good
+    assert (run / "checkpoints" / f"step-{good:07d}").is_dir()  # kept though keep_checkpoints is 1
+    assert not any((run / "checkpoints" / f"step-{s:07d}").exists() for s in bad)
+    for where in (run / "adapters", run, run / "best"):
+        assert all(np.isfinite(w).all() for w in weights(where).values())
+    assert not (run / "run.lock").exists()
+    # The command it names continues the run from there.
+    ok(flash_cce("train", "--resume", run / "checkpoints" / f"step-{good:07d}", "--learning-rate", "1e-3",
+                 "--max-grad-norm", "1", "--iters", str(first + 2)))
+    assert published_step(run) == first + 2

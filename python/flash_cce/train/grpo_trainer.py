@@ -224,6 +224,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     from . import checkpoint
     from .checkpoint import Interrupted
     from .grpo import grpo_value_and_grad
+    from .guard import Guard
     from .trainer import GB, MetricsLog, _progress, batch_indices, sum_over_ranks
 
     world = mx.distributed.init()
@@ -235,7 +236,8 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     sample = sampling(cfg)
     eos = sorted(tokenizer.eos_token_ids)
     state = dict(step=0, micro=0, position=0, best_val=None, best_step=None, seed=args.seed,
-                 sampler=RolloutRng(args.seed, stream=TRAIN_STREAM).state(), generation=None)
+                 sampler=RolloutRng(args.seed, stream=TRAIN_STREAM).state(), generation=None,
+                 nonfinite_steps=0, finite_checkpoint=None)
     mx.random.seed(args.seed)
     if resume is not None:
         loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
@@ -244,6 +246,8 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         checkpoint.set_rng_state(state.pop("rng"))
         log(f"Resumed from {ckpt} at step {state['step']}")
     rng = RolloutRng.from_state(state["sampler"])
+    guard = Guard(state, args.max_nonfinite_steps, run_dir, writer, resumed=resume is not None)
+    ckpt = ckpt if resume is not None else None  # the newest checkpoint
     buffer, generation_metrics = None, {}
     if state["generation"] is not None:
         pending = _from_json(state["generation"])
@@ -271,7 +275,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
             return None
         trainer_state = dict(state, sampler=rng.state(), rng=checkpoint.rng_state(), training_args=asdict(args))
         return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg, best=best,
-                                          keep=args.keep_checkpoints)
+                                          keep=args.keep_checkpoints, protect=guard.protect())
 
     last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
@@ -318,33 +322,43 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            optimizer.update(model, grads)
-            mx.eval(model.parameters(), optimizer.state)
+            finite = guard.check(sums["loss"], norm.item(), world)
+            if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
+                optimizer.update(model, grads)
+                mx.eval(model.parameters(), optimizer.state)
             del grads
             state["step"] = step
             elapsed = time.perf_counter() - tic
             record = dict(split="train", step=step, **sums, grad_norm=float(norm.item()),
                           learning_rate=float(optimizer.learning_rate.item()), tokens=tokens,
                           rollout_time=rollout_time, update_time=elapsed - rollout_time, step_time=elapsed,
-                          active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+                          active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB,
+                          **guard.record())
             emit(record)
             if bar is not None:
                 bar.step(record)
+            if not finite:
+                guard.after(step, f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}",
+                            lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
                 if last_eval is not None:
-                    if state["best_val"] is None or last_eval["reward"] > state["best_val"]:
+                    better = state["best_val"] is None or last_eval["reward"] > state["best_val"]
+                    if better and not guard.suspect:  # weights that gave a non-finite loss are never best
                         state["best_val"], state["best_step"], is_best = last_eval["reward"], step, True
                     line = f"step {step}: val reward {last_eval['reward']:.4f}"
                     (bar.write if bar is not None else log)(line)
             stop = should_stop is not None and should_stop()
             if should_stop is not None and world.size() > 1:  # every rank stops after the same step
                 stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
-            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
+            due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
+            if due and not guard.suspect:  # checkpoints hold weights that gave a finite loss last
                 ckpt = save(step, best=is_best)
+                guard.saved(step, proven=False)  # a reward says nothing of the loss: the next step proves it
             if stop and step < args.iters:
                 raise Interrupted(step, ckpt)
+        guard.finish(log)
     finally:
         if bar is not None:
             bar.close()
