@@ -24,7 +24,10 @@ import functools
 import mlx.core as mx
 import numpy as np
 
+from mlx.utils import tree_map
+
 from .batch import Group
+from .micro import micro_value_and_grad
 from .plan import Scoring, StackConfig
 from .stats import _Run, differentiated, evaluated, token_logprobs, validated
 
@@ -64,14 +67,40 @@ def group_logprobs(model, groups, config=StackConfig(), *, temperature=1.0, entr
 
 
 def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperature=1.0, entropy=False,
-                         entropy_grad=True):
+                         entropy_grad=True, micro_group=None):
     """(outputs per group, gradients): the gradients of the sum over the groups
     of `loss(i, out)` with respect to `model.trainable_parameters()`.
-    `entropy_grad=False`: the loss takes no gradient through the entropies."""
+    `entropy_grad=False`: the loss takes no gradient through the entropies.
+    `micro_group`: completions per pass (None: all of a group's), the prompt
+    still encoded once (`micro`); the loss must then be a sum of per-completion
+    terms, as GRPO's is."""
     check_groups(groups, model.args.vocab_size, config.max_length)
     _check_temperature(temperature)
+    if micro_group is not None and not (isinstance(micro_group, int) and not isinstance(micro_group, bool)
+                                        and micro_group >= 1):
+        raise ValueError(f"micro_group must be None or an integer >= 1, got {micro_group!r}")
     with _Run(model, config, Scoring(), training=True) as run:
-        return differentiated(run, _units(run, groups, temperature, entropy, True, entropy_grad), loss)
+        units = _units(run, groups, temperature, entropy, True, entropy_grad)
+        if micro_group is None:
+            return differentiated(run, units, loss)
+        outs, grads = [], None
+        for i, (grp, (plan, seqs, stats_of)) in enumerate(zip(groups, units)):
+            # Micro-groups continue the prompt's keys/values (two passes, checkpointed autodiff).
+            if micro_group >= len(grp.completions) or not plan.prompt_len:
+                (out,), g = differentiated(run, [(plan, seqs, stats_of)], lambda _, o, i=i: loss(i, o))
+            else:
+                out, g = micro_value_and_grad(run, grp, plan, lambda o, i=i: loss(i, o), micro_group,
+                                              functools.partial(_outputs_of, stats_of, grp.prompt))
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            outs.append(out)
+            mx.eval(grads)
+        return outs, grads
+
+
+def _outputs_of(stats_of, prompt, h, rows, completions, width):
+    """The outputs of `completions` (after `prompt`), padded to `width` columns."""
+    out = stats_of(h, rows, group=Group(prompt, completions))
+    return {k: mx.pad(v, [(0, 0), (0, width - v.shape[1])]) for k, v in out.items()}
 
 
 def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward, entropy_grad):
