@@ -114,6 +114,20 @@ def test_resume_equals_an_uninterrupted_run(env, straight, tmp_path):
     assert same_weights(run / "adapters", straight[0] / "adapters")
 
 
+def test_micro_groups_train_as_the_whole_group(env, straight, tmp_path):
+    """--micro-group 1: the same run, up to float32 rounding (the gradients sum
+    in another order): losses and gradient norms within 1e-5 relative."""
+    import math
+
+    run = tmp_path / "r"
+    ok(flash_cce(*argv(env, run, 4, "--micro-group", "1")))
+    got, want = records(run), records(straight[0])
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        for key in ("loss", "grad_norm", "reward", "entropy"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
 def test_a_generation_serving_two_steps_resumes_between_them(env, tmp_path):
     """num_iterations 2: steps 1 and 2 train on one generation (the sampler's
     log-probs as the old ones); a resume after step 1 continues that generation."""
@@ -169,6 +183,7 @@ def test_a_reward_failing_mid_run_writes_nothing_of_that_step(env, tmp_path):
     (("--max-seq-length", "3"), ["max_seq_length: got 3; allowed for grpo: more than max_completion_length (3)"]),
     (("--num-generations", "1"), ["num_generations: got 1; allowed: an integer >= 2"]),
     (("--temperature", "0"), ["temperature: got 0.0; allowed: a number > 0"]),
+    (("--micro-group", "0"), ["micro_group: got 0; allowed: an integer >= 1"]),
     (("--batch-size", "9", "--grad-accumulation-steps", "2"), ["batch_size: got 9", "(18)", "the 16 usable training prompts"]),
 ])
 def test_bad_settings_are_one_line_before_writing(env, tmp_path, extra, needles):

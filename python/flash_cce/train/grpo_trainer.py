@@ -304,7 +304,8 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                     rollout_time += time.perf_counter() - t0
                 part = buffer[state["micro"] % spg]
                 state["micro"] += 1
-                loss, g, metrics = grpo_value_and_grad(model, part, gcfg, reference, stack)
+                loss, g, metrics = grpo_value_and_grad(model, part, gcfg, reference, stack,
+                                                       micro_group=cfg.get("micro_group"))
                 grads = g if grads is None else tree_map(mx.add, grads, g)
                 mx.eval(grads, loss)
                 tokens += int(sum(len(c) for cs in part.completions for c in cs))
