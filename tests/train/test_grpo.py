@@ -570,6 +570,19 @@ GRADIENT_CASES = [
 ]
 
 
+def _off_policy(model, cfg, sampler=False):
+    """Rollouts with old log-probs (and with `cfg.beta` reference, with
+    `sampler` sampler log-probs) perturbed from the current policy's."""
+    rollouts = _rollouts(11)
+    cur = _current(model, rollouts, cfg)
+    rollouts.old_logps = _perturbed(rollouts, 12, 0.15)(cur)
+    if cfg.beta:
+        rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(cur)
+    if sampler:
+        rollouts.sampling_logps = _perturbed(rollouts, 14, 0.2)(cur)
+    return rollouts
+
+
 # Every case through the flash head; the first three also through full logits.
 @pytest.mark.parametrize("kw, flash", [(kw, True) for kw in GRADIENT_CASES]
                          + [(kw, False) for kw in GRADIENT_CASES[:3]])
@@ -577,13 +590,7 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
     """The gradient of TRL's loss (the transcription in MLX, through
     `model(tokens)` of each sequence) equals grpo_value_and_grad's."""
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, **kw)
-    rollouts = _rollouts(11)
-    cur = _current(model, rollouts, cfg)
-    rollouts.old_logps = _perturbed(rollouts, 12, 0.15)(cur)
-    if cfg.beta:
-        rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(cur)
-    if "vllm_importance_sampling_mode" in kw:
-        rollouts.sampling_logps = _perturbed(rollouts, 14, 0.2)(cur)
+    rollouts = _off_policy(model, cfg, sampler="vllm_importance_sampling_mode" in kw)
     stack = StackConfig(flash_head=flash, prefix_packing=False)
     _, grads, _ = grpo_value_and_grad(model, rollouts, cfg, stack=stack)
 
@@ -642,11 +649,7 @@ def test_micro_groups_give_the_whole_groups_update(model, kw):
     """Completions one or three at a time around one prompt pass: the loss, the
     metrics and the gradients of the whole groups."""
     cfg = GRPOConfig(num_generations=G, max_completion_length=10, **kw)
-    rollouts = _rollouts(11)
-    cur = _current(model, rollouts, cfg)
-    rollouts.old_logps = _perturbed(rollouts, 12, 0.15)(cur)
-    if cfg.beta:
-        rollouts.ref_logps = _perturbed(rollouts, 13, 0.3)(cur)
+    rollouts = _off_policy(model, cfg)
     loss, grads, metrics = grpo_value_and_grad(model, rollouts, cfg, stack=STACK)
     for micro in (1, 3):
         loss2, grads2, metrics2 = grpo_value_and_grad(model, rollouts, cfg, stack=STACK, micro_group=micro)
