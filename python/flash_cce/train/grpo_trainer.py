@@ -14,7 +14,8 @@ so that a resumed run continues it exactly.
 The run is as safe as a preference run: every check before anything is written
 (settings, model, data, reward functions called once on a training prompt), the
 run directory's lock, exact resume (weights, optimizer, data order, the
-sampler's random state), a checkpoint on Ctrl-C, validation as the mean reward
+sampler's random state), a checkpoint on Ctrl-C, the non-finite guard
+(`guard.Guard`), validation as the mean reward
 on valid.jsonl's prompts (the best checkpoint: the highest), and adapters in
 mlx-lm's format. Under `mlx.launch` each rank takes every world-th group of a
 generation and the whole generation's advantages (`share`).
