@@ -163,6 +163,26 @@ def test_micro_groups_equal_the_whole_group(arch, micro, layout):
             _close(out["logps"][g, :lp.shape[0]], lp)
 
 
+def test_micro_groups_leave_dropout_to_whole_groups(monkeypatch):
+    """With active dropout the prompt's two runs would draw two masks: whole groups."""
+    import flash_cce.stack.groups as groups_module
+
+    model = tiny_model("llama", lora=True)
+    called = []
+    monkeypatch.setattr(groups_module, "micro_value_and_grad", lambda *a, **k: called.append(1))
+    loss = lambda i, out: out["logps"].sum()  # noqa: E731
+    for dropout, want in ((0.0, True), (0.5, False)):
+        for _, m in model.named_modules():
+            if isinstance(m, nn.Dropout):
+                m._p_1 = 1 - dropout
+        called.clear()
+        try:
+            group_value_and_grad(model, _groups(2)[:1], loss, micro_group=1)
+        except (TypeError, ValueError):  # the stand-in returns nothing
+            pass
+        assert bool(called) == want, dropout
+
+
 def test_a_pair_is_a_group_of_two():
     """The pair path's summed log-probs equal the group path's for G = 2."""
     model = tiny_model("qwen3")

@@ -23,10 +23,10 @@ import functools
 
 import mlx.core as mx
 import numpy as np
-
 from mlx.utils import tree_map
 
 from .batch import Group
+from .compiled import draws_random
 from .micro import micro_value_and_grad
 from .plan import Scoring, StackConfig
 from .stats import _Run, differentiated, evaluated, token_logprobs, validated
@@ -73,7 +73,7 @@ def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperatu
     `entropy_grad=False`: the loss takes no gradient through the entropies.
     `micro_group`: completions per pass (None: all of a group's), the prompt
     still encoded once (`micro`); the loss must then be a sum of per-completion
-    terms, as GRPO's is."""
+    terms, as GRPO's is. A model with active dropout runs whole groups."""
     check_groups(groups, model.args.vocab_size, config.max_length)
     _check_temperature(temperature)
     if micro_group is not None and not (isinstance(micro_group, int) and not isinstance(micro_group, bool)
@@ -85,8 +85,9 @@ def group_value_and_grad(model, groups, loss, config=StackConfig(), *, temperatu
             return differentiated(run, units, loss)
         outs, grads = [], None
         for i, (grp, (plan, seqs, stats_of)) in enumerate(zip(groups, units)):
-            # Micro-groups continue the prompt's keys/values (two passes, checkpointed autodiff).
-            if micro_group >= len(grp.completions) or not plan.prompt_len:
+            # Micro-groups continue the prompt's keys/values (two passes, checkpointed
+            # autodiff); the prompt runs twice, so dropout would draw two masks.
+            if micro_group >= len(grp.completions) or not plan.prompt_len or draws_random(run.lm):
                 (out,), g = differentiated(run, [(plan, seqs, stats_of)], lambda _, o, i=i: loss(i, o))
             else:
                 out, g = micro_value_and_grad(run, grp, plan, lambda o, i=i: loss(i, o), micro_group,
