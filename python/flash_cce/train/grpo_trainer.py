@@ -389,8 +389,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     from .reference import reference_source
     from .rewards import RewardError, load_rewards, reward_name
     from .identity import check_data, data_fingerprint
-    from .runner import Stop, _absolute, _atomic_yaml, _check_run_dir, recipe, training_args
-    from .rundir import CONFIG, Lock, check_lock, check_unchanged, set_aside
+    from .runner import Stop, _absolute, _check_run_dir, training_args, writing_run
+    from .rundir import check_lock
     from .rundir import state as run_dir_state
     from .trainer import build_schedule, prepare_model, trainable_summary
 
@@ -465,23 +465,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             raise RunError(str(e)) from None
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
-    own_lock = lock is None
-    lock = lock or Lock(run_dir)
-    if rank == 0 and own_lock:
-        stale = check_lock(run_dir)
-        if stale:
-            log(stale)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    try:
-        if rank == 0:
-            # Another command may have written here since the checks above: check again under the lock.
-            _check_run_dir(run_dir, resume, own_files)
-            check_unchanged(run_dir, seen)
-            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
-        if rank == 0 and resume is not None:
-            saved = json.loads((Path(resume) / "trainer_state.json").read_text())
-            set_aside(run_dir, saved["step"], saved.get("best_step"), log)
+    saved = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume is not None else None
+    with writing_run(run_dir, cfg, resume, saved, own_files, seen if rank == 0 else None, lock, rank, log):
         with Stop(log) as stop:
             try:
                 last = train_grpo(model, tokenizer, optimizer, prompts["train"], prompts.get("valid"), cfg, gcfg,
@@ -496,9 +481,6 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             r = evaluate(model, prompts["test"], gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), scorer,
                          cfg["seed"], cfg["batch_size"], -1, cfg["iters"])
             log(f"test: reward {r['reward']:.4f}")
-    finally:
-        if own_lock:
-            lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
     if hint:
