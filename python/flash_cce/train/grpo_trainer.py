@@ -240,6 +240,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                  sampler=RolloutRng(args.seed, stream=TRAIN_STREAM).state(), generation=None,
                  nonfinite_steps=0, finite_checkpoint=None)
     mx.random.seed(args.seed)
+    ckpt = None  # the newest checkpoint
     if resume is not None:
         loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
         loaded.pop("training_args", None)
@@ -248,7 +249,6 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         log(f"Resumed from {ckpt} at step {state['step']}")
     rng = RolloutRng.from_state(state["sampler"])
     guard = Guard(state, args.max_nonfinite_steps, run_dir, writer, resumed=resume is not None)
-    ckpt = ckpt if resume is not None else None  # the newest checkpoint
     buffer, generation_metrics = None, {}
     if state["generation"] is not None:
         pending = _from_json(state["generation"])
