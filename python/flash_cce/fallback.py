@@ -1,8 +1,11 @@
 """Pure-MLX flash-CCE: online logsumexp over vocabulary blocks with an analytic VJP.
 
-Runs on any device MLX supports. Memory is bounded by one `[M, block]` logits tile plus
-one dequantized `[block, H]` weight slice. It is the portable path where no native kernel
-exists and an independent reference for the kernels in the tests.
+Runs on any device MLX supports. Memory is bounded by a few `[M, block]` logits tiles plus
+one dequantized `[block, H]` weight slice: each block's inputs depend on the block before
+(`_ordered`), because the blocks' matmuls are otherwise independent and MLX's breadth-first
+scheduler computes many of them before any is reduced (2-4 times the whole `[M, V]` logits at
+once, measured on the CPU). It is the portable path where no native kernel exists and an
+independent reference for the kernels in the tests.
 """
 
 from functools import lru_cache
@@ -40,6 +43,16 @@ def _rows(w, scales, biases, idx, group_size, bits):
     return dequantize_f32(w[idx], scales[idx], biases[idx], group_size, bits)
 
 
+def _ordered(h, w, scales, biases, previous):
+    """A block's inputs (h, w, scales, biases) made to wait for `previous` (what
+    the block before reduced to), so that one block's tiles are alive at a time."""
+    if not previous:
+        return h, w, scales, biases
+    given = [a for a in (h, w, scales, biases) if a is not None]
+    it = iter(mx.depends(given, previous))
+    return tuple(next(it) if a is not None else None for a in (h, w, scales, biases))
+
+
 def _softcap(raw, cap):
     """Returns (s, ds/draw)."""
     if cap is None:
@@ -72,7 +85,9 @@ def _forward(h, w, scales, biases, targets, group_size, bits, cap, ignore_index,
         arg = mx.zeros((m,), mx.int32)
     for lo in range(0, v, bs):
         hi = min(v, lo + bs)
-        s, _ = _softcap(h32 @ _rows(w, scales, biases, slice(lo, hi), group_size, bits).T, cap)
+        prev = [run_sum] + ([run_r, total, arg] if stats else []) if lo else []
+        hb, wk, sk, bk = _ordered(h32, w, scales, biases, prev)
+        s, _ = _softcap(hb @ _rows(wk, sk, bk, slice(lo, hi), group_size, bits).T, cap)
         bmax = s.max(axis=1)
         new_max = mx.maximum(run_max, bmax)
         shrink = mx.exp(run_max - new_max)
@@ -120,8 +135,9 @@ def _backward(
     dw_blocks = []
     for lo in range(0, v, bs):
         hi = min(v, lo + bs)
-        wb = _rows(w, scales, biases, slice(lo, hi), group_size, bits)
-        s, dcap = _softcap(h32 @ wb.T, cap)
+        hb, wk, sk, bk = _ordered(h32, w, scales, biases, [dh] + dw_blocks[-1:] if lo else [])
+        wb = _rows(wk, sk, bk, slice(lo, hi), group_size, bits)
+        s, dcap = _softcap(hb @ wb.T, cap)
         if g_entropy is None:
             ds = coef * mx.exp(s - lse[:, None])
         else:
@@ -132,7 +148,7 @@ def _backward(
             ds = ds * dcap
         dh = dh + ds @ wb
         if want_dw:
-            dw_blocks.append(ds.T @ h32)
+            dw_blocks.append(ds.T @ hb)
     dw = mx.concatenate(dw_blocks, axis=0).astype(w.dtype) if want_dw else None
     return dh.astype(h.dtype), dw
 

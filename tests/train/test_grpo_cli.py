@@ -114,6 +114,20 @@ def test_resume_equals_an_uninterrupted_run(env, straight, tmp_path):
     assert same_weights(run / "adapters", straight[0] / "adapters")
 
 
+def test_micro_groups_train_as_the_whole_group(env, straight, tmp_path):
+    """--micro-group 1: the same run, up to float32 rounding (the gradients sum
+    in another order): losses and gradient norms within 1e-5 relative."""
+    import math
+
+    run = tmp_path / "r"
+    ok(flash_cce(*argv(env, run, 4, "--micro-group", "1")))
+    got, want = records(run), records(straight[0])
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        for key in ("loss", "grad_norm", "reward", "entropy"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
 def test_a_generation_serving_two_steps_resumes_between_them(env, tmp_path):
     """num_iterations 2: steps 1 and 2 train on one generation (the sampler's
     log-probs as the old ones); a resume after step 1 continues that generation."""
@@ -169,6 +183,7 @@ def test_a_reward_failing_mid_run_writes_nothing_of_that_step(env, tmp_path):
     (("--max-seq-length", "3"), ["max_seq_length: got 3; allowed for grpo: more than max_completion_length (3)"]),
     (("--num-generations", "1"), ["num_generations: got 1; allowed: an integer >= 2"]),
     (("--temperature", "0"), ["temperature: got 0.0; allowed: a number > 0"]),
+    (("--micro-group", "0"), ["micro_group: got 0; allowed: an integer >= 1"]),
     (("--batch-size", "9", "--grad-accumulation-steps", "2"), ["batch_size: got 9", "(18)", "the 16 usable training prompts"]),
 ])
 def test_bad_settings_are_one_line_before_writing(env, tmp_path, extra, needles):
@@ -238,3 +253,46 @@ def test_two_ranks_equal_one_process(env, tmp_path, loss_type):
         # them over processes: they differ from one process's where the ranks hold unequal token counts.
         for k in ("loss", "reward", "reward_std", "rewards/exact_match/mean", "grad_norm"):
             assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
+
+
+# AdamW at learning rate 1e3 without clipping (decoupled decay 0.01 scales the
+# weights by -9 a step) drives the tiny model's loss to NaN within a few steps,
+# as in test_run_guards.py's preference runs.
+DIVERGE = ("--learning-rate", "1e3", "--max-grad-norm", "null", "--max-nonfinite-steps", "3",
+           "--weight-decay", "0.01")
+
+
+def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkpoint(env, tmp_path):
+    import math
+
+    import numpy as np
+    from runs import weights
+
+    run = tmp_path / "r"
+    proc = flash_cce(*argv(env, run, 30, *DIVERGE, "--keep-checkpoints", "1"))
+    train = records(run)
+    bad = [r["step"] for r in train if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))]
+    assert bad, "the run never diverged: the test needs a non-finite step"
+    first = bad[0]
+    # Three in a row stop the run, counted in the metrics.
+    assert bad == [first, first + 1, first + 2] and train[-1]["step"] == first + 2
+    assert [r["nonfinite/consecutive"] for r in train[-3:]] == [1, 2, 3]
+    assert [r["nonfinite/skipped_steps"] for r in train[-3:]] == [1, 2, 3]
+    assert all(r["nonfinite/skipped_steps"] == 0 for r in train[:-3])
+    # A checkpoint a step (save_every 1): the last whose weights gave a finite
+    # loss is step first - 2's, which step first - 1 trained from (a reward
+    # says nothing of the loss, so no validation proves a later one).
+    good = first - 2
+    err = one_line_error(proc, f"stopped after step {first + 2}: 3 non-finite steps in a row",
+                         f"step-{good:07d}", rc=3)
+    assert "--resume" in err
+    assert published_step(run / "adapters") == published_step(run) == good
+    assert (run / "checkpoints" / f"step-{good:07d}").is_dir()  # kept though keep_checkpoints is 1
+    assert not any((run / "checkpoints" / f"step-{s:07d}").exists() for s in bad)
+    for where in (run / "adapters", run, run / "best"):
+        assert all(np.isfinite(w).all() for w in weights(where).values())
+    assert not (run / "run.lock").exists()
+    # The command it names continues the run from there.
+    ok(flash_cce("train", "--resume", run / "checkpoints" / f"step-{good:07d}", "--learning-rate", "1e-3",
+                 "--max-grad-norm", "1", "--iters", str(first + 2)))
+    assert published_step(run) == first + 2

@@ -45,8 +45,14 @@ def supported(lm):
     inside = sum(len(tree_flatten(layer.trainable_parameters())) for layer in lm.layers)
     if inside != len(tree_flatten(lm.model.trainable_parameters())):
         return False
-    return not any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1
-                   for layer in lm.layers for _, m in layer.named_modules())
+    return not draws_random(lm)
+
+
+def draws_random(lm):
+    """Whether `lm`'s layers draw random numbers (active dropout), so that a
+    second run of a forward differs from the first."""
+    return any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1
+               for layer in lm.layers for _, m in layer.named_modules())
 
 
 def _settings(layer):

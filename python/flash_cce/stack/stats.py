@@ -32,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..head import linear_logprobs
+from ..ops import native_stats
 from . import compiled
 from .attention import routed
 from .batch import Pair
@@ -191,6 +192,7 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
     g = np.array(groups, np.float32)
     lp, ent, top1, mean_logit = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
                                                entropy=scoring.entropy or scoring.token_stats,
+                                               entropy_grad=scoring.entropy,
                                                backward=training)
     stats = {}
     for k, (name, sign) in enumerate((("c", 1.0), ("r", 1.0), ("nll", -1.0))):
@@ -208,19 +210,30 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
     return stats
 
 
-def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True):
+def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backward=True,
+                   entropy_grad=True):
     """(log-probs of `targets`, entropies, is-top-1, mean logits) of the final
     hidden states `h` `[tokens, d]`, of the head's logits divided by
     `temperature`; the last three None without `entropy`. `backward=False`: no
-    gradient flows (the flash head skips its preparation)."""
+    gradient flows (the flash head skips its preparation). `entropy_grad=False`:
+    the entropies are statistics (no gradient flows through them)."""
     h = lm.norm(h)
     if flash:
         # The targets are the batch's tokens, range-checked on the host
         # (`check_pairs`, `check_groups`); the head's own check would evaluate
         # them mid-step.
-        out = linear_logprobs(lm.head_input(h), lm.head, targets, softcap=lm.softcap,
-                              validate_targets=False, temperature=temperature, entropy=entropy,
-                              fused_backward=backward)
+        x = lm.head_input(h)
+        head = functools.partial(linear_logprobs, head=lm.head, targets=targets, softcap=lm.softcap,
+                                 validate_targets=False, temperature=temperature)
+        if entropy and backward and not entropy_grad and not native_stats(None):
+            # Where the device's kernels have no entropy statistics (CUDA), a
+            # call with them runs the pure-MLX head, forward and backward: on an
+            # H200 that held 17 of a GRPO update's 21 GB. The log-probs take
+            # the native head; the statistics a forward without gradient.
+            out = head(mx.stop_gradient(x), entropy=True, fused_backward=False)
+            return (head(x), mx.stop_gradient(out.entropy), out.is_top1,
+                    mx.stop_gradient(out.mean_logit))
+        out = head(x, entropy=entropy, fused_backward=backward)
         return (out.logp, out.entropy, out.is_top1, out.mean_logit) if entropy else (out, None, None, None)
     logits = lm.logits(h).astype(mx.float32)
     if temperature != 1.0:

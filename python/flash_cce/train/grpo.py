@@ -200,14 +200,17 @@ def _group_loss(config, d, out, totals):
     return policy - config.entropy_coef * bonus, policy, parts
 
 
-def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=StackConfig()):
+def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=StackConfig(), micro_group=None):
     """(loss, gradients, metrics) of TRL's GRPO objective on `rollouts`.
 
     - `config`: a `GRPOConfig` (TRL's field names and defaults; default dapo, beta 0),
     - `reference`: where the KL's reference log-probs come from when `beta != 0`
       and `rollouts.ref_logps` is None: None (the model with its LoRA adapters
       off), `reference.AdaptersOff()` or `reference.FrozenModel(model)`,
-    - `stack`: how the model runs (`flash_cce.stack.StackConfig`).
+    - `stack`: how the model runs (`flash_cce.stack.StackConfig`),
+    - `micro_group`: completions per pass of a group (None: all G), the prompt
+      still encoded once; the peak then holds one micro-group's activations
+      (`flash_cce.stack.micro`). The results are the same.
 
     The loss is an `mx.array` scalar (TRL's loss of the batch as one micro-batch
     of one process), the gradients the tree of `model.trainable_parameters()`,
@@ -223,8 +226,10 @@ def grpo_value_and_grad(model, rollouts, config=None, reference=None, stack=Stac
     def loss(i, out):
         return _group_loss(config, data[i], out, totals)[0]
 
+    # The entropy is a metric unless the loss has TRL's entropy bonus.
     outs, grads = group_value_and_grad(model, groups, loss, stack, temperature=config.temperature,
-                                       entropy=True)
+                                       entropy=True, entropy_grad=config.entropy_coef != 0.0,
+                                       micro_group=micro_group)
     total, loss_metrics = _reduce(config, data, outs, totals)
     metrics.update(loss_metrics)
     return total, grads, metrics

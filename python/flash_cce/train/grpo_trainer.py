@@ -14,7 +14,8 @@ so that a resumed run continues it exactly.
 The run is as safe as a preference run: every check before anything is written
 (settings, model, data, reward functions called once on a training prompt), the
 run directory's lock, exact resume (weights, optimizer, data order, the
-sampler's random state), a checkpoint on Ctrl-C, validation as the mean reward
+sampler's random state), a checkpoint on Ctrl-C, the non-finite guard
+(`guard.Guard`), validation as the mean reward
 on valid.jsonl's prompts (the best checkpoint: the highest), and adapters in
 mlx-lm's format. Under `mlx.launch` each rank takes every world-th group of a
 generation and the whole generation's advantages (`share`).
@@ -224,6 +225,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     from . import checkpoint
     from .checkpoint import Interrupted
     from .grpo import grpo_value_and_grad
+    from .guard import Guard
     from .trainer import GB, MetricsLog, _progress, batch_indices, sum_over_ranks
 
     world = mx.distributed.init()
@@ -235,8 +237,10 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     sample = sampling(cfg)
     eos = sorted(tokenizer.eos_token_ids)
     state = dict(step=0, micro=0, position=0, best_val=None, best_step=None, seed=args.seed,
-                 sampler=RolloutRng(args.seed, stream=TRAIN_STREAM).state(), generation=None)
+                 sampler=RolloutRng(args.seed, stream=TRAIN_STREAM).state(), generation=None,
+                 nonfinite_steps=0, finite_checkpoint=None)
     mx.random.seed(args.seed)
+    ckpt = None  # the newest checkpoint
     if resume is not None:
         loaded, ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
         loaded.pop("training_args", None)
@@ -244,6 +248,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         checkpoint.set_rng_state(state.pop("rng"))
         log(f"Resumed from {ckpt} at step {state['step']}")
     rng = RolloutRng.from_state(state["sampler"])
+    guard = Guard(state, args.max_nonfinite_steps, run_dir, writer, resumed=resume is not None)
     buffer, generation_metrics = None, {}
     if state["generation"] is not None:
         pending = _from_json(state["generation"])
@@ -271,7 +276,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
             return None
         trainer_state = dict(state, sampler=rng.state(), rng=checkpoint.rng_state(), training_args=asdict(args))
         return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg, best=best,
-                                          keep=args.keep_checkpoints)
+                                          keep=args.keep_checkpoints, protect=guard.protect())
 
     last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
@@ -300,7 +305,8 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                     rollout_time += time.perf_counter() - t0
                 part = buffer[state["micro"] % spg]
                 state["micro"] += 1
-                loss, g, metrics = grpo_value_and_grad(model, part, gcfg, reference, stack)
+                loss, g, metrics = grpo_value_and_grad(model, part, gcfg, reference, stack,
+                                                       micro_group=cfg.get("micro_group"))
                 grads = g if grads is None else tree_map(mx.add, grads, g)
                 mx.eval(grads, loss)
                 tokens += int(sum(len(c) for cs in part.completions for c in cs))
@@ -318,33 +324,43 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            optimizer.update(model, grads)
-            mx.eval(model.parameters(), optimizer.state)
+            finite = guard.check(sums["loss"], norm.item(), world)
+            if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
+                optimizer.update(model, grads)
+                mx.eval(model.parameters(), optimizer.state)
             del grads
             state["step"] = step
             elapsed = time.perf_counter() - tic
             record = dict(split="train", step=step, **sums, grad_norm=float(norm.item()),
                           learning_rate=float(optimizer.learning_rate.item()), tokens=tokens,
                           rollout_time=rollout_time, update_time=elapsed - rollout_time, step_time=elapsed,
-                          active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB)
+                          active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB,
+                          **guard.record())
             emit(record)
             if bar is not None:
                 bar.step(record)
+            if not finite:
+                guard.after(step, f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}",
+                            lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
                 if last_eval is not None:
-                    if state["best_val"] is None or last_eval["reward"] > state["best_val"]:
+                    better = state["best_val"] is None or last_eval["reward"] > state["best_val"]
+                    if better and not guard.suspect:  # weights that gave a non-finite loss are never best
                         state["best_val"], state["best_step"], is_best = last_eval["reward"], step, True
                     line = f"step {step}: val reward {last_eval['reward']:.4f}"
                     (bar.write if bar is not None else log)(line)
             stop = should_stop is not None and should_stop()
             if should_stop is not None and world.size() > 1:  # every rank stops after the same step
                 stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
-            if is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop:
+            due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
+            if due and not guard.suspect:  # checkpoints hold weights that gave a finite loss last
                 ckpt = save(step, best=is_best)
+                guard.saved(step, proven=False)  # a reward says nothing of the loss: the next step proves it
             if stop and step < args.iters:
                 raise Interrupted(step, ckpt)
+        guard.finish(log)
     finally:
         if bar is not None:
             bar.close()
@@ -373,8 +389,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     from .reference import reference_source
     from .rewards import RewardError, load_rewards, reward_name
     from .identity import check_data, data_fingerprint
-    from .runner import Stop, _absolute, _atomic_yaml, _check_run_dir, recipe, training_args
-    from .rundir import CONFIG, Lock, check_lock, check_unchanged, set_aside
+    from .runner import Stop, _absolute, _check_run_dir, training_args, writing_run
+    from .rundir import check_lock
     from .rundir import state as run_dir_state
     from .trainer import build_schedule, prepare_model, trainable_summary
 
@@ -449,23 +465,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             raise RunError(str(e)) from None
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
-    own_lock = lock is None
-    lock = lock or Lock(run_dir)
-    if rank == 0 and own_lock:
-        stale = check_lock(run_dir)
-        if stale:
-            log(stale)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    try:
-        if rank == 0:
-            # Another command may have written here since the checks above: check again under the lock.
-            _check_run_dir(run_dir, resume, own_files)
-            check_unchanged(run_dir, seen)
-            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
-        if rank == 0 and resume is not None:
-            saved = json.loads((Path(resume) / "trainer_state.json").read_text())
-            set_aside(run_dir, saved["step"], saved.get("best_step"), log)
+    saved = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume is not None else None
+    with writing_run(run_dir, cfg, resume, saved, own_files, seen if rank == 0 else None, lock, rank, log):
         with Stop(log) as stop:
             try:
                 last = train_grpo(model, tokenizer, optimizer, prompts["train"], prompts.get("valid"), cfg, gcfg,
@@ -480,9 +481,6 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
             r = evaluate(model, prompts["test"], gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), scorer,
                          cfg["seed"], cfg["batch_size"], -1, cfg["iters"])
             log(f"test: reward {r['reward']:.4f}")
-    finally:
-        if own_lock:
-            lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
     if hint:

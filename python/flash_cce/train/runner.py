@@ -7,6 +7,7 @@ warm-start adapters against the model. Then the run takes the directory's lock,
 writes config.yaml and trains.
 """
 
+import contextlib
 import os
 import shlex
 import signal
@@ -19,7 +20,7 @@ from .plot import plot_on_eval
 from .preflight import (RunError, check_capture, check_init_adapters, check_model, encode, load_model,
                         model_ref, read_data)
 from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, foreign_files, has_checkpoints,
-                     state as run_dir_state)
+                     set_aside, state as run_dir_state)
 from .storage import writing
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
@@ -172,6 +173,33 @@ class Stop:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log):
+    """The run directory taken for writing, after every check: its lock (unless
+    `lock`, which the caller holds), the checks again under it (another command
+    may have written since), config.yaml, and on resume the checkpoints after
+    `resume_state`'s set aside; the lock is released on the way out."""
+    own_lock = lock is None
+    lock = lock or Lock(run_dir)
+    if rank == 0 and own_lock:
+        stale = check_lock(run_dir)
+        if stale:
+            log(stale)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
+        if rank == 0:
+            _check_run_dir(run_dir, resume, own_files)
+            check_unchanged(run_dir, seen)
+            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
+            if resume is not None:
+                set_aside(run_dir, resume_state["step"], resume_state.get("best_step"), log)
+        yield
+    finally:
+        if own_lock:
+            lock.release()
+
+
 def recipe(cfg):
     """`cfg` as config.yaml keeps it: the transient settings at their defaults."""
     return {k: (settings.BY_NAME[k].default if k in TRANSIENT else v) for k, v in cfg.items()}
@@ -226,7 +254,6 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     from .checkpoint import Interrupted, check_checkpoint, load_adapters
     from .controller import for_settings
     from .reference import with_reference
-    from .rundir import set_aside
 
     rank = mx.distributed.init().rank()
     if rank != 0:  # one voice and one writer: rank 0
@@ -276,6 +303,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
         load_adapters(cfg["init_adapters"], model, "init_adapters")
         log(f"Starting from the adapters in {cfg['init_adapters']} (fresh optimizer)")
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
+    resume_state = None
     if resume is not None:  # every file of the checkpoint, before anything is written
         resume_state, _ = check_checkpoint(resume, model, optimizer)
     log(trainable_summary(model))
@@ -283,22 +311,8 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
 
     log(run_summary(cfg))
 
-    own_lock = lock is None
-    lock = lock or Lock(run_dir)
-    if rank == 0 and own_lock:
-        stale = check_lock(run_dir)
-        if stale:
-            log(stale)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    try:
-        if rank == 0:
-            # Another command may have written here since the checks above: check again under the lock.
-            _check_run_dir(run_dir, resume, own_files)
-            check_unchanged(run_dir, seen)
-            _atomic_yaml(recipe(cfg), run_dir / CONFIG)
-            if resume is not None:
-                set_aside(run_dir, resume_state["step"], resume_state["best_step"], log)
+    seen = seen if rank == 0 else None
+    with writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log):
         pairs = [p for split in splits.values() for p in split] if cfg["precompute_ref_log_probs"] else None
         objective = with_reference(cfg, objective, model, log, pairs, run_dir)
         with Stop(log) as stop:
@@ -316,9 +330,6 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
 
             r = evaluate_pairs(model, splits["test"], objective, cfg["batch_size"], cfg["test_batches"])
             log(f"test: loss {r['loss']:.4f}, accuracy {r.get('rewards/accuracies', float('nan')):.3f}")
-    finally:
-        if own_lock:
-            lock.release()
     best = f", best: {run_dir / 'best'}" if (run_dir / "best").exists() else ""
     log(f"Run directory: {run_dir} (adapters: {run_dir / 'adapters'}{best})")
     if hint:

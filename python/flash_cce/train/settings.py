@@ -257,6 +257,8 @@ SETTINGS = (
       low=0, commands=BOTH, resume="free"),
     S("attention_block", "int", None, "Queries per block of the training attention (0: mlx-lm's attention).",
       low=0, optional=True, commands=BOTH, resume="free"),
+    S("micro_group", "int", None, "grpo: completions of a group differentiated per pass around one prompt pass "
+      "(null: all; fewer hold less memory, same result).", low=1, optional=True, resume="free"),
     # The optimizer.
     S("learning_rate", "float", 1e-5, "Peak AdamW learning rate.", low=0, low_open=True, resume="free"),
     S("min_learning_rate", "float", 0.0, "Learning rate at the end of the linear or cosine decay (<= learning_rate).",
@@ -577,6 +579,7 @@ APPLIES_TO = {
     "warm_reference": ("dpo", "kto", "grpo"),
     "nll_on_prompt": ("orpo", "orpo_margin", "sft"),
     **{name: ("grpo",) for name in GRPO_SETTINGS},
+    "micro_group": ("grpo",),
 }
 
 

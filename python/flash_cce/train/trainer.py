@@ -19,11 +19,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint, settings
-from .checkpoint import Interrupted, NonFinite  # noqa: F401 (raised here, caught by the CLI)
+from .checkpoint import Interrupted, NonFinite  # noqa: F401 (raised here and by the guard, caught by the CLI)
 from .objectives import ObjectiveConfig
 from .preflight import prepare_model, quantize_model  # noqa: F401 (prepare_model: the trainer's API)
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
+from .guard import Guard
 from .storage import WriteError, writing
 
 GB = 1e9
@@ -223,16 +224,15 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     state = dict(step=0, position=0, best_val=None, best_step=None, seed=args.seed, nonfinite_steps=0,
                  finite_checkpoint=None, num_tokens=0)
     mx.random.seed(args.seed)
-    last_ckpt, unproven = None, None  # the newest checkpoint, and its step while no step has used it
+    last_ckpt = None  # the newest checkpoint
     if resume is not None:
         loaded, last_ckpt = checkpoint.load_checkpoint(resume, model, optimizer)
         loaded.pop("training_args", None)
         state.update(loaded)
         checkpoint.set_rng_state(state.pop("rng"))
         controller = _resumed_controller(state, controller)
-        if state["finite_checkpoint"] != state["step"]:
-            unproven = state["step"]
         log(f"Resumed from {last_ckpt} at step {state['step']}")
+    guard = Guard(state, args.max_nonfinite_steps, run_dir, writer, resumed=resume is not None)
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
     def emit(record):
@@ -258,20 +258,9 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         trainer_state = dict(state, rng=checkpoint.rng_state(), training_args=asdict(args))
         if controller is not None:
             trainer_state["controller"] = controller.state()
-        good = state["finite_checkpoint"]
         return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state,
                                    adapter_config or {}, best=best, keep=args.keep_checkpoints,
-                                   protect=[checkpoint.step_dir(run_dir, good)] if good is not None else [])
-
-    def fall_back():
-        """Points adapters at the last checkpoint whose weights gave a finite loss
-        (removes it when there is none): never at weights that diverged. Returns it."""
-        good = state["finite_checkpoint"]
-        if good is None:
-            checkpoint.unlink(run_dir, "adapters")
-            return None
-        checkpoint.link(run_dir, "adapters", checkpoint.step_dir(run_dir, good))
-        return checkpoint.step_dir(run_dir, good)
+                                   protect=guard.protect())
 
     def after_eval(record, step):
         loss = record["loss"]
@@ -286,7 +275,6 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     canary = MemoryCanary(args.memory_canary)
     bar = _progress(args, state["step"], rank, log)
     accum = args.grad_accumulation_steps
-    streak, suspect = 0, False  # non-finite steps in a row; weights that gave a non-finite loss
     try:
         first = state["step"] + 1
         for step in range(first, args.iters + 1):
@@ -313,18 +301,10 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            finite = math.isfinite(sums["loss"]) and math.isfinite(norm.item())
-            if size > 1:  # every rank skips the same steps
-                finite = mx.distributed.all_sum(mx.array(int(not finite)), group=world).item() == 0
-            if finite:
+            finite = guard.check(sums["loss"], norm.item(), world)
+            if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
                 optimizer.update(model, grads)
                 mx.eval(model.parameters(), optimizer.state)
-                streak = 0
-                if unproven is not None:  # this step's loss came from that checkpoint's weights
-                    state["finite_checkpoint"], unproven = unproven, None
-            else:  # a NaN/inf loss or gradient: the weights stay as they were
-                streak += 1
-                state["nonfinite_steps"] += 1
             if gpu_capture is not None and step == first:
                 mx.metal.stop_capture()
                 log(f"Recorded step {step} into {gpu_capture}")
@@ -338,8 +318,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                           num_tokens=state["num_tokens"],
                           tokens_per_second=tokens / elapsed, step_time=elapsed,
                           active_memory_gb=active / GB, peak_memory_gb=mx.get_peak_memory() / GB)
-            record["nonfinite/skipped_steps"] = state["nonfinite_steps"]
-            record["nonfinite/consecutive"] = streak
+            record.update(guard.record())
             if controller is not None:
                 record["pref_weight"] = objective.pref_weight
                 if finite:
@@ -352,22 +331,15 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if bar is not None:
                 bar.step(record)
             if not finite:
-                detail = f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}"
-                warning = (f"step {step}: non-finite {detail}; update skipped ({streak} in a row, "
-                           f"the run stops at {args.max_nonfinite_steps})")
-                if bar is not None:
-                    bar.write(f"[warning] {warning}")
-                else:
-                    log(f"[warning] {warning}")
-                if streak >= args.max_nonfinite_steps:
-                    raise NonFinite(step, streak, fall_back() if writer else None, detail)
+                guard.after(step, f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}",
+                            lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
 
-            is_best, suspect = False, streak > 0
+            is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
                 if last_eval is not None:
-                    suspect = suspect or not math.isfinite(last_eval["loss"])
-                    is_best = not suspect and after_eval(last_eval, step)
+                    guard.suspect = guard.suspect or not math.isfinite(last_eval["loss"])
+                    is_best = not guard.suspect and after_eval(last_eval, step)
                     if bar is not None:
                         bar.write(_eval_line(last_eval))
                     elif rank == 0:
@@ -376,17 +348,14 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if should_stop is not None and size > 1:  # every rank stops after the same step
                 stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
             due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
-            if due and not suspect:  # checkpoints hold weights that gave a finite loss last
+            if due and not guard.suspect:  # checkpoints hold weights that gave a finite loss last
                 if is_best:  # its finite validation loss proves it
                     state["finite_checkpoint"] = step
                 last_ckpt = save(step, best=is_best)
-                unproven = None if is_best else step
+                guard.saved(step, proven=is_best)
             if stop and step < args.iters:
                 raise Interrupted(step, last_ckpt)
-        if suspect and writer:
-            good = fall_back()
-            log(f"[warning] the last weights gave a non-finite loss; adapters holds "
-                f"{good or 'nothing (no checkpoint gave a finite loss)'}")
+        guard.finish(log)
     except WriteError as e:
         where = f"; the last complete checkpoint is {last_ckpt}" if last_ckpt is not None else ""
         raise WriteError(e.filename, e.strerror + where, e.errno) from None
