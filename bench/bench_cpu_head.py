@@ -30,7 +30,8 @@ the kernel's scratch comes from MLX's allocator, so it is included.
 repetition once per provider, and reports the min and median of each and the
 ratios of their mins (entropy over logp-only forward + backward, our forward
 over numpy's sgemm): a load that comes and goes then hits every provider alike.
-It measures time only.
+It measures time only: wall time, and the process's CPU time (all threads),
+which leaves out the time a thread waited for a core that other work held.
 """
 
 import argparse
@@ -141,28 +142,33 @@ def numpy_sgemm(M, H, V, repeats):
 
 
 def interleaved(providers, repeats):
-    """{name: [seconds]}: every provider once per round (after one warm-up
-    round), `repeats` rounds. A provider is (name, fn, kernel or None); fn's
-    result is evaluated when it is an MLX array or a list of them."""
+    """({name: [wall seconds]}, {name: [CPU seconds]}): every provider once per
+    round (after one warm-up round), `repeats` rounds. A provider is (name, fn,
+    kernel or None); fn's result is evaluated when it is an MLX array or a list
+    of them. CPU seconds are the process's, all threads: on a machine that
+    other work shares they leave out the time a thread waited for a core."""
     def once(fn, kernel):
         if kernel is not None:
             _ext.cpu_gemm_select(kernel)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
         if not isinstance(out, np.ndarray):
             mx.eval(out)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
 
     for _, fn, kernel in providers:
         once(fn, kernel)
-    times = {name: [] for name, _, _ in providers}
+    wall = {name: [] for name, _, _ in providers}
+    cpu = {name: [] for name, _, _ in providers}
     for _ in range(repeats):
         for name, fn, kernel in providers:
-            times[name].append(once(fn, kernel))
-    return times
+            w, c = once(fn, kernel)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return wall, cpu
 
 
-def ratio_rows(shape, kind, times, kernels):
+def ratio_rows(shape, kind, times, kernels, clock):
     """Ratios of min times: entropy over logp-only forward + backward, and
     numpy's sgemm over our forward (>= 1 means ours is faster)."""
     out = []
@@ -174,7 +180,7 @@ def ratio_rows(shape, kind, times, kernels):
                  ("numpy_sgemm / fwd", "numpy_sgemm", f"fwd{tag}")]
         for what, num, den in pairs:
             if num in best and den in best:
-                out.append(dict(shape=shape, kind=kind, kernel=k, ratio=what,
+                out.append(dict(shape=shape, kind=kind, kernel=k, ratio=what, clock=clock,
                                 value=best[num] / best[den]))
     return out
 
@@ -190,27 +196,34 @@ def run_interleaved(args, kernels):
                          for mode in args.modes for k in kernels]
             if kind == "fp32":
                 providers.insert(0, ("numpy_sgemm", numpy_gemm_fn(M, H, V), None))
-            times = interleaved(providers, args.repeats)
+            times, cpu = interleaved(providers, args.repeats)
             for name, ts in times.items():
                 mode = name.split("[")[0]
                 gemms = GEMMS.get(mode, 1)
                 rows.append(dict(shape=shape, kind=kind, provider=name, ms_min=min(ts) * 1e3,
                                  ms_median=statistics.median(ts) * 1e3,
-                                 gflops_min=gemms * flops / min(ts) / 1e9))
+                                 gflops_min=gemms * flops / min(ts) / 1e9,
+                                 cpu_ms_min=min(cpu[name]) * 1e3,
+                                 cpu_ms_median=statistics.median(cpu[name]) * 1e3))
                 r = rows[-1]
                 print(f"{shape:>16} {kind:>5} {name:>22} min {r['ms_min']:9.1f} ms  median "
-                      f"{r['ms_median']:9.1f} ms  {r['gflops_min']:7.1f} GFLOP/s", flush=True)
-            ratios += ratio_rows(shape, kind, times, kernels)
+                      f"{r['ms_median']:9.1f} ms  {r['gflops_min']:7.1f} GFLOP/s  CPU min "
+                      f"{r['cpu_ms_min']:9.1f} median {r['cpu_ms_median']:9.1f} ms", flush=True)
+            ratios += ratio_rows(shape, kind, times, kernels, "wall")
+            ratios += ratio_rows(shape, kind, cpu, kernels, "cpu")
             del h, w, y, q
-    print("\n| shape M,H,V | weights | provider | min ms | median ms | GFLOP/s (min) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| shape M,H,V | weights | provider | min ms | median ms | GFLOP/s (min) "
+          "| CPU min ms | CPU median ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['kind']} | {r['provider']} | {r['ms_min']:.1f} | "
-              f"{r['ms_median']:.1f} | {r['gflops_min']:.1f} |")
-    print("\n| shape M,H,V | weights | kernel | ratio of mins | value |")
-    print("|---|---|---|---|---|")
+              f"{r['ms_median']:.1f} | {r['gflops_min']:.1f} | {r['cpu_ms_min']:.1f} | "
+              f"{r['cpu_ms_median']:.1f} |")
+    print("\n| shape M,H,V | weights | kernel | ratio of mins | clock | value |")
+    print("|---|---|---|---|---|---|")
     for r in ratios:
-        print(f"| {r['shape']} | {r['kind']} | {r['kernel']} | {r['ratio']} | {r['value']:.3f} |")
+        print(f"| {r['shape']} | {r['kind']} | {r['kernel']} | {r['ratio']} | {r['clock']} | "
+              f"{r['value']:.3f} |")
     return rows, ratios
 
 
