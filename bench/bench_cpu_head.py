@@ -23,6 +23,15 @@ the kernel's scratch comes from MLX's allocator, so it is included.
   python bench/bench_cpu_head.py                 # both shapes, JSON to bench/results/
   python bench/bench_cpu_head.py --shapes 512,1024,32768 --repeats 1
   python bench/bench_cpu_head.py --gemm-kernels all   # each GEMM micro-kernel
+  python bench/bench_cpu_head.py --interleave --repeats 9 --kinds fp32 \
+      --modes fwd fwd+bwd ent-fwd+bwd --gemm-kernels all   # ratios on a shared machine
+
+--interleave runs the providers of a shape and weight kind round-robin, each
+repetition once per provider, and reports the min and median of each and the
+ratios of their mins (entropy over logp-only forward + backward, our forward
+over numpy's sgemm): a load that comes and goes then hits every provider alike.
+It measures time only: wall time, and the process's CPU time (all threads),
+which leaves out the time a thread waited for a core that other work held.
 """
 
 import argparse
@@ -115,16 +124,107 @@ def compose(h, w, y, q, mode, fast_ce):
     return lambda: mx.grad(loss)(h)
 
 
-def numpy_sgemm(M, H, V, repeats):
+def numpy_gemm_fn(M, H, V):
     a = np.random.randn(M, H).astype(np.float32)
     b = np.random.randn(V, H).astype(np.float32)
-    a @ b.T
+    return lambda: a @ b.T
+
+
+def numpy_sgemm(M, H, V, repeats):
+    fn = numpy_gemm_fn(M, H, V)
+    fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        a @ b.T
+        fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def interleaved(providers, repeats):
+    """({name: [wall seconds]}, {name: [CPU seconds]}): every provider once per
+    round (after one warm-up round), `repeats` rounds. A provider is (name, fn,
+    kernel or None); fn's result is evaluated when it is an MLX array or a list
+    of them. CPU seconds are the process's, all threads: on a machine that
+    other work shares they leave out the time a thread waited for a core."""
+    def once(fn, kernel):
+        if kernel is not None:
+            _ext.cpu_gemm_select(kernel)
+        t, c = time.perf_counter(), time.process_time()
+        out = fn()
+        if not isinstance(out, np.ndarray):
+            mx.eval(out)
+        return time.perf_counter() - t, time.process_time() - c
+
+    for _, fn, kernel in providers:
+        once(fn, kernel)
+    wall = {name: [] for name, _, _ in providers}
+    cpu = {name: [] for name, _, _ in providers}
+    for _ in range(repeats):
+        for name, fn, kernel in providers:
+            w, c = once(fn, kernel)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return wall, cpu
+
+
+def ratio_rows(shape, kind, times, kernels, clock):
+    """Ratios of min times: entropy over logp-only forward + backward, and
+    numpy's sgemm over our forward (>= 1 means ours is faster)."""
+    out = []
+    best = {name: min(ts) for name, ts in times.items()}
+    for k in kernels:
+        tag = f"[{k}]"
+        pairs = [("ent-fwd+bwd / fwd+bwd", f"ent-fwd+bwd{tag}", f"fwd+bwd{tag}"),
+                 ("ent-fwd / fwd", f"ent-fwd{tag}", f"fwd{tag}"),
+                 ("numpy_sgemm / fwd", "numpy_sgemm", f"fwd{tag}")]
+        for what, num, den in pairs:
+            if num in best and den in best:
+                out.append(dict(shape=shape, kind=kind, kernel=k, ratio=what, clock=clock,
+                                value=best[num] / best[den]))
+    return out
+
+
+def run_interleaved(args, kernels):
+    rows, ratios = [], []
+    for shape in args.shapes:
+        M, H, V = map(int, shape.split(","))
+        flops = 2 * M * V * H
+        for kind in args.kinds:
+            h, w, y, q = make(M, H, V, kind)
+            providers = [(f"{mode}[{k}]", ours(h, w, y, q, mode), k)
+                         for mode in args.modes for k in kernels]
+            if kind == "fp32":
+                providers.insert(0, ("numpy_sgemm", numpy_gemm_fn(M, H, V), None))
+            times, cpu = interleaved(providers, args.repeats)
+            for name, ts in times.items():
+                mode = name.split("[")[0]
+                gemms = GEMMS.get(mode, 1)
+                rows.append(dict(shape=shape, kind=kind, provider=name, ms_min=min(ts) * 1e3,
+                                 ms_median=statistics.median(ts) * 1e3,
+                                 gflops_min=gemms * flops / min(ts) / 1e9,
+                                 cpu_ms_min=min(cpu[name]) * 1e3,
+                                 cpu_ms_median=statistics.median(cpu[name]) * 1e3))
+                r = rows[-1]
+                print(f"{shape:>16} {kind:>5} {name:>22} min {r['ms_min']:9.1f} ms  median "
+                      f"{r['ms_median']:9.1f} ms  {r['gflops_min']:7.1f} GFLOP/s  CPU min "
+                      f"{r['cpu_ms_min']:9.1f} median {r['cpu_ms_median']:9.1f} ms", flush=True)
+            ratios += ratio_rows(shape, kind, times, kernels, "wall")
+            ratios += ratio_rows(shape, kind, cpu, kernels, "cpu")
+            del h, w, y, q
+    print("\n| shape M,H,V | weights | provider | min ms | median ms | GFLOP/s (min) "
+          "| CPU min ms | CPU median ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['kind']} | {r['provider']} | {r['ms_min']:.1f} | "
+              f"{r['ms_median']:.1f} | {r['gflops_min']:.1f} | {r['cpu_ms_min']:.1f} | "
+              f"{r['cpu_ms_median']:.1f} |")
+    print("\n| shape M,H,V | weights | kernel | ratio of mins | clock | value |")
+    print("|---|---|---|---|---|---|")
+    for r in ratios:
+        print(f"| {r['shape']} | {r['kind']} | {r['kernel']} | {r['ratio']} | {r['clock']} | "
+              f"{r['value']:.3f} |")
+    return rows, ratios
 
 
 def main():
@@ -138,6 +238,9 @@ def main():
     ap.add_argument("--gemm-kernels", nargs="+", default=None,
                     help="our GEMM micro-kernels to measure (names of _ext.cpu_gemm_kernels(), "
                          "or 'all'); default: the one chosen for this processor")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the providers round-robin and report min/median and ratios "
+                         "(time only; no MLX composition)")
     ap.add_argument("--out", default="bench/results/cpu_head.json")
     args = ap.parse_args()
     mx.set_default_device(mx.cpu)
@@ -149,6 +252,16 @@ def main():
     if unknown:
         ap.error(f"--gemm-kernels: {unknown} not among this processor's {available}")
     chosen = _ext.cpu_gemm_kernel()
+    meta = dict(
+        date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(), mlx=mx.__version__, numpy=np.__version__,
+        gemm_kernel=chosen, gemm_kernels=kernels, softcap=SOFTCAP, repeats=args.repeats,
+    )
+    if args.interleave:
+        rows, ratios = run_interleaved(args, kernels)
+        _ext.cpu_gemm_select(chosen)
+        write(args.out, dict(meta=meta, rows=rows, ratios=ratios))
+        return
 
     rows = []
     for shape in args.shapes:
@@ -186,14 +299,13 @@ def main():
         extra = "" if r["extra_mb"] is None else f"{r['extra_mb']:.1f}"
         print(f"| {r['shape']} | {r['kind']} | {r['mode']} | {r['provider']} | "
               f"{r['ms']:.1f} | {r['gflops']:.1f} | {extra} |")
-    meta = dict(
-        date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
-        cpus=os.cpu_count(), mlx=mx.__version__, numpy=np.__version__,
-        gemm_kernel=chosen, gemm_kernels=kernels, softcap=SOFTCAP,
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"\nwrote {args.out}")
+    write(args.out, dict(meta=meta, rows=rows))
+
+
+def write(out, result):
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,6 @@ struct Work {
   float* r0;    // [M] per-row state (running max, or masked g)
   float* r1;    // [M] (running sum, or g_lse - g)
   float* dcap;  // [VB] softcap derivative of one row
-  float* z;     // [VB] one row's logits kept beside its probabilities
   GemmScratch gemm;
 };
 
@@ -142,7 +141,7 @@ class Workspace {
             int64_t max_n, float* acc0 = nullptr, int tiles = 1)
       : M_(p.M), H_(p.H), tiles_(tiles), rows_(with_rows ? VB * p.H : 0),
         acc_(with_acc ? tiles * p.M * p.H : 0), acc0_(acc0),
-        per_thread_(rows_ + tiles * p.M * VB + 2 * p.M + 2 * VB +
+        per_thread_(rows_ + tiles * p.M * VB + 2 * p.M + VB +
                     sgemm_scratch_floats(max_n)),
         threads_(threads),
         scratch_(threads * per_thread_ + (threads - (acc0 ? 1 : 0)) * acc_) {}
@@ -163,8 +162,7 @@ class Workspace {
     w.r0 = w.s + tiles_ * M_ * VB;
     w.r1 = w.r0 + M_;
     w.dcap = w.r1 + M_;
-    w.z = w.dcap + VB;
-    w.gemm = sgemm_scratch(w.z + VB);
+    w.gemm = sgemm_scratch(w.dcap + VB);
     float* accs = scratch_.base() + threads_ * per_thread_;
     w.acc = !acc_ ? nullptr : acc0_ ? (t == 0 ? acc0_ : accs + (t - 1) * acc_)
                                     : accs + t * acc_;
@@ -229,23 +227,6 @@ struct RunStats {
                                      arg(threads * M, 0) {}
 };
 
-// The block's softmax weights e^(s - m) of one row in place, and their
-// products with s - m in d; returns their sum (and adds R's share to r).
-float exp_row(float* row, float* d, int64_t n, float m, float& r) {
-  for (int64_t j = 0; j < n; ++j) {
-    d[j] = row[j] - m;
-  }
-  scaled_exp_shifted(row, n, m, 1.0f);
-  float part = 0.0f, rpart = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    part += row[j];
-    d[j] *= row[j];
-    rpart += d[j];
-  }
-  r += rpart;
-  return part;
-}
-
 } // namespace
 
 void forward(const HeadProblem& p, float* logp, float* lse, float* gsum,
@@ -284,17 +265,17 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum,
       if (target_in(y, v0, n)) {
         target_logit[m] = row[y - v0];
       }
-      const float* top = std::max_element(row, row + n);
-      const float bmax = *top;
+      float bmax;
       if (stats) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          sum += row[j];
-        }
-        rs.total[w.t * M + m] += sum;
+        // The maximum, its first index and the logits' sum in one pass.
+        const RowScan scan = scan_row(row, n);
+        bmax = scan.max;
+        rs.total[w.t * M + m] += scan.sum;
         if (bmax > run_max[m]) { // blocks come in increasing order per thread
-          rs.arg[w.t * M + m] = static_cast<int32_t>(v0 + (top - row));
+          rs.arg[w.t * M + m] = static_cast<int32_t>(v0 + scan.arg);
         }
+      } else {
+        bmax = *std::max_element(row, row + n);
       }
       if (bmax > run_max[m]) {
         const float shrink = std::exp(run_max[m] - bmax);
@@ -319,14 +300,14 @@ void forward(const HeadProblem& p, float* logp, float* lse, float* gsum,
         run_max[m] = bmax;
       }
       if (!w.acc) {
-        run_sum[m] += stats ? exp_row(row, w.z, n, run_max[m], run_r[m])
+        run_sum[m] += stats ? exp_moments(row, nullptr, n, run_max[m], &run_r[m])
                             : sum_exp_shifted(row, n, run_max[m]);
         continue;
       }
       // Unnormalised softmax weights times dcap, for sum_v p_v dcap_v W_v
       // (and times s - m in the second tile, for the entropy's share).
       if (stats) {
-        run_sum[m] += exp_row(row, rel, n, run_max[m], run_r[m]);
+        run_sum[m] += exp_moments(row, rel, n, run_max[m], &run_r[m]);
       } else {
         scaled_exp_shifted(row, n, run_max[m], 1.0f);
         float part = 0.0f;
@@ -461,12 +442,7 @@ void backward(const HeadProblem& p, const float* lse, const float* g,
         softcap_inplace(row, w.dcap, n, cap);
       }
       if (ent.g_ent) {
-        const float ge = ent.g_ent[m], mean = lse[m] - ent.entropy[m];
-        std::copy(row, row + n, w.z);
-        scaled_exp_shifted(row, n, lse[m], 1.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] *= coef[m] - ge * (w.z[j] - mean);
-        }
+        exp_affine(row, n, lse[m], coef[m], ent.g_ent[m], lse[m] - ent.entropy[m]);
       } else {
         scaled_exp_shifted(row, n, lse[m], coef[m]);
       }

@@ -95,4 +95,92 @@ FLASH_CCE_CLONES void scaled_exp_shifted(float* s, int64_t n, float shift, float
   }
 }
 
+// Lane-wise partial results (8 lanes: one AVX2 vector) let the compiler keep
+// the reductions in vectors; lanes are combined once at the end.
+constexpr int L = 8;
+
+FLASH_CCE_CLONES RowScan scan_row(const float* s, int64_t n) {
+  float mx[L], sum[L] = {};
+  int32_t arg[L];
+  for (int k = 0; k < L; ++k) {
+    mx[k] = -INFINITY;
+    arg[k] = 0;
+  }
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    for (int k = 0; k < L; ++k) {
+      const float v = s[j + k];
+      const bool up = v > mx[k]; // strict: a lane keeps its first maximum
+      mx[k] = up ? v : mx[k];
+      arg[k] = up ? static_cast<int32_t>(j + k) : arg[k];
+      sum[k] += v;
+    }
+  }
+  RowScan out{-INFINITY, 0, 0.0f};
+  for (; j < n; ++j) {
+    if (s[j] > out.max) {
+      out.max = s[j];
+      out.arg = j;
+    }
+    out.sum += s[j];
+  }
+  // The smallest index among the lanes' (and the tail's) maxima.
+  for (int k = 0; k < L; ++k) {
+    if (mx[k] > out.max || (mx[k] == out.max && arg[k] < out.arg)) {
+      out.max = mx[k];
+      out.arg = arg[k];
+    }
+    out.sum += sum[k];
+  }
+  if (n > 0 && out.max == -INFINITY) {
+    out.arg = 0; // every value is -inf (or the row is NaN): the first index
+  }
+  return out;
+}
+
+template <bool REL>
+inline float exp_moments_impl(float* s, float* rel, int64_t n, float shift, float* r) {
+  float acc[L] = {}, racc[L] = {};
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    for (int k = 0; k < L; ++k) {
+      const float d = s[j + k] - shift, e = exp_poly(d);
+      s[j + k] = e;
+      acc[k] += e;
+      racc[k] += e * d;
+      if constexpr (REL) {
+        rel[j + k] = e * d;
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const float d = s[j] - shift, e = exp_poly(d);
+    s[j] = e;
+    acc[0] += e;
+    racc[0] += e * d;
+    if constexpr (REL) {
+      rel[j] = e * d;
+    }
+  }
+  float total = 0.0f, rtotal = 0.0f;
+  for (int k = 0; k < L; ++k) {
+    total += acc[k];
+    rtotal += racc[k];
+  }
+  *r += rtotal;
+  return total;
+}
+
+FLASH_CCE_CLONES float exp_moments(float* s, float* rel, int64_t n, float shift, float* r) {
+  return rel ? exp_moments_impl<true>(s, rel, n, shift, r)
+             : exp_moments_impl<false>(s, rel, n, shift, r);
+}
+
+FLASH_CCE_CLONES void exp_affine(float* s, int64_t n, float shift, float coef, float slope,
+                                 float center) {
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_poly(s[j] - shift) * (coef - slope * (s[j] - center));
+  }
+}
+
 } // namespace flash_cce::cpu
