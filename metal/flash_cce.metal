@@ -61,6 +61,56 @@ template <typename HT, int bits>
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
 }
 
+// Forward with the entropy statistics: per-split row statistics, target
+// logits and each split's entropy terms (head.h's RowEnt).
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_ent(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_ent [[buffer(17)]],
+    device float* part_lsum [[buffer(18)]],
+    device int* part_arg [[buffer(19)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::head_tiles<FCCE_MODE_FWD, true>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane,
+      fcce::EntParts{part_ent, part_lsum, part_arg});
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_ent_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    device float* part_max [[buffer(8)]],
+    device float* part_sum [[buffer(9)]],
+    device float* target_logit [[buffer(10)]],
+    device float* part_ent [[buffer(17)]],
+    device float* part_lsum [[buffer(18)]],
+    device int* part_arg [[buffer(19)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::head_tiles<FCCE_MODE_FWD, true>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
+      part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane,
+      fcce::EntParts{part_ent, part_lsum, part_arg});
+}
+
 // Fused forward: the statistics plus the splits' partial gsum.
 template <typename HT, typename WT>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused(
@@ -241,6 +291,60 @@ template <typename HT, int bits>
       part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
 
+// dh with the entropy's cotangent (accumulator in registers): dS also takes
+// -g_ent p_v (s_v - (lse - entropy)) dcap_v.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs_ent(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    const device float* entropy [[buffer(21)]],
+    const device float* g_ent [[buffer(24)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::regs_tiles<FCCE_MODE_DH, true>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
+      nullptr, part_acc, stage, p, smem, group, groups, tid, sgid, lane,
+      fcce::EntGrad{entropy, g_ent});
+}
+
+template <typename HT, int bits>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs_ent_q(
+    const device HT* h [[buffer(0)]],
+    const device uint8_t* w [[buffer(1)]],
+    const device uint8_t* scales [[buffer(2)]],
+    const device uint8_t* biases [[buffer(3)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* part_acc [[buffer(11)]],
+    device float* stage [[buffer(16)]],
+    const device float* entropy [[buffer(21)]],
+    const device float* g_ent [[buffer(24)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
+  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  fcce::regs_tiles<FCCE_MODE_DH, true>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
+      nullptr, part_acc, stage, p, smem, group, groups, tid, sgid, lane,
+      fcce::EntGrad{entropy, g_ent});
+}
+
 // Backward for a dense w: float32 dW rows of the launch's slab.
 template <typename HT, typename WT>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw(
@@ -261,6 +365,29 @@ template <typename HT, typename WT>
   fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
 }
 
+// dW with the entropy's cotangent.
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw_ent(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* acc [[buffer(14)]],
+    const device float* entropy [[buffer(21)]],
+    const device float* g_ent [[buffer(24)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float smem[FCCE_SMEM_FLOATS];
+  const fcce::DenseWeight<WT> wt{w};
+  fcce::dw_tiles<true>(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane,
+      fcce::EntGrad{entropy, g_ent});
+}
+
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_combine(
     const device int* targets [[buffer(4)]],
     device float* lse [[buffer(5)]],
@@ -271,6 +398,30 @@ template <typename HT, typename WT>
     constant FcceParams& p [[buffer(20)]],
     uint i [[thread_position_in_grid]]) {
   fcce::combine_row(targets, part_max, part_sum, target_logit, logp, lse, p, i);
+}
+
+// The combine with the entropy statistics. A template (one instantiation), so
+// that only the plans that use it compile it: a per-configuration source
+// keeps every plain kernel.
+template <typename OutT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void combine_ent(
+    const device int* targets [[buffer(4)]],
+    device float* lse [[buffer(5)]],
+    const device float* part_max [[buffer(8)]],
+    const device float* part_sum [[buffer(9)]],
+    const device float* target_logit [[buffer(10)]],
+    device float* logp [[buffer(12)]],
+    device float* part_ent [[buffer(17)]],
+    device float* part_lsum [[buffer(18)]],
+    device int* part_arg [[buffer(19)]],
+    device OutT* entropy [[buffer(21)]],
+    device bool* is_top1 [[buffer(22)]],
+    device OutT* mean_logit [[buffer(23)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  fcce::combine_row<true>(targets, part_max, part_sum, target_logit, logp, lse, p, i,
+      fcce::EntParts{part_ent, part_lsum, part_arg},
+      fcce::EntOut{entropy, is_top1, mean_logit});
 }
 
 template <typename OutT>
@@ -511,3 +662,73 @@ template [[host_name("fcce_fused_dh_obf16_wbf16")]] [[kernel]] decltype(fused_dh
 template [[host_name("fcce_fused_dh_of32_q")]] [[kernel]] decltype(fused_dh_q<float>) fused_dh_q<float>;
 template [[host_name("fcce_fused_dh_of16_q")]] [[kernel]] decltype(fused_dh_q<half>) fused_dh_q<half>;
 template [[host_name("fcce_fused_dh_obf16_q")]] [[kernel]] decltype(fused_dh_q<bfloat16_t>) fused_dh_q<bfloat16_t>;
+// Entropy variants (compiled only for calls that ask for the entropy statistics)
+// fwd_ent: dense heads
+template [[host_name("fcce_fwd_ent_hf32_wf32")]] [[kernel]] decltype(head_fwd_ent<float, float>) head_fwd_ent<float, float>;
+template [[host_name("fcce_fwd_ent_hf32_wf16")]] [[kernel]] decltype(head_fwd_ent<float, half>) head_fwd_ent<float, half>;
+template [[host_name("fcce_fwd_ent_hf32_wbf16")]] [[kernel]] decltype(head_fwd_ent<float, bfloat16_t>) head_fwd_ent<float, bfloat16_t>;
+template [[host_name("fcce_fwd_ent_hf16_wf32")]] [[kernel]] decltype(head_fwd_ent<half, float>) head_fwd_ent<half, float>;
+template [[host_name("fcce_fwd_ent_hf16_wf16")]] [[kernel]] decltype(head_fwd_ent<half, half>) head_fwd_ent<half, half>;
+template [[host_name("fcce_fwd_ent_hf16_wbf16")]] [[kernel]] decltype(head_fwd_ent<half, bfloat16_t>) head_fwd_ent<half, bfloat16_t>;
+template [[host_name("fcce_fwd_ent_hbf16_wf32")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, float>) head_fwd_ent<bfloat16_t, float>;
+template [[host_name("fcce_fwd_ent_hbf16_wf16")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, half>) head_fwd_ent<bfloat16_t, half>;
+template [[host_name("fcce_fwd_ent_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, bfloat16_t>) head_fwd_ent<bfloat16_t, bfloat16_t>;
+// fwd_ent: quantized heads
+template [[host_name("fcce_fwd_ent_hf32_q2")]] [[kernel]] decltype(head_fwd_ent_q<float, 2>) head_fwd_ent_q<float, 2>;
+template [[host_name("fcce_fwd_ent_hf32_q3")]] [[kernel]] decltype(head_fwd_ent_q<float, 3>) head_fwd_ent_q<float, 3>;
+template [[host_name("fcce_fwd_ent_hf32_q4")]] [[kernel]] decltype(head_fwd_ent_q<float, 4>) head_fwd_ent_q<float, 4>;
+template [[host_name("fcce_fwd_ent_hf32_q5")]] [[kernel]] decltype(head_fwd_ent_q<float, 5>) head_fwd_ent_q<float, 5>;
+template [[host_name("fcce_fwd_ent_hf32_q6")]] [[kernel]] decltype(head_fwd_ent_q<float, 6>) head_fwd_ent_q<float, 6>;
+template [[host_name("fcce_fwd_ent_hf32_q8")]] [[kernel]] decltype(head_fwd_ent_q<float, 8>) head_fwd_ent_q<float, 8>;
+template [[host_name("fcce_fwd_ent_hf16_q2")]] [[kernel]] decltype(head_fwd_ent_q<half, 2>) head_fwd_ent_q<half, 2>;
+template [[host_name("fcce_fwd_ent_hf16_q3")]] [[kernel]] decltype(head_fwd_ent_q<half, 3>) head_fwd_ent_q<half, 3>;
+template [[host_name("fcce_fwd_ent_hf16_q4")]] [[kernel]] decltype(head_fwd_ent_q<half, 4>) head_fwd_ent_q<half, 4>;
+template [[host_name("fcce_fwd_ent_hf16_q5")]] [[kernel]] decltype(head_fwd_ent_q<half, 5>) head_fwd_ent_q<half, 5>;
+template [[host_name("fcce_fwd_ent_hf16_q6")]] [[kernel]] decltype(head_fwd_ent_q<half, 6>) head_fwd_ent_q<half, 6>;
+template [[host_name("fcce_fwd_ent_hf16_q8")]] [[kernel]] decltype(head_fwd_ent_q<half, 8>) head_fwd_ent_q<half, 8>;
+template [[host_name("fcce_fwd_ent_hbf16_q2")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 2>) head_fwd_ent_q<bfloat16_t, 2>;
+template [[host_name("fcce_fwd_ent_hbf16_q3")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 3>) head_fwd_ent_q<bfloat16_t, 3>;
+template [[host_name("fcce_fwd_ent_hbf16_q4")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 4>) head_fwd_ent_q<bfloat16_t, 4>;
+template [[host_name("fcce_fwd_ent_hbf16_q5")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 5>) head_fwd_ent_q<bfloat16_t, 5>;
+template [[host_name("fcce_fwd_ent_hbf16_q6")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 6>) head_fwd_ent_q<bfloat16_t, 6>;
+template [[host_name("fcce_fwd_ent_hbf16_q8")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 8>) head_fwd_ent_q<bfloat16_t, 8>;
+// dh with the entropy's cotangent (accumulator in registers): dense heads
+template [[host_name("fcce_dhreg_ent_hf32_wf32")]] [[kernel]] decltype(head_dh_regs_ent<float, float>) head_dh_regs_ent<float, float>;
+template [[host_name("fcce_dhreg_ent_hf32_wf16")]] [[kernel]] decltype(head_dh_regs_ent<float, half>) head_dh_regs_ent<float, half>;
+template [[host_name("fcce_dhreg_ent_hf32_wbf16")]] [[kernel]] decltype(head_dh_regs_ent<float, bfloat16_t>) head_dh_regs_ent<float, bfloat16_t>;
+template [[host_name("fcce_dhreg_ent_hf16_wf32")]] [[kernel]] decltype(head_dh_regs_ent<half, float>) head_dh_regs_ent<half, float>;
+template [[host_name("fcce_dhreg_ent_hf16_wf16")]] [[kernel]] decltype(head_dh_regs_ent<half, half>) head_dh_regs_ent<half, half>;
+template [[host_name("fcce_dhreg_ent_hf16_wbf16")]] [[kernel]] decltype(head_dh_regs_ent<half, bfloat16_t>) head_dh_regs_ent<half, bfloat16_t>;
+template [[host_name("fcce_dhreg_ent_hbf16_wf32")]] [[kernel]] decltype(head_dh_regs_ent<bfloat16_t, float>) head_dh_regs_ent<bfloat16_t, float>;
+template [[host_name("fcce_dhreg_ent_hbf16_wf16")]] [[kernel]] decltype(head_dh_regs_ent<bfloat16_t, half>) head_dh_regs_ent<bfloat16_t, half>;
+template [[host_name("fcce_dhreg_ent_hbf16_wbf16")]] [[kernel]] decltype(head_dh_regs_ent<bfloat16_t, bfloat16_t>) head_dh_regs_ent<bfloat16_t, bfloat16_t>;
+// dh with the entropy's cotangent (accumulator in registers): quantized heads
+template [[host_name("fcce_dhreg_ent_hf32_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 2>) head_dh_regs_ent_q<float, 2>;
+template [[host_name("fcce_dhreg_ent_hf32_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 3>) head_dh_regs_ent_q<float, 3>;
+template [[host_name("fcce_dhreg_ent_hf32_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 4>) head_dh_regs_ent_q<float, 4>;
+template [[host_name("fcce_dhreg_ent_hf32_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 5>) head_dh_regs_ent_q<float, 5>;
+template [[host_name("fcce_dhreg_ent_hf32_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 6>) head_dh_regs_ent_q<float, 6>;
+template [[host_name("fcce_dhreg_ent_hf32_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 8>) head_dh_regs_ent_q<float, 8>;
+template [[host_name("fcce_dhreg_ent_hf16_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 2>) head_dh_regs_ent_q<half, 2>;
+template [[host_name("fcce_dhreg_ent_hf16_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 3>) head_dh_regs_ent_q<half, 3>;
+template [[host_name("fcce_dhreg_ent_hf16_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 4>) head_dh_regs_ent_q<half, 4>;
+template [[host_name("fcce_dhreg_ent_hf16_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 5>) head_dh_regs_ent_q<half, 5>;
+template [[host_name("fcce_dhreg_ent_hf16_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 6>) head_dh_regs_ent_q<half, 6>;
+template [[host_name("fcce_dhreg_ent_hf16_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 8>) head_dh_regs_ent_q<half, 8>;
+template [[host_name("fcce_dhreg_ent_hbf16_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 2>) head_dh_regs_ent_q<bfloat16_t, 2>;
+template [[host_name("fcce_dhreg_ent_hbf16_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 3>) head_dh_regs_ent_q<bfloat16_t, 3>;
+template [[host_name("fcce_dhreg_ent_hbf16_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 4>) head_dh_regs_ent_q<bfloat16_t, 4>;
+template [[host_name("fcce_dhreg_ent_hbf16_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 5>) head_dh_regs_ent_q<bfloat16_t, 5>;
+template [[host_name("fcce_dhreg_ent_hbf16_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 6>) head_dh_regs_ent_q<bfloat16_t, 6>;
+template [[host_name("fcce_dhreg_ent_hbf16_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 8>) head_dh_regs_ent_q<bfloat16_t, 8>;
+// dW with the entropy's cotangent (dense heads)
+template [[host_name("fcce_dw_ent_hf32_wf32")]] [[kernel]] decltype(head_dw_ent<float, float>) head_dw_ent<float, float>;
+template [[host_name("fcce_dw_ent_hf32_wf16")]] [[kernel]] decltype(head_dw_ent<float, half>) head_dw_ent<float, half>;
+template [[host_name("fcce_dw_ent_hf32_wbf16")]] [[kernel]] decltype(head_dw_ent<float, bfloat16_t>) head_dw_ent<float, bfloat16_t>;
+template [[host_name("fcce_dw_ent_hf16_wf32")]] [[kernel]] decltype(head_dw_ent<half, float>) head_dw_ent<half, float>;
+template [[host_name("fcce_dw_ent_hf16_wf16")]] [[kernel]] decltype(head_dw_ent<half, half>) head_dw_ent<half, half>;
+template [[host_name("fcce_dw_ent_hf16_wbf16")]] [[kernel]] decltype(head_dw_ent<half, bfloat16_t>) head_dw_ent<half, bfloat16_t>;
+template [[host_name("fcce_dw_ent_hbf16_wf32")]] [[kernel]] decltype(head_dw_ent<bfloat16_t, float>) head_dw_ent<bfloat16_t, float>;
+template [[host_name("fcce_dw_ent_hbf16_wf16")]] [[kernel]] decltype(head_dw_ent<bfloat16_t, half>) head_dw_ent<bfloat16_t, half>;
+template [[host_name("fcce_dw_ent_hbf16_wbf16")]] [[kernel]] decltype(head_dw_ent<bfloat16_t, bfloat16_t>) head_dw_ent<bfloat16_t, bfloat16_t>;
+template [[host_name("fcce_combine_ent")]] [[kernel]] decltype(combine_ent<float>) combine_ent<float>;

@@ -27,7 +27,8 @@ namespace fcce {
 
 // The running-maximum sentinel: finite, so that exp(sentinel - x) is 0, never NaN.
 constant constexpr float kFloorLogit = -3.0e38f;
-constant constexpr int kLdC = FCCE_BN + 4; // row stride of the coefficient tile
+constant constexpr int kLdC = FCCE_BN + 4;
+constant constexpr int kNoArg = 0x7fffffff; // above every column: no arg-max yet // row stride of the coefficient tile
 
 using LogitMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BM, FCCE_BN, FCCE_BK, FCCE_WM, FCCE_WN,
@@ -101,29 +102,41 @@ METAL_FUNC RowTarget row_target(const constant FcceParams& p, const device int* 
   return t;
 }
 
-// The backward's per-row factors: g masked by the target, g_lse - g, lse.
+// The backward's per-row factors: g masked by the target, g_lse - g, lse;
+// with the entropy's cotangent also g_ent and zbar = sum_u p_u s_u = lse - entropy.
 struct RowGrad {
   float gm;
   float coef;
   float lse;
+  float ge;
+  float zbar;
+};
+
+// The entropy's inputs of the backward: the forward's entropy and its
+// cotangent, [M] each (null without the entropy).
+struct EntGrad {
+  const device float* entropy;
+  const device float* g_ent;
 };
 
 METAL_FUNC RowGrad row_grad(
     thread const RowTarget& t, const device float* lse, const device float* g,
-    const device float* g_lse, int m) {
-  RowGrad r{0.0f, 0.0f, 0.0f};
+    const device float* g_lse, int m, EntGrad ent = EntGrad{nullptr, nullptr}) {
+  RowGrad r{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (t.ok) {
     r.gm = t.y_ok ? g[m] : 0.0f;
     r.coef = g_lse[m] - r.gm;
     r.lse = lse[m];
+    if (ent.g_ent) {
+      r.ge = ent.g_ent[m];
+      r.zbar = r.lse - ent.entropy[m];
+    }
   }
   return r;
 }
 
 // The thread's 8 logits from the tile, softcapped; dcap receives the softcap's
-// derivative. The row epilogue's per-row state (run_max, run_sum) is where
-// further per-row sums (e.g. sum_v p_v s_v) would be kept and rescaled alike,
-// and a logit transform after the softcap (e.g. a temperature) would go here.
+// derivative. (A temperature reaches the kernels folded into h and the cap.)
 METAL_FUNC void read_logits8(threadgroup float* crow, thread float* s, thread float* dcap,
                              float cap) {
   for (int j = 0; j < 8; ++j) {
@@ -133,13 +146,20 @@ METAL_FUNC void read_logits8(threadgroup float* crow, thread float* s, thread fl
 }
 
 // dS = (g [v == y] + (g_lse - g) exp(s - lse)) dcap for columns v0 ... v0 + 7,
-// written over the logits; 0 for columns past V and rows past M.
+// written over the logits; 0 for columns past V and rows past M. kEnt adds
+// the entropy's share -g_ent p_v (s_v - zbar) dcap_v (its gradient with
+// respect to s_v is -p_v (s_v - zbar)).
+template <bool kEnt = false>
 METAL_FUNC void write_ds8(threadgroup float* crow, thread const float* s,
                           thread const float* dcap, int v0, const constant FcceParams& p,
                           thread const RowTarget& t, thread const RowGrad& r) {
   for (int j = 0; j < 8; ++j) {
     const int v = v0 + j;
-    float d = v < p.V && t.ok ? r.coef * metal::precise::exp(s[j] - r.lse) : 0.0f;
+    float c = r.coef;
+    if (kEnt) {
+      c -= r.ge * (s[j] - r.zbar);
+    }
+    float d = v < p.V && t.ok ? c * metal::precise::exp(s[j] - r.lse) : 0.0f;
     d += t.y_ok && v == t.y ? r.gm : 0.0f;
     crow[j] = d * dcap[j];
   }
@@ -154,35 +174,76 @@ METAL_FUNC float row_max4(float x) {
   x = max(x, simd_shuffle_xor(x, ushort(1)));
   return max(x, simd_shuffle_xor(x, ushort(2)));
 }
+METAL_FUNC int row_min4(int x) {
+  x = min(x, simd_shuffle_xor(x, ushort(1)));
+  return min(x, simd_shuffle_xor(x, ushort(2)));
+}
+
+// The entropy statistics of one row over the blocks seen so far, beside its
+// running (max, sum): r = sum_v exp(s_v - max) (s_v - max), relative to the
+// running maximum like the sum (entropy = log sum - r / sum: both terms >= 0,
+// nothing cancels against lse), the sum of the logits, and the first arg-max.
+struct RowEnt {
+  float r;
+  float lsum;
+  int arg;
+};
+
+// The forward's per-split entropy statistics in device memory ([splits, M]
+// each; null in kernels without the entropy).
+struct EntParts {
+  device float* r;
+  device float* lsum;
+  device int* arg;
+};
 
 // The forward's row epilogue of one block for the thread's 8 logits s of
 // columns v0 ... v0 + 7 (softcapped): the target's logit, the row's online
 // (run_max, run_sum) moved past this block, and with kCoef the coefficients
-// crow = exp(s - new max) dcap. Returns exp(old max - new max), the factor
-// that rescales sums taken at the old maximum.
-template <bool kCoef>
+// crow = exp(s - new max) dcap. kEnt moves the entropy statistics `ent` alike:
+// r is rescaled to the new maximum as exp(old - new) (r + (old - new) sum).
+// Returns exp(old max - new max), the factor that rescales sums taken at the
+// old maximum.
+template <bool kCoef, bool kEnt = false>
 METAL_FUNC float online_row8(
     threadgroup float* crow, thread float* s, thread const float* dcap, int v0,
     const constant FcceParams& p, thread const RowTarget& t, device float* target_logit,
-    int m, thread float& run_max, thread float& run_sum) {
-  float bmax = kFloorLogit;
+    int m, thread float& run_max, thread float& run_sum, thread RowEnt& ent) {
+  float bmax = kFloorLogit, lsum = 0.0f;
+  int barg = kNoArg; // this thread's first column at its maximum
   for (int j = 0; j < 8; ++j) {
     const int v = v0 + j;
     if (t.y_ok && v == t.y) {
       target_logit[m] = s[j];
     }
     s[j] = v < p.V ? s[j] : kFloorLogit;
+    if (kEnt && v < p.V) {
+      lsum += s[j];
+      barg = s[j] > bmax ? v : barg;
+    }
     bmax = max(bmax, s[j]);
   }
-  const float new_max = max(run_max, row_max4(bmax));
+  const float row_bmax = row_max4(bmax);
+  const float new_max = max(run_max, row_bmax);
   const float f = metal::precise::exp(run_max - new_max);
-  float part_e = 0.0f;
+  float part_e = 0.0f, part_r = 0.0f;
   for (int j = 0; j < 8; ++j) {
     const float e = metal::precise::exp(s[j] - new_max);
     part_e += e;
+    if (kEnt) {
+      part_r += e * (s[j] - new_max); // 0 past V: e is 0, s - new_max finite
+    }
     if (kCoef) {
       crow[j] = e * dcap[j];
     }
+  }
+  if (kEnt) {
+    // The block's first arg-max; it replaces the row's only where the
+    // maximum grows strictly (blocks come in increasing order).
+    const int arg = row_min4(bmax == row_bmax ? barg : kNoArg);
+    ent.arg = row_bmax > run_max ? arg : ent.arg;
+    ent.r = f * (ent.r + (run_max - new_max) * run_sum) + row_sum4(part_r);
+    ent.lsum += row_sum4(lsum);
   }
   run_sum = run_sum * f + row_sum4(part_e);
   run_max = new_max;
@@ -240,13 +301,13 @@ struct HeadRound {
                 (p.V + FCCE_BN - 1) / FCCE_BN)) {}
 };
 
-template <int MODE, typename HT, class W>
+template <int MODE, bool kEnt = false, typename HT, class W>
 METAL_FUNC void head_tiles(
     const device HT* h, thread const W& w, const device int* targets,
     const device float* lse, const device float* g, const device float* g_lse,
     device float* part_max, device float* part_sum, device float* target_logit,
     device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
-    uint3 group, uint tid, uint sgid, uint lane) {
+    uint3 group, uint tid, uint sgid, uint lane, EntParts ent_parts = EntParts{}) {
   const HeadSmem sm(smem);
   const HeadRound rd(p, group);
   const int split = rd.split, m0 = rd.m0, split_vb0 = rd.split_vb0, vb0 = rd.vb0, vb1 = rd.vb1;
@@ -254,11 +315,16 @@ METAL_FUNC void head_tiles(
   // This thread's row and columns in the epilogue.
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
   const RowTarget t = row_target(p, targets, m);
-  const RowGrad r = MODE == FCCE_MODE_DH ? row_grad(t, lse, g, g_lse, m) : RowGrad{0, 0, 0};
+  const RowGrad r = MODE == FCCE_MODE_DH ? row_grad(t, lse, g, g_lse, m) : RowGrad{};
   float run_max = kFloorLogit, run_sum = 0.0f;
+  RowEnt ent{0.0f, 0.0f, kNoArg};
+  const int at = split * p.M + m; // this row's entry of the split's statistics
   if (MODE != FCCE_MODE_DH && p.block_begin > 0 && t.ok) {
-    run_max = part_max[split * p.M + m];
-    run_sum = part_sum[split * p.M + m];
+    run_max = part_max[at];
+    run_sum = part_sum[at];
+    if (kEnt) {
+      ent = RowEnt{ent_parts.r[at], ent_parts.lsum[at], ent_parts.arg[at]};
+    }
   }
   device float* part = MODE == FCCE_MODE_FWD
       ? part_acc
@@ -278,8 +344,8 @@ METAL_FUNC void head_tiles(
       if (MODE == FCCE_MODE_DH) {
         write_ds8(crow, s, dcap, v0 + ec, p, t, r);
       } else {
-        const float f = online_row8<MODE == FCCE_MODE_FWD_FUSED>(
-            crow, s, dcap, v0 + ec, p, t, target_logit, m, run_max, run_sum);
+        const float f = online_row8<MODE == FCCE_MODE_FWD_FUSED, kEnt>(
+            crow, s, dcap, v0 + ec, p, t, target_logit, m, run_max, run_sum, ent);
         if (MODE == FCCE_MODE_FWD_FUSED) {
           // The group's earlier coefficients (this thread's own entries) to the new maximum.
           for (int bb = 0; bb < b; ++bb) {
@@ -299,8 +365,13 @@ METAL_FUNC void head_tiles(
     }
   }
   if (MODE != FCCE_MODE_DH && ec == 0 && t.ok) {
-    part_max[split * p.M + m] = run_max;
-    part_sum[split * p.M + m] = run_sum;
+    part_max[at] = run_max;
+    part_sum[at] = run_sum;
+    if (kEnt) {
+      ent_parts.r[at] = ent.r;
+      ent_parts.lsum[at] = ent.lsum;
+      ent_parts.arg[at] = ent.arg;
+    }
   }
 }
 

@@ -21,21 +21,24 @@ namespace fcce {
 
 using RegTile = decltype(AccMMA::Ctile);
 
-template <int MODE, typename HT, class W>
+// kEnt (DH only): dS takes the entropy's share too (write_ds8), from `ent`.
+template <int MODE, bool kEnt = false, typename HT, class W>
 METAL_FUNC void regs_tiles(
     const device HT* h, thread const W& w, const device int* targets,
     const device float* lse, const device float* g, const device float* g_lse,
     device float* part_max, device float* part_sum, device float* target_logit,
     device float* part_acc, device float* stage_buf, const constant FcceParams& p,
-    threadgroup float* smem, uint3 group, uint3 groups, uint tid, uint sgid, uint lane) {
+    threadgroup float* smem, uint3 group, uint3 groups, uint tid, uint sgid, uint lane,
+    EntGrad ent = EntGrad{nullptr, nullptr}) {
   constexpr bool kFused = MODE == FCCE_MODE_FWD_FUSED;
   const HeadSmem sm(smem);
   const HeadRound rd(p, group);
   const int m0 = rd.m0, vb0 = rd.vb0, vb1 = rd.vb1;
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
   const RowTarget t = row_target(p, targets, m);
-  const RowGrad r = kFused ? RowGrad{0, 0, 0} : row_grad(t, lse, g, g_lse, m);
+  const RowGrad r = kFused ? RowGrad{} : row_grad(t, lse, g, g_lse, m, ent);
   float run_max = kFloorLogit, run_sum = 0.0f;
+  RowEnt no_ent{0.0f, 0.0f, kNoArg}; // the fused forward keeps no entropy statistics
   if (kFused && p.block_begin > 0 && t.ok) {
     run_max = part_max[rd.split * p.M + m];
     run_sum = part_sum[rd.split * p.M + m];
@@ -73,7 +76,7 @@ METAL_FUNC void regs_tiles(
         read_logits8(crow, s, dcap, p.softcap);
         if (kFused) {
           const float f = online_row8<true>(crow, s, dcap, v0 + ec, p, t, target_logit, m,
-                                            run_max, run_sum);
+                                            run_max, run_sum, no_ent);
           if (ec == 0) {
             factor[er] = f;
             if (staged) {
@@ -81,7 +84,7 @@ METAL_FUNC void regs_tiles(
             }
           }
         } else {
-          write_ds8(crow, s, dcap, v0 + ec, p, t, r);
+          write_ds8<kEnt>(crow, s, dcap, v0 + ec, p, t, r);
         }
         if (staged) {
           for (int k = 0; k < 8; ++k) {

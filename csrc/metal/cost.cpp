@@ -28,13 +28,16 @@ double w_row_bytes(const Problem& p) {
 }
 
 // Per row of the launch's threadgroups: targets and the backward's lse, g,
-// g_lse, or the forward's statistics (read when resuming, written at the end).
-void add_row_bytes(const FcceParams& q, double rows, LaunchCost& c) {
+// g_lse (with the entropy also entropy and g_ent), or the forward's statistics
+// (max and sum, with the entropy also r, the logit sum and the arg-max: read
+// when resuming, written at the end).
+void add_row_bytes(const FcceParams& q, bool stats, double rows, LaunchCost& c) {
+  const double ent = stats ? (q.mode == FCCE_MODE_DH ? 2 : 3) : 0;
   if (q.mode == FCCE_MODE_DH) {
-    c.bytes_read += rows * 4 * 4;
+    c.bytes_read += rows * 4 * (4 + ent);
   } else {
-    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
-    c.bytes_written += rows * 4 * 2;
+    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 + ent : 1);
+    c.bytes_written += rows * 4 * (2 + ent);
   }
 }
 
@@ -69,7 +72,7 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     c.bytes_read += m_tiles * double(tile_groups - first_groups) * part_tile;
     c.bytes_written += m_tiles * double(tile_groups) * part_tile;
   }
-  add_row_bytes(q, double(c.threadgroups) * FCCE_BM, c);
+  add_row_bytes(q, p.stats, double(c.threadgroups) * FCCE_BM, c);
 }
 
 // The kernels with the accumulator in registers (metal/regs.h): per
@@ -100,7 +103,7 @@ void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.bytes_read = blocks * (h_tile + 2 * w_tile + (chunks - 1) * staged) +
       (q.block_begin > 0 ? part : 0.0);
   c.bytes_written = blocks * staged + part;
-  add_row_bytes(q, rows, c);
+  add_row_bytes(q, p.stats, rows, c);
 }
 
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
@@ -118,7 +121,9 @@ void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
   const double groups = double(l.grid[0]) * cdiv(walked, FCCE_GROUP_BLOCKS);
   const double first = q.m_tile_begin == 0 && walked > 0 ? double(l.grid[0]) : 0.0;
-  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4) + (groups - first) * acc_tile;
+  // Per m tile its rows' targets, lse, g, g_lse (and entropy, g_ent).
+  const double row_floats = p.stats ? 6 : 4;
+  c.bytes_read = n * (2 * h_tile + w_tile + row_floats * FCCE_BM * 4) + (groups - first) * acc_tile;
   c.bytes_written = groups * acc_tile;
 }
 
@@ -130,6 +135,11 @@ void elementwise_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   if (k == "fcce_combine") {
     c.bytes_read = n * (splits * 8 + 8);
     c.bytes_written = n * 8;
+  } else if (k == "fcce_combine_ent") {
+    // Five [splits, M] statistics, the target and its logit; logp, lse,
+    // entropy, mean logit and the is_top1 byte.
+    c.bytes_read = n * (splits * 20 + 8);
+    c.bytes_written = n * 17;
   } else if (starts_with(k, "fcce_reduce_dh_")) {
     c.bytes_read = n * splits * 4;
     c.bytes_written = n * dtype_bytes(p.h);

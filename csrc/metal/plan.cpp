@@ -61,6 +61,31 @@ const char* const kDw[3][3] = {
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
     {"fcce_dw_hbf16_wf32", "fcce_dw_hbf16_wf16", "fcce_dw_hbf16_wbf16"}};
 
+// The entropy variants (Problem::stats): the plain forward with the entropy
+// statistics, dh (accumulator in registers) and dW with the entropy's
+// cotangent, and the combine that merges the statistics. [h][w] or [h][bits].
+const char* const kFwdEntDense[3][3] = {
+    {"fcce_fwd_ent_hf32_wf32", "fcce_fwd_ent_hf32_wf16", "fcce_fwd_ent_hf32_wbf16"},
+    {"fcce_fwd_ent_hf16_wf32", "fcce_fwd_ent_hf16_wf16", "fcce_fwd_ent_hf16_wbf16"},
+    {"fcce_fwd_ent_hbf16_wf32", "fcce_fwd_ent_hbf16_wf16", "fcce_fwd_ent_hbf16_wbf16"}};
+const char* const kFwdEntQuant[3][6] = {
+    {"fcce_fwd_ent_hf32_q2", "fcce_fwd_ent_hf32_q3", "fcce_fwd_ent_hf32_q4", "fcce_fwd_ent_hf32_q5", "fcce_fwd_ent_hf32_q6", "fcce_fwd_ent_hf32_q8"},
+    {"fcce_fwd_ent_hf16_q2", "fcce_fwd_ent_hf16_q3", "fcce_fwd_ent_hf16_q4", "fcce_fwd_ent_hf16_q5", "fcce_fwd_ent_hf16_q6", "fcce_fwd_ent_hf16_q8"},
+    {"fcce_fwd_ent_hbf16_q2", "fcce_fwd_ent_hbf16_q3", "fcce_fwd_ent_hbf16_q4", "fcce_fwd_ent_hbf16_q5", "fcce_fwd_ent_hbf16_q6", "fcce_fwd_ent_hbf16_q8"}};
+const char* const kDhRegEntDense[3][3] = {
+    {"fcce_dhreg_ent_hf32_wf32", "fcce_dhreg_ent_hf32_wf16", "fcce_dhreg_ent_hf32_wbf16"},
+    {"fcce_dhreg_ent_hf16_wf32", "fcce_dhreg_ent_hf16_wf16", "fcce_dhreg_ent_hf16_wbf16"},
+    {"fcce_dhreg_ent_hbf16_wf32", "fcce_dhreg_ent_hbf16_wf16", "fcce_dhreg_ent_hbf16_wbf16"}};
+const char* const kDhRegEntQuant[3][6] = {
+    {"fcce_dhreg_ent_hf32_q2", "fcce_dhreg_ent_hf32_q3", "fcce_dhreg_ent_hf32_q4", "fcce_dhreg_ent_hf32_q5", "fcce_dhreg_ent_hf32_q6", "fcce_dhreg_ent_hf32_q8"},
+    {"fcce_dhreg_ent_hf16_q2", "fcce_dhreg_ent_hf16_q3", "fcce_dhreg_ent_hf16_q4", "fcce_dhreg_ent_hf16_q5", "fcce_dhreg_ent_hf16_q6", "fcce_dhreg_ent_hf16_q8"},
+    {"fcce_dhreg_ent_hbf16_q2", "fcce_dhreg_ent_hbf16_q3", "fcce_dhreg_ent_hbf16_q4", "fcce_dhreg_ent_hbf16_q5", "fcce_dhreg_ent_hbf16_q6", "fcce_dhreg_ent_hbf16_q8"}};
+const char* const kDwEnt[3][3] = {
+    {"fcce_dw_ent_hf32_wf32", "fcce_dw_ent_hf32_wf16", "fcce_dw_ent_hf32_wbf16"},
+    {"fcce_dw_ent_hf16_wf32", "fcce_dw_ent_hf16_wf16", "fcce_dw_ent_hf16_wbf16"},
+    {"fcce_dw_ent_hbf16_wf32", "fcce_dw_ent_hbf16_wf16", "fcce_dw_ent_hbf16_wbf16"}};
+const char* const kCombineEnt = "fcce_combine_ent";
+
 const char* const kCombine = "fcce_combine";
 const char* const kReduceDh[3] = {"fcce_reduce_dh_f32", "fcce_reduce_dh_f16", "fcce_reduce_dh_bf16"};
 const char* const kReduceGsum = "fcce_reduce_gsum";
@@ -147,6 +172,13 @@ void check(const Problem& p) {
       bad("compute_dw needs a dense w");
     }
   }
+  if (p.stats && (p.pass == Pass::fused_dh || (p.pass == Pass::forward && p.fused))) {
+    bad("the entropy statistics run without the fused forward (fused must be false) "
+        "and have no fused_dh pass");
+  }
+  if (p.stats && p.pass == Pass::backward && p.acc_registers == -1) {
+    bad("the entropy's backward runs the register kernels only (acc_registers must be 0 or 1)");
+  }
   if (p.acc_registers < -1 || p.acc_registers > 1) {
     bad("acc_registers must be -1, 0 or 1, got " + std::to_string(p.acc_registers));
   }
@@ -208,8 +240,27 @@ std::vector<Binding> operand_bindings(const Problem& p) {
   return b;
 }
 
+// The entropy's buffers: the forward's per-split statistics, and the
+// backward's inputs (its kernels: dh and dW).
+const std::vector<Binding>& ent_part_bindings() {
+  static const std::vector<Binding> b{
+      {17, Role::part_ent}, {18, Role::part_lsum}, {19, Role::part_arg}};
+  return b;
+}
+const std::vector<Binding>& ent_grad_bindings() {
+  static const std::vector<Binding> b{{21, Role::entropy}, {24, Role::g_ent}};
+  return b;
+}
+
 const char* head_kernel(const Problem& p, int mode, bool regs) {
   const int h = dtype_index(p.h);
+  if (p.stats && mode == FCCE_MODE_FWD) {
+    return p.quantized ? kFwdEntQuant[h][bits_index(p.bits)] : kFwdEntDense[h][dtype_index(p.w)];
+  }
+  if (p.stats && regs && mode == FCCE_MODE_DH) {
+    return p.quantized ? kDhRegEntQuant[h][bits_index(p.bits)]
+                       : kDhRegEntDense[h][dtype_index(p.w)];
+  }
   if (regs && mode == FCCE_MODE_DH) {
     return p.quantized ? kDhRegQuant[h][bits_index(p.bits)] : kDhRegDense[h][dtype_index(p.w)];
   }
@@ -241,6 +292,13 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
   }
   if (regs) {
     l.buffers.push_back({16, Role::stage});
+  }
+  if (p.stats) {
+    if (mode == FCCE_MODE_DH) {
+      l.buffers.insert(l.buffers.end(), ent_grad_bindings().begin(), ent_grad_bindings().end());
+    } else {
+      l.buffers.insert(l.buffers.end(), ent_part_bindings().begin(), ent_part_bindings().end());
+    }
   }
   l.params_index = kParamsIndex;
   l.params = q;
@@ -336,11 +394,16 @@ Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
 void plan_forward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, p.fused, q);
-  const size_t stats = size_t(q.splits) * p.M * 4;
-  plan.scratch = {{Role::part_max, stats}, {Role::part_sum, stats},
+  const size_t per_split = size_t(q.splits) * p.M * 4; // [splits, M] 32-bit values
+  plan.scratch = {{Role::part_max, per_split}, {Role::part_sum, per_split},
                   {Role::target_logit, size_t(p.M) * 4}};
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
+  }
+  if (p.stats) {
+    for (Role r : {Role::part_ent, Role::part_lsum, Role::part_arg}) {
+      plan.scratch.push_back({r, per_split});
+    }
   }
   const bool regs = p.fused && acc_in_registers(p);
   const int64_t units =
@@ -348,10 +411,15 @@ void plan_forward(const Problem& p, Plan& plan) {
   if (regs) {
     plan.scratch.push_back(stage_buffer(p, units));
   }
-  plan.launches.push_back(elementwise(
-      kCombine, p.M, q,
-      {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
-       {10, Role::target_logit}, {12, Role::logp}, {5, Role::lse}}));
+  std::vector<Binding> combine{{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
+                               {10, Role::target_logit}, {12, Role::logp}, {5, Role::lse}};
+  if (p.stats) {
+    combine.insert(combine.end(), ent_part_bindings().begin(), ent_part_bindings().end());
+    combine.insert(combine.end(),
+                   {{21, Role::entropy}, {22, Role::is_top1}, {23, Role::mean_logit}});
+  }
+  plan.launches.push_back(
+      elementwise(p.stats ? kCombineEnt : kCombine, p.M, q, std::move(combine)));
   if (p.fused) {
     FcceParams r = q;
     r.mode = FCCE_REDUCE_GSUM;
@@ -394,7 +462,7 @@ void plan_dw(const Problem& p, Plan& plan) {
     q.acc_row0 = staged ? 0 : static_cast<int>(v0);
     for (int64_t mt = 0; mt < q.m_tiles; mt += m_chunk) {
       Launch l{};
-      l.kernel = kDw[dtype_index(p.h)][dtype_index(p.w)];
+      l.kernel = (p.stats ? kDwEnt : kDw)[dtype_index(p.h)][dtype_index(p.w)];
       l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
       l.grid[1] = l.grid[2] = 1;
       l.threads[0] = FCCE_THREADS;
@@ -402,6 +470,9 @@ void plan_dw(const Problem& p, Plan& plan) {
       l.threadgroup_bytes = 0;
       l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
                    {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
+      if (p.stats) {
+        l.buffers.insert(l.buffers.end(), ent_grad_bindings().begin(), ent_grad_bindings().end());
+      }
       l.params_index = kParamsIndex;
       l.params = q;
       l.params.m_tile_begin = static_cast<int>(mt);
@@ -460,9 +531,12 @@ bool acc_in_registers(const Problem& p) {
 
 const char* role_name(Role r) {
   static const char* const names[] = {
-      "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
-      "gsum", "g",  "g_lse",  "dh",       "dw",       "part_max",     "part_sum",
-      "target_logit", "part_acc", "dw_acc", "stage"};
+      "h",       "w",          "scales",    "biases", "targets",      "logp",
+      "lse",     "gsum",       "g",         "g_lse",  "dh",           "dw",
+      "entropy", "is_top1",    "mean_logit", "g_ent", "part_max",     "part_sum",
+      "target_logit", "part_acc", "dw_acc", "stage",  "part_ent",     "part_lsum",
+      "part_arg"};
+  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Role::part_arg) + 1);
   return names[static_cast<int>(r)];
 }
 
@@ -530,6 +604,11 @@ const std::vector<std::string>& kernel_names() {
     n.push_back(kCast[2]);
     for (auto& row : kFusedDhDense) n.insert(n.end(), std::begin(row), std::end(row));
     n.insert(n.end(), std::begin(kFusedDhQuant), std::end(kFusedDhQuant));
+    for (auto* t : {&kFwdEntDense, &kDhRegEntDense, &kDwEnt})
+      for (auto& row : *t) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto* t : {&kFwdEntQuant, &kDhRegEntQuant})
+      for (auto& row : *t) n.insert(n.end(), std::begin(row), std::end(row));
+    n.push_back(kCombineEnt);
     return n;
   }();
   return names;

@@ -19,9 +19,11 @@
 //   set_bytes.
 // - Inputs are row-major and contiguous: h [M, H], w [V, H] (dense) or packed
 //   uint32 [V, H * bits / 32], scales/biases [V, H / group_size], targets [M]
-//   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32.
+//   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32; with stats
+//   entropy/g_ent [M] float32.
 // - Outputs: logp, lse [M] float32; gsum [M, H] float32; dh [M, H] in h's
-//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype. The launches
+//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype; with stats
+//   entropy, mean_logit [M] float32 and is_top1 [M] bool. The launches
 //   write every output element, so outputs need no zero-fill.
 // - Bounded launches: in no launch does a threadgroup process more than
 //   FCCE_MAX_ROUND_ROWS (8192) vocabulary rows, nor (dW) more than that many
@@ -62,6 +64,10 @@ struct Problem {
   float softcap = 0.0f; // 0: off
   int ignore_index = -100;
   bool fused = false; // forward: also produce gsum
+  // Forward: also the entropy statistics (entropy, is_top1, mean_logit);
+  // backward: dS also takes the entropy's cotangent g_ent. Not with `fused`
+  // (the entropy's gradient runs the backward pass) nor fused_dh.
+  bool stats = false;
   Pass pass = Pass::forward;
   bool compute_dw = false; // backward, dense only
   // Overrides, 0 = the plan's choice: at most this many vocabulary splits,
@@ -92,13 +98,22 @@ enum class Role {
   g_lse,
   dh,
   dw,
-  // Scratch (Plan::scratch), float32.
+  // The entropy statistics (Problem::stats), [M] each:
+  entropy, // output of forward (float32), input of backward
+  is_top1, // output of forward (bool)
+  mean_logit, // output of forward (float32)
+  g_ent, // input of backward: the entropy's cotangent (float32)
+  // Scratch (Plan::scratch), float32 unless said.
   part_max, // [splits, M] per-split running row maxima
   part_sum, // [splits, M] per-split sums of exp(s - part_max)
   target_logit, // [M] the target's (softcapped) logit
   part_acc, // [splits, M, H] per-split partial dh / gsum
   dw_acc, // [dw_slab_rows, H] float32 dW rows of one slab (half-precision w)
   stage, // [threadgroups of a launch, block_count, FCCE_STAGE_FLOATS] coefficients of the register kernels
+  // The entropy's scratch (Problem::stats), [splits, M] each:
+  part_ent, // per-split sum_v exp(s - part_max) (s - part_max), float32
+  part_lsum, // per-split sum of the logits, float32
+  part_arg, // per-split first arg-max, int32
 };
 
 const char* role_name(Role r);

@@ -76,12 +76,11 @@ def _stats(out):
 
 
 def native_stats(device):
-    """Whether the native kernels of `device` compute the entropy statistics;
-    calls that request them elsewhere (a Metal GPU) run the fallback."""
-    device = _device(device)
-    if metal.gated(device):
-        return False
-    return _ext.supports_stats(device)
+    """Whether the native kernels of `device` compute the entropy statistics
+    (the CPU's and Metal's; on a Metal GPU only configurations that passed the
+    self-check, which covers them, run natively); calls that request them
+    elsewhere (a CUDA GPU) run the fallback."""
+    return _ext.supports_stats(_device(device))
 
 
 def _device(stream):

@@ -189,7 +189,9 @@ Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
 TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
-  ASSERT_EQ(n.size(), 163u); // 109 + 2 x 27 register kernels (9 dense, 18 quantized each)
+  // 109 + 2 x 27 register kernels (9 dense, 18 quantized each) + the entropy
+  // variants: 27 forward, 27 dh, 9 dW and the combine.
+  ASSERT_EQ(n.size(), 227u);
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -293,16 +295,18 @@ TEST(MetalPlan, LaunchesAreBounded) {
       {40000, 64, 100}, {20000, 32, 4000}};
   for (const auto& s : shapes)
     for (bool quantized : {false, true})
-      for (int pass = 0; pass < 4; ++pass) {
+      for (int pass = 0; pass < 6; ++pass) {
         Problem p = problem(Pass::forward, s[0], s[1], s[2]);
-        // pass 3: the backward with dh's accumulator in registers at every H.
+        // pass 3: the backward with dh's accumulator in registers at every H;
+        // 4 and 5: the forward and backward with the entropy statistics.
         if (pass == 3) p.acc_registers = 1;
+        p.stats = pass >= 4;
         p.quantized = quantized;
         p.group_size = 32;
         p.w = DType::bf16;
         p.h = DType::bf16;
         if (pass == 1) p.fused = true;
-        if (pass >= 2) {
+        if (pass >= 2 && pass != 4) {
           p.pass = Pass::backward;
           p.compute_dw = !quantized;
         }

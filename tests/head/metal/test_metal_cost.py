@@ -139,3 +139,24 @@ def test_bench_prints_the_model_for_its_gpu():
     step = 1e3 * step_seconds(True)
     assert bench_metal.model_ms(512, 2560, 262144, "q4", "fwd_bwd", "Apple M1 Max") == \
         pytest.approx(step)
+
+
+@pytest.mark.parametrize("M", [512, 8192])
+def test_entropy_costs_rows_not_tiles(M):
+    # The entropy's forward and backward run the same GEMMs and tiles as the
+    # plain ones (the same flops) and add only per-row bytes: three more
+    # [splits, M] statistics in the forward, entropy and g_ent per row in the
+    # backward (under 0.1% at e4b). Its training step is the plain forward
+    # plus the backward pass, 3 GEMMs to the fused logp step's 2: 1.5x modelled.
+    def total(d):
+        return d["bytes_read"] + d["bytes_written"]
+
+    for pass_ in ("forward", "backward"):
+        plain = cost(pass_, M, **E4B, **Q4)
+        ent = cost(pass_, M, **E4B, **Q4, stats=True)
+        assert ent["flops"] == plain["flops"]
+        assert total(plain) < total(ent) < 1.001 * total(plain)
+    step = sum(cost(p, M, **E4B, **Q4, stats=True)["seconds"] for p in ("forward", "backward"))
+    fused = cost("forward", M, **E4B, **Q4, fused=True)["seconds"] + \
+        cost("fused_dh", M, **E4B, **Q4)["seconds"]
+    assert 1.4 < step / fused < 1.6

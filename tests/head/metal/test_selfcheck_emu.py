@@ -48,6 +48,10 @@ def spec_kernels(spec):
     plans.append(he.plan("backward", 2, H, 40, compute_dw=dense, dw_slab_rows=32 if dense else 0,
                          **kw))
     plans.append(he.plan("fused_dh", 2, H, 40, out=kw["h"], **kw))
+    # The entropy variants (the check runs them where the native path has them).
+    plans.append(he.plan("forward", 2, H, 40, stats=True, **kw))
+    plans.append(he.plan("backward", 2, H, 40, compute_dw=dense, dw_slab_rows=32 if dense else 0,
+                         stats=True, **kw))
     return he.plan_kernels(*plans)
 
 
@@ -79,6 +83,13 @@ DEFECTS = {
     "no_partial_rescale": (
         "the fused forward's partial gsum is not rescaled when the row maximum moves",
         [(r"mma\.Ctile\.frag_at\(a, b\) \*= f;", "(void)f;")]),
+    "no_entropy_rescale": (
+        "the entropy's running sum r is not moved to the new row maximum",
+        [(r"ent\.r = f \* \(ent\.r \+ \(run_max - new_max\) \* run_sum\) \+",
+          "ent.r = ent.r +")]),
+    "no_entropy_share": (
+        "the backward's dS drops the entropy's share -g_ent p (s - zbar)",
+        [(r"c -= r\.ge \* \(s\[j\] - r\.zbar\);", "(void)c;")]),
     "no_round_resume": (
         "a launch round after the first restarts the split's running maximum and sum",
         [(r"if \(MODE != FCCE_MODE_DH && p\.block_begin > 0 && t\.ok\)", "if (false)")]),
@@ -111,8 +122,10 @@ def test_unmodified_kernels_pass_the_shipped_self_check(f32_source, problem):
                    warn=pytest.fail, problems=[problem])
     assert g.allows(F32), g.checks[F32.key].detail
     assert 0 < g.checks[F32.key].worst <= 1
-    # The native path ran: forward twice, backward, the fused dh.
-    assert native.launches >= 4
+    # The native path ran: forward twice, backward, the fused dh, and the
+    # entropy's forward and backward.
+    assert native.launches >= 6
+    assert any("ent" in k for k in native.kernels)
 
 
 def test_unmodified_quantized_kernels_pass_the_long_split():
