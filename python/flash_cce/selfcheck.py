@@ -4,10 +4,11 @@ Used once per process and head configuration before the Metal kernels are
 trusted (see metal.py): they were verified by CPU emulation, never on the
 hardware that runs them. Each problem runs the native forward (plain and with
 the fused-backward state), its backward (dh, and dW for a dense head) and the
-gradient through the fused state, and, where the native path computes them
-(`supports_stats`), the entropy statistics and the backward with the
-entropy's cotangent (bounds in _check_entropy); it compares every output with
-the fallback computed on the CPU from the same inputs.
+gradient through the fused state, and compares every output with the
+fallback computed on the CPU from the same inputs. The entropy statistics and
+the backward with the entropy's cotangent are checked apart
+(`self_check(..., entropy=True)`, bounds in _check_entropy), the first time a
+call asks for them.
 
 Most problems' inputs lie on grids exact in float16, bfloat16 and float32 (at
 most 8 significant bits; quantized heads get power-of-two scales and biases
@@ -264,10 +265,6 @@ def _check_problem(spec, native, stream, prob, cmp):
     _, (dh_v,) = mx.vjp(f, [h], [g, g_lse])
     cmp("dh(vjp)", dh_v, dh_r, dh_bound)
 
-    if _supports_stats(native, stream):
-        _check_entropy(spec, native, stream, prob, cmp, (h, w, scales, biases, y, g, g_lse), q,
-                       row, grad_unit, u_op)
-
 
 def _supports_stats(native, stream):
     """Whether `native` computes the entropy statistics on `stream`'s device."""
@@ -277,7 +274,7 @@ def _supports_stats(native, stream):
     return supports is not None and bool(supports(device))
 
 
-def _check_entropy(spec, native, stream, prob, cmp, inputs, q, row, grad_unit, u_op):
+def _check_entropy(spec, native, stream, prob, cmp):
     """The entropy statistics and the entropy's gradient (dh, dW) against the
     fallback. With ds_v = 2 (H + 2) u B the logits' error (both paths), zbar =
     sum_v p_v s_v = lse - entropy and spread = max_v |s_v - zbar| (dE/ds_v =
@@ -288,9 +285,11 @@ def _check_entropy(spec, native, stream, prob, cmp, inputs, q, row, grad_unit, u
     logp's, with |dS| including |g_ent| p_v |s_v - zbar| dcap_v, plus the
     entropy coefficient's own error |g_ent| p_v dcap_v (2 ds_v + 4 u (|s_v -
     zbar| + |zbar|))."""
-    h, w, scales, biases, y, g, g_lse = inputs
+    h, w, scales, biases, y, g, g_lse = _inputs(spec, prob)
     dense = scales is None
     M, V = prob.M, prob.V
+    q = dict(group_size=spec.group_size or 64, bits=spec.bits, softcap=prob.softcap,
+             ignore_index=prob.ignore_index)
     g_ent = mx.array(_grid(np.random.default_rng(prob.seed + 1000), M, 1.0).astype(np.float32))
     with mx.stream(mx.cpu):
         ref = fallback.forward(h, w, y, scales, biases, **q, stats=True)
@@ -303,6 +302,10 @@ def _check_entropy(spec, native, stream, prob, cmp, inputs, q, row, grad_unit, u
     H, W, s, dcap = _logits64(spec, h, w, scales, biases, q["softcap"])
     ds = 2 * (H.shape[1] + 2) * U32 * (np.abs(H) @ np.abs(W).T)
     lse, ent = _f64(lse_r), _f64(ent_r)
+    # The logp bound per row and the gradients' unit, as in _check_problem.
+    row = 2 * ds.max(axis=1) + 2 * (V + 16) * U32 * (1 + np.abs(lse))
+    u_op = UNIT[DTYPES[spec.h_dtype]]
+    grad_unit = 2 * (V + 4) * U32 + u_op
     zbar = lse - ent
     rel = s - zbar[:, None]
     spread = np.abs(rel).max(axis=1)
@@ -351,17 +354,21 @@ def _limit_plan(native, stream, max_splits=0, round_blocks=0):
         limit(max_splits, round_blocks, stream=stream)
 
 
-def self_check(spec, native, stream, problems=PROBLEMS):
+def self_check(spec, native, stream, problems=PROBLEMS, entropy=False):
     """Runs `problems` for `spec` on `native` (an object with the signature of
     flash_cce._ext's forward and backward, and optionally its
-    metal_plan_limits) on `stream`. Never raises: an error of the native path
-    is a failed check."""
+    metal_plan_limits and supports_stats) on `stream`; with `entropy`, their
+    entropy statistics and the entropy's gradient instead (_check_entropy).
+    Never raises: an error of the native path is a failed check."""
+    if entropy and not _supports_stats(native, stream):
+        return CheckResult(False, float("inf"), "the native kernels have no entropy statistics")
+    check = _check_entropy if entropy else _check_problem
     cmp = _Compare()
     try:
         for prob in problems:
             _limit_plan(native, stream, prob.max_splits, prob.round_blocks)
             try:
-                _check_problem(spec, native, stream, prob, cmp)
+                check(spec, native, stream, prob, cmp)
             finally:
                 _limit_plan(native, stream)
     except Exception as err:  # noqa: BLE001 - a failing kernel may raise anything

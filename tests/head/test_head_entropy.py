@@ -369,8 +369,9 @@ def test_metal_gpu_runs_entropy_natively_where_the_gate_allows(monkeypatch):
     its self-check (which covers the entropy path), else the fallback; a
     device whose kernels lack the statistics (CUDA's) runs the fallback."""
     monkeypatch.setattr(metal, "gated", lambda device: device.type == mx.cpu)
-    allowed = []
-    monkeypatch.setattr(metal.GATE, "allows", lambda spec: allowed[-1])
+    allowed, asked = [], []
+    monkeypatch.setattr(metal.GATE, "allows",
+                        lambda spec, entropy=False: asked.append(entropy) or allowed[-1])
     calls = []
     real = ops.fallback.forward
     monkeypatch.setattr(ops.fallback, "forward",
@@ -381,6 +382,9 @@ def test_metal_gpu_runs_entropy_natively_where_the_gate_allows(monkeypatch):
     allowed.append(True)
     st = fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)
     assert calls == [True] and ops.native_stats(mx.cpu)
+    assert asked == [True]  # the gate's entropy check, not only the logp one
+    fc.flash_cce_forward(h, w, y, stream=mx.cpu)
+    assert asked == [True, False]
     np.testing.assert_allclose(np.array(st.entropy), np.array(want.entropy), rtol=1e-5, atol=1e-5)
     allowed.append(False)
     fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)

@@ -96,6 +96,10 @@ DEFECTS = {
 }
 
 
+ENTROPY_DEFECTS = {"no_entropy_rescale", "no_entropy_share"}
+ENT = F32.key + ", entropy"  # the gate's key of F32's entropy check
+
+
 def plant(source, name):
     what, edits = DEFECTS[name]
     for pattern, replacement in edits:
@@ -122,16 +126,20 @@ def test_unmodified_kernels_pass_the_shipped_self_check(f32_source, problem):
                    warn=pytest.fail, problems=[problem])
     assert g.allows(F32), g.checks[F32.key].detail
     assert 0 < g.checks[F32.key].worst <= 1
-    # The native path ran: forward twice, backward, the fused dh, and the
-    # entropy's forward and backward.
-    assert native.launches >= 6
-    assert any("ent" in k for k in native.kernels)
+    # The native path ran: forward twice, backward, the fused dh; no entropy
+    # kernel until a call asks for the entropy.
+    assert native.launches >= 4
+    assert not any("_ent" in k for k in native.kernels)
+    assert g.allows(F32, entropy=True), g.checks[ENT].detail
+    assert 0 < g.checks[ENT].worst <= 1
+    assert {"fcce_fwd_ent_hf32_wf32", "fcce_dhreg_ent_hf32_wf32"} <= native.kernels
 
 
 def test_unmodified_quantized_kernels_pass_the_long_split():
     src = he.kernel_source(spec_kernels(Q4))
-    result = self_check(Q4, EmuNative(he.build(source=src)), mx.cpu, OFF_GRID)
-    assert result.passed, result.detail
+    for entropy in (False, True):
+        result = self_check(Q4, EmuNative(he.build(source=src)), mx.cpu, OFF_GRID, entropy=entropy)
+        assert result.passed, result.detail
 
 
 def test_the_long_split_problem_runs_one_split_of_65_blocks_in_rounds():
@@ -147,7 +155,12 @@ def test_the_long_split_problem_runs_one_split_of_65_blocks_in_rounds():
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_refused(f32_source, defect):
     g, log = gate(plant(f32_source, defect), OFF_GRID)
-    assert not g.allows(F32)
-    result = g.checks[F32.key]
+    # A defect of the entropy variants is refused by the entropy's check only:
+    # calls without the entropy keep the (unaffected) kernels.
+    entropy = defect in ENTROPY_DEFECTS
+    assert g.allows(F32) == entropy
+    assert not g.allows(F32, entropy=True)
+    key = ENT if entropy else F32.key
+    result = g.checks[key]
     print(f"{defect}: refused at {result.worst:.3g} x the bound ({result.detail})")
-    assert result.worst > 1 and len(log) == 1 and F32.key in log[0]
+    assert result.worst > 1 and len(log) == 1 and key in log[0]
