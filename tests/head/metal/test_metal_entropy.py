@@ -27,19 +27,14 @@ import pytest
 
 import head_emu as he
 import metal_emu
-from test_metal_head import TINY, U32, UNIT, Head, program
+from test_metal_head import TINY, U32, UNIT, Head, program, ref_logits
 
 pytestmark = pytest.mark.skipif(metal_emu.find_compiler() is None, reason="needs clang++")
 
 
 def ref_stats(p: Head, softcap):
     """float64 logits, dcap, lse, softmax, entropy, first arg-max, mean logit."""
-    raw = p.H64 @ p.W64.T
-    if softcap:
-        t = np.tanh(raw / softcap)
-        s, dcap = softcap * t, 1 - t * t
-    else:
-        s, dcap = raw, np.ones_like(raw)
+    s, dcap = ref_logits(p, softcap)
     top = s.max(axis=1, keepdims=True)
     lse = top[:, 0] + np.log(np.exp(s - top).sum(axis=1))
     P = np.exp(s - lse[:, None])

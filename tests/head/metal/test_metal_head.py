@@ -112,13 +112,17 @@ def reference(p: Head, softcap, g=None, g_lse=None):
     return forward_backward(p.H64, p.W64, y_ref, g, g_lse, softcap, p.ignore_index)
 
 
-def ref_ds(p: Head, softcap, g, g_lse, lse):
+def ref_logits(p: Head, softcap):
+    """float64 final logits s and the softcap's derivative dcap."""
     raw = p.H64 @ p.W64.T
     if softcap:
         t = np.tanh(raw / softcap)
-        s, dcap = softcap * t, 1 - t * t
-    else:
-        s, dcap = raw, np.ones_like(raw)
+        return softcap * t, 1 - t * t
+    return raw, np.ones_like(raw)
+
+
+def ref_ds(p: Head, softcap, g, g_lse, lse):
+    s, dcap = ref_logits(p, softcap)
     keep = (p.y != p.ignore_index) & (p.y >= 0) & (p.y < p.V)
     gm = np.where(keep, g, 0.0)
     P = np.exp(s - lse[:, None])
