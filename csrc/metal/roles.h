@@ -38,6 +38,9 @@ inline Slot role_slot(Pass pass, Role role) {
     case R::part_acc:
     case R::dw_acc:
     case R::stage:
+    case R::h_tile:
+    case R::scales_tile:
+    case R::biases_tile:
       return {Slot::scratch, -1};
     default:
       break;

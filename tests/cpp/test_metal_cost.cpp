@@ -125,7 +125,7 @@ TEST(MetalCost, DhRegistersAtE4b) {
   for (size_t i = 0; i < bc.size(); ++i) {
     if (bc[i].flops == 0) continue;
     const Launch& l = bp.launches[i];
-    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4");
+    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4_g64");
     read += bc[i].bytes_read, written += bc[i].bytes_written, flops += bc[i].flops;
     parts += double(l.grid[0]) * l.grid[1];
     resumed += l.params.block_begin > 0 ? double(l.grid[0]) * l.grid[1] : 0.0;
