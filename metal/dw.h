@@ -10,10 +10,12 @@
 
 namespace fcce {
 
-// dS^T [BN, BM] (the coefficient tile read transposed) times an h tile [BM, BK].
+// dS^T [BN, BM] (the float coefficient tile read transposed) times an h tile
+// [BM, BK] of T, through mma_mixed.
+template <typename T>
 using DwMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BN, FCCE_BK, FCCE_BM, FCCE_WM, FCCE_WN,
-    true, false, kLdC, FCCE_LD>;
+    true, false, kLdC, FCCE_TILE_LD(sizeof(T))>;
 
 // kEnt: dS takes the entropy's share too (write_ds8), from `ent`.
 template <bool kEnt = false, typename HT, class W>
@@ -22,7 +24,8 @@ METAL_FUNC void dw_tiles(
     const device float* lse, const device float* g, const device float* g_lse,
     device float* acc, const constant FcceParams& p, threadgroup float* smem,
     uint3 group, uint tid, uint sgid, uint lane, EntGrad ent = EntGrad{nullptr, nullptr}) {
-  const HeadSmem sm(smem);
+  using T = typename W::Tile;
+  const HeadSmem<T> sm(smem);
   const int r0 = int(group.x) * FCCE_BN; // first row within the slab
   const int v0 = p.v_begin + r0;
   const short out_rows = short(min(FCCE_BN, p.v_count - r0));
@@ -40,7 +43,7 @@ METAL_FUNC void dw_tiles(
       const RowTarget t = row_target(p, targets, m0 + er);
       const RowGrad r = row_grad(t, lse, g, g_lse, m0 + er, ent);
       threadgroup float* cs = sm.cs + b * kTileC;
-      logits_tile(h, w, p, m0, v0, cs, sm, tid, sgid, lane);
+      logits_tile(h, w, p, m0, v0, cs, sm, sgid, lane);
       threadgroup float* crow = cs + er * kLdC + ec;
       float s[8], dcap[8];
       read_logits8(crow, s, dcap, p.softcap);
@@ -48,18 +51,18 @@ METAL_FUNC void dw_tiles(
     }
 
     for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {
-      DwMMA mma(sgid, lane);
+      DwMMA<T> mma(sgid, lane);
       const short2 dims(short(min(FCCE_BK, p.H - i0)), out_rows);
       device float* dst = out + i0;
       for (int b = 0; b < count; ++b) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_dense_tile(h, p.M, p.H, (g0 + b) * FCCE_BM, i0, sm.hs, tid);
+        DenseTile<HT, T>::load(h, p.M, p.H, (g0 + b) * FCCE_BM, i0, sm.hs, sgid, lane);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (b == 0 && g0 > 0) {
           mma.Ctile.template load_safe<float, FCCE_WM, FCCE_WN>(
               dst + mma.sm * p.H + mma.sn, p.H, dims - short2(mma.sn, mma.sm));
         }
-        mma.mma(sm.cs + b * kTileC, sm.hs);
+        mma_mixed<FCCE_BM>(mma, sm.cs + b * kTileC, sm.hs);
       }
       mma.store_result_safe(dst, p.H, dims);
     }

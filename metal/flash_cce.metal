@@ -34,18 +34,19 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     device float* part_max [[buffer(8)]],
     device float* part_sum [[buffer(9)]],
@@ -55,8 +56,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_FWD>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane);
 }
@@ -79,19 +80,20 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::head_tiles<FCCE_MODE_FWD, true>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane,
       fcce::EntParts{part_ent, part_lsum, part_arg});
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_ent_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     device float* part_max [[buffer(8)]],
     device float* part_sum [[buffer(9)]],
@@ -104,8 +106,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_FWD, true>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, nullptr, p, smem, group, tid, sgid, lane,
       fcce::EntParts{part_ent, part_lsum, part_arg});
@@ -126,18 +128,19 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
       part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     device float* part_max [[buffer(8)]],
     device float* part_sum [[buffer(9)]],
@@ -148,8 +151,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr,
       part_max, part_sum, target_logit, part_acc, p, smem, group, tid, sgid, lane);
 }
@@ -169,18 +172,19 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     const device float* lse [[buffer(5)]],
     const device float* g [[buffer(6)]],
@@ -191,8 +195,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::head_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, p, smem, group, tid, sgid, lane);
 }
@@ -215,18 +219,19 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::regs_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_fwd_fused_regs_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     device float* part_max [[buffer(8)]],
     device float* part_sum [[buffer(9)]],
@@ -239,8 +244,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::regs_tiles<FCCE_MODE_FWD_FUSED>(h, wt, targets, nullptr, nullptr, nullptr, part_max,
       part_sum, target_logit, part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
@@ -261,18 +266,19 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::regs_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr, nullptr,
       part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     const device float* lse [[buffer(5)]],
     const device float* g [[buffer(6)]],
@@ -285,8 +291,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::regs_tiles<FCCE_MODE_DH>(h, wt, targets, lse, g, g_lse, nullptr, nullptr, nullptr,
       part_acc, stage, p, smem, group, groups, tid, sgid, lane);
 }
@@ -311,19 +317,20 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::regs_tiles<FCCE_MODE_DH, true>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, stage, p, smem, group, groups, tid, sgid, lane,
       fcce::EntGrad{entropy, g_ent});
 }
 
-template <typename HT, int bits>
+template <typename T, int bits, int group_size>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dh_regs_ent_q(
-    const device HT* h [[buffer(0)]],
+    const device T* h [[buffer(0)]],
     const device uint8_t* w [[buffer(1)]],
-    const device uint8_t* scales [[buffer(2)]],
-    const device uint8_t* biases [[buffer(3)]],
+    const device T* scales [[buffer(2)]],
+    const device T* biases [[buffer(3)]],
     const device int* targets [[buffer(4)]],
     const device float* lse [[buffer(5)]],
     const device float* g [[buffer(6)]],
@@ -338,8 +345,8 @@ template <typename HT, int bits>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_REG_SMEM_FLOATS];
-  const fcce::QuantWeight<bits> wt{w, scales, biases};
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::QuantWeight<T, bits, group_size> wt{w, scales, biases};
   fcce::regs_tiles<FCCE_MODE_DH, true>(h, wt, targets, lse, g, g_lse, nullptr, nullptr,
       nullptr, part_acc, stage, p, smem, group, groups, tid, sgid, lane,
       fcce::EntGrad{entropy, g_ent});
@@ -360,8 +367,9 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
 }
 
@@ -382,8 +390,9 @@ template <typename HT, typename WT>
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float smem[FCCE_SMEM_FLOATS];
-  const fcce::DenseWeight<WT> wt{w};
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
   fcce::dw_tiles<true>(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane,
       fcce::EntGrad{entropy, g_ent});
 }
@@ -452,6 +461,19 @@ template <typename OutT>
   fcce::cast_rows(acc, dw, p, i);
 }
 
+// A quantized head's h, or its scales and biases, widened from half or
+// bfloat16 to float where the head's tile type is float (plan.cpp).
+template <typename InT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void widen(
+    const device InT* src [[buffer(17)]],
+    device float* dst [[buffer(18)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint i [[thread_position_in_grid]]) {
+  if (int(i) < p.count) {
+    dst[i] = float(src[i]);
+  }
+}
+
 template <typename OutT, typename WT>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fused_dh(
     const device WT* w [[buffer(1)]],
@@ -500,24 +522,60 @@ template [[host_name("fcce_fwd_hbf16_wf32")]] [[kernel]] decltype(head_fwd<bfloa
 template [[host_name("fcce_fwd_hbf16_wf16")]] [[kernel]] decltype(head_fwd<bfloat16_t, half>) head_fwd<bfloat16_t, half>;
 template [[host_name("fcce_fwd_hbf16_wbf16")]] [[kernel]] decltype(head_fwd<bfloat16_t, bfloat16_t>) head_fwd<bfloat16_t, bfloat16_t>;
 // fwd: quantized heads
-template [[host_name("fcce_fwd_hf32_q2")]] [[kernel]] decltype(head_fwd_q<float, 2>) head_fwd_q<float, 2>;
-template [[host_name("fcce_fwd_hf32_q3")]] [[kernel]] decltype(head_fwd_q<float, 3>) head_fwd_q<float, 3>;
-template [[host_name("fcce_fwd_hf32_q4")]] [[kernel]] decltype(head_fwd_q<float, 4>) head_fwd_q<float, 4>;
-template [[host_name("fcce_fwd_hf32_q5")]] [[kernel]] decltype(head_fwd_q<float, 5>) head_fwd_q<float, 5>;
-template [[host_name("fcce_fwd_hf32_q6")]] [[kernel]] decltype(head_fwd_q<float, 6>) head_fwd_q<float, 6>;
-template [[host_name("fcce_fwd_hf32_q8")]] [[kernel]] decltype(head_fwd_q<float, 8>) head_fwd_q<float, 8>;
-template [[host_name("fcce_fwd_hf16_q2")]] [[kernel]] decltype(head_fwd_q<half, 2>) head_fwd_q<half, 2>;
-template [[host_name("fcce_fwd_hf16_q3")]] [[kernel]] decltype(head_fwd_q<half, 3>) head_fwd_q<half, 3>;
-template [[host_name("fcce_fwd_hf16_q4")]] [[kernel]] decltype(head_fwd_q<half, 4>) head_fwd_q<half, 4>;
-template [[host_name("fcce_fwd_hf16_q5")]] [[kernel]] decltype(head_fwd_q<half, 5>) head_fwd_q<half, 5>;
-template [[host_name("fcce_fwd_hf16_q6")]] [[kernel]] decltype(head_fwd_q<half, 6>) head_fwd_q<half, 6>;
-template [[host_name("fcce_fwd_hf16_q8")]] [[kernel]] decltype(head_fwd_q<half, 8>) head_fwd_q<half, 8>;
-template [[host_name("fcce_fwd_hbf16_q2")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 2>) head_fwd_q<bfloat16_t, 2>;
-template [[host_name("fcce_fwd_hbf16_q3")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 3>) head_fwd_q<bfloat16_t, 3>;
-template [[host_name("fcce_fwd_hbf16_q4")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 4>) head_fwd_q<bfloat16_t, 4>;
-template [[host_name("fcce_fwd_hbf16_q5")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 5>) head_fwd_q<bfloat16_t, 5>;
-template [[host_name("fcce_fwd_hbf16_q6")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 6>) head_fwd_q<bfloat16_t, 6>;
-template [[host_name("fcce_fwd_hbf16_q8")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 8>) head_fwd_q<bfloat16_t, 8>;
+template [[host_name("fcce_fwd_hf32_q2_g32")]] [[kernel]] decltype(head_fwd_q<float, 2, 32>) head_fwd_q<float, 2, 32>;
+template [[host_name("fcce_fwd_hf32_q2_g64")]] [[kernel]] decltype(head_fwd_q<float, 2, 64>) head_fwd_q<float, 2, 64>;
+template [[host_name("fcce_fwd_hf32_q2_g128")]] [[kernel]] decltype(head_fwd_q<float, 2, 128>) head_fwd_q<float, 2, 128>;
+template [[host_name("fcce_fwd_hf32_q3_g32")]] [[kernel]] decltype(head_fwd_q<float, 3, 32>) head_fwd_q<float, 3, 32>;
+template [[host_name("fcce_fwd_hf32_q3_g64")]] [[kernel]] decltype(head_fwd_q<float, 3, 64>) head_fwd_q<float, 3, 64>;
+template [[host_name("fcce_fwd_hf32_q3_g128")]] [[kernel]] decltype(head_fwd_q<float, 3, 128>) head_fwd_q<float, 3, 128>;
+template [[host_name("fcce_fwd_hf32_q4_g32")]] [[kernel]] decltype(head_fwd_q<float, 4, 32>) head_fwd_q<float, 4, 32>;
+template [[host_name("fcce_fwd_hf32_q4_g64")]] [[kernel]] decltype(head_fwd_q<float, 4, 64>) head_fwd_q<float, 4, 64>;
+template [[host_name("fcce_fwd_hf32_q4_g128")]] [[kernel]] decltype(head_fwd_q<float, 4, 128>) head_fwd_q<float, 4, 128>;
+template [[host_name("fcce_fwd_hf32_q5_g32")]] [[kernel]] decltype(head_fwd_q<float, 5, 32>) head_fwd_q<float, 5, 32>;
+template [[host_name("fcce_fwd_hf32_q5_g64")]] [[kernel]] decltype(head_fwd_q<float, 5, 64>) head_fwd_q<float, 5, 64>;
+template [[host_name("fcce_fwd_hf32_q5_g128")]] [[kernel]] decltype(head_fwd_q<float, 5, 128>) head_fwd_q<float, 5, 128>;
+template [[host_name("fcce_fwd_hf32_q6_g32")]] [[kernel]] decltype(head_fwd_q<float, 6, 32>) head_fwd_q<float, 6, 32>;
+template [[host_name("fcce_fwd_hf32_q6_g64")]] [[kernel]] decltype(head_fwd_q<float, 6, 64>) head_fwd_q<float, 6, 64>;
+template [[host_name("fcce_fwd_hf32_q6_g128")]] [[kernel]] decltype(head_fwd_q<float, 6, 128>) head_fwd_q<float, 6, 128>;
+template [[host_name("fcce_fwd_hf32_q8_g32")]] [[kernel]] decltype(head_fwd_q<float, 8, 32>) head_fwd_q<float, 8, 32>;
+template [[host_name("fcce_fwd_hf32_q8_g64")]] [[kernel]] decltype(head_fwd_q<float, 8, 64>) head_fwd_q<float, 8, 64>;
+template [[host_name("fcce_fwd_hf32_q8_g128")]] [[kernel]] decltype(head_fwd_q<float, 8, 128>) head_fwd_q<float, 8, 128>;
+template [[host_name("fcce_fwd_hf16_q2_g32")]] [[kernel]] decltype(head_fwd_q<half, 2, 32>) head_fwd_q<half, 2, 32>;
+template [[host_name("fcce_fwd_hf16_q2_g64")]] [[kernel]] decltype(head_fwd_q<half, 2, 64>) head_fwd_q<half, 2, 64>;
+template [[host_name("fcce_fwd_hf16_q2_g128")]] [[kernel]] decltype(head_fwd_q<half, 2, 128>) head_fwd_q<half, 2, 128>;
+template [[host_name("fcce_fwd_hf16_q3_g32")]] [[kernel]] decltype(head_fwd_q<half, 3, 32>) head_fwd_q<half, 3, 32>;
+template [[host_name("fcce_fwd_hf16_q3_g64")]] [[kernel]] decltype(head_fwd_q<half, 3, 64>) head_fwd_q<half, 3, 64>;
+template [[host_name("fcce_fwd_hf16_q3_g128")]] [[kernel]] decltype(head_fwd_q<half, 3, 128>) head_fwd_q<half, 3, 128>;
+template [[host_name("fcce_fwd_hf16_q4_g32")]] [[kernel]] decltype(head_fwd_q<half, 4, 32>) head_fwd_q<half, 4, 32>;
+template [[host_name("fcce_fwd_hf16_q4_g64")]] [[kernel]] decltype(head_fwd_q<half, 4, 64>) head_fwd_q<half, 4, 64>;
+template [[host_name("fcce_fwd_hf16_q4_g128")]] [[kernel]] decltype(head_fwd_q<half, 4, 128>) head_fwd_q<half, 4, 128>;
+template [[host_name("fcce_fwd_hf16_q5_g32")]] [[kernel]] decltype(head_fwd_q<half, 5, 32>) head_fwd_q<half, 5, 32>;
+template [[host_name("fcce_fwd_hf16_q5_g64")]] [[kernel]] decltype(head_fwd_q<half, 5, 64>) head_fwd_q<half, 5, 64>;
+template [[host_name("fcce_fwd_hf16_q5_g128")]] [[kernel]] decltype(head_fwd_q<half, 5, 128>) head_fwd_q<half, 5, 128>;
+template [[host_name("fcce_fwd_hf16_q6_g32")]] [[kernel]] decltype(head_fwd_q<half, 6, 32>) head_fwd_q<half, 6, 32>;
+template [[host_name("fcce_fwd_hf16_q6_g64")]] [[kernel]] decltype(head_fwd_q<half, 6, 64>) head_fwd_q<half, 6, 64>;
+template [[host_name("fcce_fwd_hf16_q6_g128")]] [[kernel]] decltype(head_fwd_q<half, 6, 128>) head_fwd_q<half, 6, 128>;
+template [[host_name("fcce_fwd_hf16_q8_g32")]] [[kernel]] decltype(head_fwd_q<half, 8, 32>) head_fwd_q<half, 8, 32>;
+template [[host_name("fcce_fwd_hf16_q8_g64")]] [[kernel]] decltype(head_fwd_q<half, 8, 64>) head_fwd_q<half, 8, 64>;
+template [[host_name("fcce_fwd_hf16_q8_g128")]] [[kernel]] decltype(head_fwd_q<half, 8, 128>) head_fwd_q<half, 8, 128>;
+template [[host_name("fcce_fwd_hbf16_q2_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 2, 32>) head_fwd_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_fwd_hbf16_q2_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 2, 64>) head_fwd_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_fwd_hbf16_q2_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 2, 128>) head_fwd_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_fwd_hbf16_q3_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 3, 32>) head_fwd_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_fwd_hbf16_q3_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 3, 64>) head_fwd_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_fwd_hbf16_q3_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 3, 128>) head_fwd_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_fwd_hbf16_q4_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 4, 32>) head_fwd_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_fwd_hbf16_q4_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 4, 64>) head_fwd_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_fwd_hbf16_q4_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 4, 128>) head_fwd_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_fwd_hbf16_q5_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 5, 32>) head_fwd_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_fwd_hbf16_q5_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 5, 64>) head_fwd_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_fwd_hbf16_q5_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 5, 128>) head_fwd_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_fwd_hbf16_q6_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 6, 32>) head_fwd_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_fwd_hbf16_q6_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 6, 64>) head_fwd_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_fwd_hbf16_q6_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 6, 128>) head_fwd_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_fwd_hbf16_q8_g32")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 8, 32>) head_fwd_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_fwd_hbf16_q8_g64")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 8, 64>) head_fwd_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_fwd_hbf16_q8_g128")]] [[kernel]] decltype(head_fwd_q<bfloat16_t, 8, 128>) head_fwd_q<bfloat16_t, 8, 128>;
 // fwd_fused: dense heads
 template [[host_name("fcce_fwd_fused_hf32_wf32")]] [[kernel]] decltype(head_fwd_fused<float, float>) head_fwd_fused<float, float>;
 template [[host_name("fcce_fwd_fused_hf32_wf16")]] [[kernel]] decltype(head_fwd_fused<float, half>) head_fwd_fused<float, half>;
@@ -529,24 +587,60 @@ template [[host_name("fcce_fwd_fused_hbf16_wf32")]] [[kernel]] decltype(head_fwd
 template [[host_name("fcce_fwd_fused_hbf16_wf16")]] [[kernel]] decltype(head_fwd_fused<bfloat16_t, half>) head_fwd_fused<bfloat16_t, half>;
 template [[host_name("fcce_fwd_fused_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_fused<bfloat16_t, bfloat16_t>) head_fwd_fused<bfloat16_t, bfloat16_t>;
 // fwd_fused: quantized heads
-template [[host_name("fcce_fwd_fused_hf32_q2")]] [[kernel]] decltype(head_fwd_fused_q<float, 2>) head_fwd_fused_q<float, 2>;
-template [[host_name("fcce_fwd_fused_hf32_q3")]] [[kernel]] decltype(head_fwd_fused_q<float, 3>) head_fwd_fused_q<float, 3>;
-template [[host_name("fcce_fwd_fused_hf32_q4")]] [[kernel]] decltype(head_fwd_fused_q<float, 4>) head_fwd_fused_q<float, 4>;
-template [[host_name("fcce_fwd_fused_hf32_q5")]] [[kernel]] decltype(head_fwd_fused_q<float, 5>) head_fwd_fused_q<float, 5>;
-template [[host_name("fcce_fwd_fused_hf32_q6")]] [[kernel]] decltype(head_fwd_fused_q<float, 6>) head_fwd_fused_q<float, 6>;
-template [[host_name("fcce_fwd_fused_hf32_q8")]] [[kernel]] decltype(head_fwd_fused_q<float, 8>) head_fwd_fused_q<float, 8>;
-template [[host_name("fcce_fwd_fused_hf16_q2")]] [[kernel]] decltype(head_fwd_fused_q<half, 2>) head_fwd_fused_q<half, 2>;
-template [[host_name("fcce_fwd_fused_hf16_q3")]] [[kernel]] decltype(head_fwd_fused_q<half, 3>) head_fwd_fused_q<half, 3>;
-template [[host_name("fcce_fwd_fused_hf16_q4")]] [[kernel]] decltype(head_fwd_fused_q<half, 4>) head_fwd_fused_q<half, 4>;
-template [[host_name("fcce_fwd_fused_hf16_q5")]] [[kernel]] decltype(head_fwd_fused_q<half, 5>) head_fwd_fused_q<half, 5>;
-template [[host_name("fcce_fwd_fused_hf16_q6")]] [[kernel]] decltype(head_fwd_fused_q<half, 6>) head_fwd_fused_q<half, 6>;
-template [[host_name("fcce_fwd_fused_hf16_q8")]] [[kernel]] decltype(head_fwd_fused_q<half, 8>) head_fwd_fused_q<half, 8>;
-template [[host_name("fcce_fwd_fused_hbf16_q2")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 2>) head_fwd_fused_q<bfloat16_t, 2>;
-template [[host_name("fcce_fwd_fused_hbf16_q3")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 3>) head_fwd_fused_q<bfloat16_t, 3>;
-template [[host_name("fcce_fwd_fused_hbf16_q4")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 4>) head_fwd_fused_q<bfloat16_t, 4>;
-template [[host_name("fcce_fwd_fused_hbf16_q5")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 5>) head_fwd_fused_q<bfloat16_t, 5>;
-template [[host_name("fcce_fwd_fused_hbf16_q6")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 6>) head_fwd_fused_q<bfloat16_t, 6>;
-template [[host_name("fcce_fwd_fused_hbf16_q8")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 8>) head_fwd_fused_q<bfloat16_t, 8>;
+template [[host_name("fcce_fwd_fused_hf32_q2_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 2, 32>) head_fwd_fused_q<float, 2, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q2_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 2, 64>) head_fwd_fused_q<float, 2, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q2_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 2, 128>) head_fwd_fused_q<float, 2, 128>;
+template [[host_name("fcce_fwd_fused_hf32_q3_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 3, 32>) head_fwd_fused_q<float, 3, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q3_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 3, 64>) head_fwd_fused_q<float, 3, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q3_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 3, 128>) head_fwd_fused_q<float, 3, 128>;
+template [[host_name("fcce_fwd_fused_hf32_q4_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 4, 32>) head_fwd_fused_q<float, 4, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q4_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 4, 64>) head_fwd_fused_q<float, 4, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q4_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 4, 128>) head_fwd_fused_q<float, 4, 128>;
+template [[host_name("fcce_fwd_fused_hf32_q5_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 5, 32>) head_fwd_fused_q<float, 5, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q5_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 5, 64>) head_fwd_fused_q<float, 5, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q5_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 5, 128>) head_fwd_fused_q<float, 5, 128>;
+template [[host_name("fcce_fwd_fused_hf32_q6_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 6, 32>) head_fwd_fused_q<float, 6, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q6_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 6, 64>) head_fwd_fused_q<float, 6, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q6_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 6, 128>) head_fwd_fused_q<float, 6, 128>;
+template [[host_name("fcce_fwd_fused_hf32_q8_g32")]] [[kernel]] decltype(head_fwd_fused_q<float, 8, 32>) head_fwd_fused_q<float, 8, 32>;
+template [[host_name("fcce_fwd_fused_hf32_q8_g64")]] [[kernel]] decltype(head_fwd_fused_q<float, 8, 64>) head_fwd_fused_q<float, 8, 64>;
+template [[host_name("fcce_fwd_fused_hf32_q8_g128")]] [[kernel]] decltype(head_fwd_fused_q<float, 8, 128>) head_fwd_fused_q<float, 8, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q2_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 2, 32>) head_fwd_fused_q<half, 2, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q2_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 2, 64>) head_fwd_fused_q<half, 2, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q2_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 2, 128>) head_fwd_fused_q<half, 2, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q3_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 3, 32>) head_fwd_fused_q<half, 3, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q3_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 3, 64>) head_fwd_fused_q<half, 3, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q3_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 3, 128>) head_fwd_fused_q<half, 3, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q4_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 4, 32>) head_fwd_fused_q<half, 4, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q4_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 4, 64>) head_fwd_fused_q<half, 4, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q4_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 4, 128>) head_fwd_fused_q<half, 4, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q5_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 5, 32>) head_fwd_fused_q<half, 5, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q5_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 5, 64>) head_fwd_fused_q<half, 5, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q5_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 5, 128>) head_fwd_fused_q<half, 5, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q6_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 6, 32>) head_fwd_fused_q<half, 6, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q6_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 6, 64>) head_fwd_fused_q<half, 6, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q6_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 6, 128>) head_fwd_fused_q<half, 6, 128>;
+template [[host_name("fcce_fwd_fused_hf16_q8_g32")]] [[kernel]] decltype(head_fwd_fused_q<half, 8, 32>) head_fwd_fused_q<half, 8, 32>;
+template [[host_name("fcce_fwd_fused_hf16_q8_g64")]] [[kernel]] decltype(head_fwd_fused_q<half, 8, 64>) head_fwd_fused_q<half, 8, 64>;
+template [[host_name("fcce_fwd_fused_hf16_q8_g128")]] [[kernel]] decltype(head_fwd_fused_q<half, 8, 128>) head_fwd_fused_q<half, 8, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q2_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 2, 32>) head_fwd_fused_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q2_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 2, 64>) head_fwd_fused_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q2_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 2, 128>) head_fwd_fused_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q3_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 3, 32>) head_fwd_fused_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q3_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 3, 64>) head_fwd_fused_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q3_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 3, 128>) head_fwd_fused_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q4_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 4, 32>) head_fwd_fused_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q4_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 4, 64>) head_fwd_fused_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q4_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 4, 128>) head_fwd_fused_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q5_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 5, 32>) head_fwd_fused_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q5_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 5, 64>) head_fwd_fused_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q5_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 5, 128>) head_fwd_fused_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q6_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 6, 32>) head_fwd_fused_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q6_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 6, 64>) head_fwd_fused_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q6_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 6, 128>) head_fwd_fused_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_fwd_fused_hbf16_q8_g32")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 8, 32>) head_fwd_fused_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_fwd_fused_hbf16_q8_g64")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 8, 64>) head_fwd_fused_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_fwd_fused_hbf16_q8_g128")]] [[kernel]] decltype(head_fwd_fused_q<bfloat16_t, 8, 128>) head_fwd_fused_q<bfloat16_t, 8, 128>;
 // dh: dense heads
 template [[host_name("fcce_dh_hf32_wf32")]] [[kernel]] decltype(head_dh<float, float>) head_dh<float, float>;
 template [[host_name("fcce_dh_hf32_wf16")]] [[kernel]] decltype(head_dh<float, half>) head_dh<float, half>;
@@ -558,24 +652,60 @@ template [[host_name("fcce_dh_hbf16_wf32")]] [[kernel]] decltype(head_dh<bfloat1
 template [[host_name("fcce_dh_hbf16_wf16")]] [[kernel]] decltype(head_dh<bfloat16_t, half>) head_dh<bfloat16_t, half>;
 template [[host_name("fcce_dh_hbf16_wbf16")]] [[kernel]] decltype(head_dh<bfloat16_t, bfloat16_t>) head_dh<bfloat16_t, bfloat16_t>;
 // dh: quantized heads
-template [[host_name("fcce_dh_hf32_q2")]] [[kernel]] decltype(head_dh_q<float, 2>) head_dh_q<float, 2>;
-template [[host_name("fcce_dh_hf32_q3")]] [[kernel]] decltype(head_dh_q<float, 3>) head_dh_q<float, 3>;
-template [[host_name("fcce_dh_hf32_q4")]] [[kernel]] decltype(head_dh_q<float, 4>) head_dh_q<float, 4>;
-template [[host_name("fcce_dh_hf32_q5")]] [[kernel]] decltype(head_dh_q<float, 5>) head_dh_q<float, 5>;
-template [[host_name("fcce_dh_hf32_q6")]] [[kernel]] decltype(head_dh_q<float, 6>) head_dh_q<float, 6>;
-template [[host_name("fcce_dh_hf32_q8")]] [[kernel]] decltype(head_dh_q<float, 8>) head_dh_q<float, 8>;
-template [[host_name("fcce_dh_hf16_q2")]] [[kernel]] decltype(head_dh_q<half, 2>) head_dh_q<half, 2>;
-template [[host_name("fcce_dh_hf16_q3")]] [[kernel]] decltype(head_dh_q<half, 3>) head_dh_q<half, 3>;
-template [[host_name("fcce_dh_hf16_q4")]] [[kernel]] decltype(head_dh_q<half, 4>) head_dh_q<half, 4>;
-template [[host_name("fcce_dh_hf16_q5")]] [[kernel]] decltype(head_dh_q<half, 5>) head_dh_q<half, 5>;
-template [[host_name("fcce_dh_hf16_q6")]] [[kernel]] decltype(head_dh_q<half, 6>) head_dh_q<half, 6>;
-template [[host_name("fcce_dh_hf16_q8")]] [[kernel]] decltype(head_dh_q<half, 8>) head_dh_q<half, 8>;
-template [[host_name("fcce_dh_hbf16_q2")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 2>) head_dh_q<bfloat16_t, 2>;
-template [[host_name("fcce_dh_hbf16_q3")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 3>) head_dh_q<bfloat16_t, 3>;
-template [[host_name("fcce_dh_hbf16_q4")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 4>) head_dh_q<bfloat16_t, 4>;
-template [[host_name("fcce_dh_hbf16_q5")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5>) head_dh_q<bfloat16_t, 5>;
-template [[host_name("fcce_dh_hbf16_q6")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6>) head_dh_q<bfloat16_t, 6>;
-template [[host_name("fcce_dh_hbf16_q8")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8>) head_dh_q<bfloat16_t, 8>;
+template [[host_name("fcce_dh_hf32_q2_g32")]] [[kernel]] decltype(head_dh_q<float, 2, 32>) head_dh_q<float, 2, 32>;
+template [[host_name("fcce_dh_hf32_q2_g64")]] [[kernel]] decltype(head_dh_q<float, 2, 64>) head_dh_q<float, 2, 64>;
+template [[host_name("fcce_dh_hf32_q2_g128")]] [[kernel]] decltype(head_dh_q<float, 2, 128>) head_dh_q<float, 2, 128>;
+template [[host_name("fcce_dh_hf32_q3_g32")]] [[kernel]] decltype(head_dh_q<float, 3, 32>) head_dh_q<float, 3, 32>;
+template [[host_name("fcce_dh_hf32_q3_g64")]] [[kernel]] decltype(head_dh_q<float, 3, 64>) head_dh_q<float, 3, 64>;
+template [[host_name("fcce_dh_hf32_q3_g128")]] [[kernel]] decltype(head_dh_q<float, 3, 128>) head_dh_q<float, 3, 128>;
+template [[host_name("fcce_dh_hf32_q4_g32")]] [[kernel]] decltype(head_dh_q<float, 4, 32>) head_dh_q<float, 4, 32>;
+template [[host_name("fcce_dh_hf32_q4_g64")]] [[kernel]] decltype(head_dh_q<float, 4, 64>) head_dh_q<float, 4, 64>;
+template [[host_name("fcce_dh_hf32_q4_g128")]] [[kernel]] decltype(head_dh_q<float, 4, 128>) head_dh_q<float, 4, 128>;
+template [[host_name("fcce_dh_hf32_q5_g32")]] [[kernel]] decltype(head_dh_q<float, 5, 32>) head_dh_q<float, 5, 32>;
+template [[host_name("fcce_dh_hf32_q5_g64")]] [[kernel]] decltype(head_dh_q<float, 5, 64>) head_dh_q<float, 5, 64>;
+template [[host_name("fcce_dh_hf32_q5_g128")]] [[kernel]] decltype(head_dh_q<float, 5, 128>) head_dh_q<float, 5, 128>;
+template [[host_name("fcce_dh_hf32_q6_g32")]] [[kernel]] decltype(head_dh_q<float, 6, 32>) head_dh_q<float, 6, 32>;
+template [[host_name("fcce_dh_hf32_q6_g64")]] [[kernel]] decltype(head_dh_q<float, 6, 64>) head_dh_q<float, 6, 64>;
+template [[host_name("fcce_dh_hf32_q6_g128")]] [[kernel]] decltype(head_dh_q<float, 6, 128>) head_dh_q<float, 6, 128>;
+template [[host_name("fcce_dh_hf32_q8_g32")]] [[kernel]] decltype(head_dh_q<float, 8, 32>) head_dh_q<float, 8, 32>;
+template [[host_name("fcce_dh_hf32_q8_g64")]] [[kernel]] decltype(head_dh_q<float, 8, 64>) head_dh_q<float, 8, 64>;
+template [[host_name("fcce_dh_hf32_q8_g128")]] [[kernel]] decltype(head_dh_q<float, 8, 128>) head_dh_q<float, 8, 128>;
+template [[host_name("fcce_dh_hf16_q2_g32")]] [[kernel]] decltype(head_dh_q<half, 2, 32>) head_dh_q<half, 2, 32>;
+template [[host_name("fcce_dh_hf16_q2_g64")]] [[kernel]] decltype(head_dh_q<half, 2, 64>) head_dh_q<half, 2, 64>;
+template [[host_name("fcce_dh_hf16_q2_g128")]] [[kernel]] decltype(head_dh_q<half, 2, 128>) head_dh_q<half, 2, 128>;
+template [[host_name("fcce_dh_hf16_q3_g32")]] [[kernel]] decltype(head_dh_q<half, 3, 32>) head_dh_q<half, 3, 32>;
+template [[host_name("fcce_dh_hf16_q3_g64")]] [[kernel]] decltype(head_dh_q<half, 3, 64>) head_dh_q<half, 3, 64>;
+template [[host_name("fcce_dh_hf16_q3_g128")]] [[kernel]] decltype(head_dh_q<half, 3, 128>) head_dh_q<half, 3, 128>;
+template [[host_name("fcce_dh_hf16_q4_g32")]] [[kernel]] decltype(head_dh_q<half, 4, 32>) head_dh_q<half, 4, 32>;
+template [[host_name("fcce_dh_hf16_q4_g64")]] [[kernel]] decltype(head_dh_q<half, 4, 64>) head_dh_q<half, 4, 64>;
+template [[host_name("fcce_dh_hf16_q4_g128")]] [[kernel]] decltype(head_dh_q<half, 4, 128>) head_dh_q<half, 4, 128>;
+template [[host_name("fcce_dh_hf16_q5_g32")]] [[kernel]] decltype(head_dh_q<half, 5, 32>) head_dh_q<half, 5, 32>;
+template [[host_name("fcce_dh_hf16_q5_g64")]] [[kernel]] decltype(head_dh_q<half, 5, 64>) head_dh_q<half, 5, 64>;
+template [[host_name("fcce_dh_hf16_q5_g128")]] [[kernel]] decltype(head_dh_q<half, 5, 128>) head_dh_q<half, 5, 128>;
+template [[host_name("fcce_dh_hf16_q6_g32")]] [[kernel]] decltype(head_dh_q<half, 6, 32>) head_dh_q<half, 6, 32>;
+template [[host_name("fcce_dh_hf16_q6_g64")]] [[kernel]] decltype(head_dh_q<half, 6, 64>) head_dh_q<half, 6, 64>;
+template [[host_name("fcce_dh_hf16_q6_g128")]] [[kernel]] decltype(head_dh_q<half, 6, 128>) head_dh_q<half, 6, 128>;
+template [[host_name("fcce_dh_hf16_q8_g32")]] [[kernel]] decltype(head_dh_q<half, 8, 32>) head_dh_q<half, 8, 32>;
+template [[host_name("fcce_dh_hf16_q8_g64")]] [[kernel]] decltype(head_dh_q<half, 8, 64>) head_dh_q<half, 8, 64>;
+template [[host_name("fcce_dh_hf16_q8_g128")]] [[kernel]] decltype(head_dh_q<half, 8, 128>) head_dh_q<half, 8, 128>;
+template [[host_name("fcce_dh_hbf16_q2_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 2, 32>) head_dh_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_dh_hbf16_q2_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 2, 64>) head_dh_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_dh_hbf16_q2_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 2, 128>) head_dh_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_dh_hbf16_q3_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 3, 32>) head_dh_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_dh_hbf16_q3_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 3, 64>) head_dh_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_dh_hbf16_q3_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 3, 128>) head_dh_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_dh_hbf16_q4_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 4, 32>) head_dh_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_dh_hbf16_q4_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 4, 64>) head_dh_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_dh_hbf16_q4_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 4, 128>) head_dh_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_dh_hbf16_q5_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5, 32>) head_dh_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_dh_hbf16_q5_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5, 64>) head_dh_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_dh_hbf16_q5_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 5, 128>) head_dh_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_dh_hbf16_q6_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6, 32>) head_dh_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_dh_hbf16_q6_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6, 64>) head_dh_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_dh_hbf16_q6_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 6, 128>) head_dh_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_dh_hbf16_q8_g32")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8, 32>) head_dh_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_dh_hbf16_q8_g64")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8, 64>) head_dh_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_dh_hbf16_q8_g128")]] [[kernel]] decltype(head_dh_q<bfloat16_t, 8, 128>) head_dh_q<bfloat16_t, 8, 128>;
 // fused forward with the accumulator in registers: dense heads
 template [[host_name("fcce_fwdreg_hf32_wf32")]] [[kernel]] decltype(head_fwd_fused_regs<float, float>) head_fwd_fused_regs<float, float>;
 template [[host_name("fcce_fwdreg_hf32_wf16")]] [[kernel]] decltype(head_fwd_fused_regs<float, half>) head_fwd_fused_regs<float, half>;
@@ -587,24 +717,60 @@ template [[host_name("fcce_fwdreg_hbf16_wf32")]] [[kernel]] decltype(head_fwd_fu
 template [[host_name("fcce_fwdreg_hbf16_wf16")]] [[kernel]] decltype(head_fwd_fused_regs<bfloat16_t, half>) head_fwd_fused_regs<bfloat16_t, half>;
 template [[host_name("fcce_fwdreg_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_fused_regs<bfloat16_t, bfloat16_t>) head_fwd_fused_regs<bfloat16_t, bfloat16_t>;
 // fused forward with the accumulator in registers: quantized heads
-template [[host_name("fcce_fwdreg_hf32_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 2>) head_fwd_fused_regs_q<float, 2>;
-template [[host_name("fcce_fwdreg_hf32_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 3>) head_fwd_fused_regs_q<float, 3>;
-template [[host_name("fcce_fwdreg_hf32_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 4>) head_fwd_fused_regs_q<float, 4>;
-template [[host_name("fcce_fwdreg_hf32_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 5>) head_fwd_fused_regs_q<float, 5>;
-template [[host_name("fcce_fwdreg_hf32_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 6>) head_fwd_fused_regs_q<float, 6>;
-template [[host_name("fcce_fwdreg_hf32_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 8>) head_fwd_fused_regs_q<float, 8>;
-template [[host_name("fcce_fwdreg_hf16_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 2>) head_fwd_fused_regs_q<half, 2>;
-template [[host_name("fcce_fwdreg_hf16_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 3>) head_fwd_fused_regs_q<half, 3>;
-template [[host_name("fcce_fwdreg_hf16_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 4>) head_fwd_fused_regs_q<half, 4>;
-template [[host_name("fcce_fwdreg_hf16_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 5>) head_fwd_fused_regs_q<half, 5>;
-template [[host_name("fcce_fwdreg_hf16_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 6>) head_fwd_fused_regs_q<half, 6>;
-template [[host_name("fcce_fwdreg_hf16_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 8>) head_fwd_fused_regs_q<half, 8>;
-template [[host_name("fcce_fwdreg_hbf16_q2")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 2>) head_fwd_fused_regs_q<bfloat16_t, 2>;
-template [[host_name("fcce_fwdreg_hbf16_q3")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 3>) head_fwd_fused_regs_q<bfloat16_t, 3>;
-template [[host_name("fcce_fwdreg_hbf16_q4")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 4>) head_fwd_fused_regs_q<bfloat16_t, 4>;
-template [[host_name("fcce_fwdreg_hbf16_q5")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 5>) head_fwd_fused_regs_q<bfloat16_t, 5>;
-template [[host_name("fcce_fwdreg_hbf16_q6")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 6>) head_fwd_fused_regs_q<bfloat16_t, 6>;
-template [[host_name("fcce_fwdreg_hbf16_q8")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 8>) head_fwd_fused_regs_q<bfloat16_t, 8>;
+template [[host_name("fcce_fwdreg_hf32_q2_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 2, 32>) head_fwd_fused_regs_q<float, 2, 32>;
+template [[host_name("fcce_fwdreg_hf32_q2_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 2, 64>) head_fwd_fused_regs_q<float, 2, 64>;
+template [[host_name("fcce_fwdreg_hf32_q2_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 2, 128>) head_fwd_fused_regs_q<float, 2, 128>;
+template [[host_name("fcce_fwdreg_hf32_q3_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 3, 32>) head_fwd_fused_regs_q<float, 3, 32>;
+template [[host_name("fcce_fwdreg_hf32_q3_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 3, 64>) head_fwd_fused_regs_q<float, 3, 64>;
+template [[host_name("fcce_fwdreg_hf32_q3_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 3, 128>) head_fwd_fused_regs_q<float, 3, 128>;
+template [[host_name("fcce_fwdreg_hf32_q4_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 4, 32>) head_fwd_fused_regs_q<float, 4, 32>;
+template [[host_name("fcce_fwdreg_hf32_q4_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 4, 64>) head_fwd_fused_regs_q<float, 4, 64>;
+template [[host_name("fcce_fwdreg_hf32_q4_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 4, 128>) head_fwd_fused_regs_q<float, 4, 128>;
+template [[host_name("fcce_fwdreg_hf32_q5_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 5, 32>) head_fwd_fused_regs_q<float, 5, 32>;
+template [[host_name("fcce_fwdreg_hf32_q5_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 5, 64>) head_fwd_fused_regs_q<float, 5, 64>;
+template [[host_name("fcce_fwdreg_hf32_q5_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 5, 128>) head_fwd_fused_regs_q<float, 5, 128>;
+template [[host_name("fcce_fwdreg_hf32_q6_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 6, 32>) head_fwd_fused_regs_q<float, 6, 32>;
+template [[host_name("fcce_fwdreg_hf32_q6_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 6, 64>) head_fwd_fused_regs_q<float, 6, 64>;
+template [[host_name("fcce_fwdreg_hf32_q6_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 6, 128>) head_fwd_fused_regs_q<float, 6, 128>;
+template [[host_name("fcce_fwdreg_hf32_q8_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 8, 32>) head_fwd_fused_regs_q<float, 8, 32>;
+template [[host_name("fcce_fwdreg_hf32_q8_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 8, 64>) head_fwd_fused_regs_q<float, 8, 64>;
+template [[host_name("fcce_fwdreg_hf32_q8_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<float, 8, 128>) head_fwd_fused_regs_q<float, 8, 128>;
+template [[host_name("fcce_fwdreg_hf16_q2_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 2, 32>) head_fwd_fused_regs_q<half, 2, 32>;
+template [[host_name("fcce_fwdreg_hf16_q2_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 2, 64>) head_fwd_fused_regs_q<half, 2, 64>;
+template [[host_name("fcce_fwdreg_hf16_q2_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 2, 128>) head_fwd_fused_regs_q<half, 2, 128>;
+template [[host_name("fcce_fwdreg_hf16_q3_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 3, 32>) head_fwd_fused_regs_q<half, 3, 32>;
+template [[host_name("fcce_fwdreg_hf16_q3_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 3, 64>) head_fwd_fused_regs_q<half, 3, 64>;
+template [[host_name("fcce_fwdreg_hf16_q3_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 3, 128>) head_fwd_fused_regs_q<half, 3, 128>;
+template [[host_name("fcce_fwdreg_hf16_q4_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 4, 32>) head_fwd_fused_regs_q<half, 4, 32>;
+template [[host_name("fcce_fwdreg_hf16_q4_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 4, 64>) head_fwd_fused_regs_q<half, 4, 64>;
+template [[host_name("fcce_fwdreg_hf16_q4_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 4, 128>) head_fwd_fused_regs_q<half, 4, 128>;
+template [[host_name("fcce_fwdreg_hf16_q5_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 5, 32>) head_fwd_fused_regs_q<half, 5, 32>;
+template [[host_name("fcce_fwdreg_hf16_q5_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 5, 64>) head_fwd_fused_regs_q<half, 5, 64>;
+template [[host_name("fcce_fwdreg_hf16_q5_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 5, 128>) head_fwd_fused_regs_q<half, 5, 128>;
+template [[host_name("fcce_fwdreg_hf16_q6_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 6, 32>) head_fwd_fused_regs_q<half, 6, 32>;
+template [[host_name("fcce_fwdreg_hf16_q6_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 6, 64>) head_fwd_fused_regs_q<half, 6, 64>;
+template [[host_name("fcce_fwdreg_hf16_q6_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 6, 128>) head_fwd_fused_regs_q<half, 6, 128>;
+template [[host_name("fcce_fwdreg_hf16_q8_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 8, 32>) head_fwd_fused_regs_q<half, 8, 32>;
+template [[host_name("fcce_fwdreg_hf16_q8_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 8, 64>) head_fwd_fused_regs_q<half, 8, 64>;
+template [[host_name("fcce_fwdreg_hf16_q8_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<half, 8, 128>) head_fwd_fused_regs_q<half, 8, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q2_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 2, 32>) head_fwd_fused_regs_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q2_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 2, 64>) head_fwd_fused_regs_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q2_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 2, 128>) head_fwd_fused_regs_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q3_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 3, 32>) head_fwd_fused_regs_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q3_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 3, 64>) head_fwd_fused_regs_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q3_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 3, 128>) head_fwd_fused_regs_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q4_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 4, 32>) head_fwd_fused_regs_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q4_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 4, 64>) head_fwd_fused_regs_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q4_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 4, 128>) head_fwd_fused_regs_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q5_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 5, 32>) head_fwd_fused_regs_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q5_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 5, 64>) head_fwd_fused_regs_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q5_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 5, 128>) head_fwd_fused_regs_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q6_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 6, 32>) head_fwd_fused_regs_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q6_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 6, 64>) head_fwd_fused_regs_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q6_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 6, 128>) head_fwd_fused_regs_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_fwdreg_hbf16_q8_g32")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 8, 32>) head_fwd_fused_regs_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_fwdreg_hbf16_q8_g64")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 8, 64>) head_fwd_fused_regs_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_fwdreg_hbf16_q8_g128")]] [[kernel]] decltype(head_fwd_fused_regs_q<bfloat16_t, 8, 128>) head_fwd_fused_regs_q<bfloat16_t, 8, 128>;
 // dh with the accumulator in registers: dense heads
 template [[host_name("fcce_dhreg_hf32_wf32")]] [[kernel]] decltype(head_dh_regs<float, float>) head_dh_regs<float, float>;
 template [[host_name("fcce_dhreg_hf32_wf16")]] [[kernel]] decltype(head_dh_regs<float, half>) head_dh_regs<float, half>;
@@ -616,24 +782,60 @@ template [[host_name("fcce_dhreg_hbf16_wf32")]] [[kernel]] decltype(head_dh_regs
 template [[host_name("fcce_dhreg_hbf16_wf16")]] [[kernel]] decltype(head_dh_regs<bfloat16_t, half>) head_dh_regs<bfloat16_t, half>;
 template [[host_name("fcce_dhreg_hbf16_wbf16")]] [[kernel]] decltype(head_dh_regs<bfloat16_t, bfloat16_t>) head_dh_regs<bfloat16_t, bfloat16_t>;
 // dh with the accumulator in registers: quantized heads
-template [[host_name("fcce_dhreg_hf32_q2")]] [[kernel]] decltype(head_dh_regs_q<float, 2>) head_dh_regs_q<float, 2>;
-template [[host_name("fcce_dhreg_hf32_q3")]] [[kernel]] decltype(head_dh_regs_q<float, 3>) head_dh_regs_q<float, 3>;
-template [[host_name("fcce_dhreg_hf32_q4")]] [[kernel]] decltype(head_dh_regs_q<float, 4>) head_dh_regs_q<float, 4>;
-template [[host_name("fcce_dhreg_hf32_q5")]] [[kernel]] decltype(head_dh_regs_q<float, 5>) head_dh_regs_q<float, 5>;
-template [[host_name("fcce_dhreg_hf32_q6")]] [[kernel]] decltype(head_dh_regs_q<float, 6>) head_dh_regs_q<float, 6>;
-template [[host_name("fcce_dhreg_hf32_q8")]] [[kernel]] decltype(head_dh_regs_q<float, 8>) head_dh_regs_q<float, 8>;
-template [[host_name("fcce_dhreg_hf16_q2")]] [[kernel]] decltype(head_dh_regs_q<half, 2>) head_dh_regs_q<half, 2>;
-template [[host_name("fcce_dhreg_hf16_q3")]] [[kernel]] decltype(head_dh_regs_q<half, 3>) head_dh_regs_q<half, 3>;
-template [[host_name("fcce_dhreg_hf16_q4")]] [[kernel]] decltype(head_dh_regs_q<half, 4>) head_dh_regs_q<half, 4>;
-template [[host_name("fcce_dhreg_hf16_q5")]] [[kernel]] decltype(head_dh_regs_q<half, 5>) head_dh_regs_q<half, 5>;
-template [[host_name("fcce_dhreg_hf16_q6")]] [[kernel]] decltype(head_dh_regs_q<half, 6>) head_dh_regs_q<half, 6>;
-template [[host_name("fcce_dhreg_hf16_q8")]] [[kernel]] decltype(head_dh_regs_q<half, 8>) head_dh_regs_q<half, 8>;
-template [[host_name("fcce_dhreg_hbf16_q2")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 2>) head_dh_regs_q<bfloat16_t, 2>;
-template [[host_name("fcce_dhreg_hbf16_q3")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 3>) head_dh_regs_q<bfloat16_t, 3>;
-template [[host_name("fcce_dhreg_hbf16_q4")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 4>) head_dh_regs_q<bfloat16_t, 4>;
-template [[host_name("fcce_dhreg_hbf16_q5")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 5>) head_dh_regs_q<bfloat16_t, 5>;
-template [[host_name("fcce_dhreg_hbf16_q6")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 6>) head_dh_regs_q<bfloat16_t, 6>;
-template [[host_name("fcce_dhreg_hbf16_q8")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 8>) head_dh_regs_q<bfloat16_t, 8>;
+template [[host_name("fcce_dhreg_hf32_q2_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 2, 32>) head_dh_regs_q<float, 2, 32>;
+template [[host_name("fcce_dhreg_hf32_q2_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 2, 64>) head_dh_regs_q<float, 2, 64>;
+template [[host_name("fcce_dhreg_hf32_q2_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 2, 128>) head_dh_regs_q<float, 2, 128>;
+template [[host_name("fcce_dhreg_hf32_q3_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 3, 32>) head_dh_regs_q<float, 3, 32>;
+template [[host_name("fcce_dhreg_hf32_q3_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 3, 64>) head_dh_regs_q<float, 3, 64>;
+template [[host_name("fcce_dhreg_hf32_q3_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 3, 128>) head_dh_regs_q<float, 3, 128>;
+template [[host_name("fcce_dhreg_hf32_q4_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 4, 32>) head_dh_regs_q<float, 4, 32>;
+template [[host_name("fcce_dhreg_hf32_q4_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 4, 64>) head_dh_regs_q<float, 4, 64>;
+template [[host_name("fcce_dhreg_hf32_q4_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 4, 128>) head_dh_regs_q<float, 4, 128>;
+template [[host_name("fcce_dhreg_hf32_q5_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 5, 32>) head_dh_regs_q<float, 5, 32>;
+template [[host_name("fcce_dhreg_hf32_q5_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 5, 64>) head_dh_regs_q<float, 5, 64>;
+template [[host_name("fcce_dhreg_hf32_q5_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 5, 128>) head_dh_regs_q<float, 5, 128>;
+template [[host_name("fcce_dhreg_hf32_q6_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 6, 32>) head_dh_regs_q<float, 6, 32>;
+template [[host_name("fcce_dhreg_hf32_q6_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 6, 64>) head_dh_regs_q<float, 6, 64>;
+template [[host_name("fcce_dhreg_hf32_q6_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 6, 128>) head_dh_regs_q<float, 6, 128>;
+template [[host_name("fcce_dhreg_hf32_q8_g32")]] [[kernel]] decltype(head_dh_regs_q<float, 8, 32>) head_dh_regs_q<float, 8, 32>;
+template [[host_name("fcce_dhreg_hf32_q8_g64")]] [[kernel]] decltype(head_dh_regs_q<float, 8, 64>) head_dh_regs_q<float, 8, 64>;
+template [[host_name("fcce_dhreg_hf32_q8_g128")]] [[kernel]] decltype(head_dh_regs_q<float, 8, 128>) head_dh_regs_q<float, 8, 128>;
+template [[host_name("fcce_dhreg_hf16_q2_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 2, 32>) head_dh_regs_q<half, 2, 32>;
+template [[host_name("fcce_dhreg_hf16_q2_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 2, 64>) head_dh_regs_q<half, 2, 64>;
+template [[host_name("fcce_dhreg_hf16_q2_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 2, 128>) head_dh_regs_q<half, 2, 128>;
+template [[host_name("fcce_dhreg_hf16_q3_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 3, 32>) head_dh_regs_q<half, 3, 32>;
+template [[host_name("fcce_dhreg_hf16_q3_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 3, 64>) head_dh_regs_q<half, 3, 64>;
+template [[host_name("fcce_dhreg_hf16_q3_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 3, 128>) head_dh_regs_q<half, 3, 128>;
+template [[host_name("fcce_dhreg_hf16_q4_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 4, 32>) head_dh_regs_q<half, 4, 32>;
+template [[host_name("fcce_dhreg_hf16_q4_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 4, 64>) head_dh_regs_q<half, 4, 64>;
+template [[host_name("fcce_dhreg_hf16_q4_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 4, 128>) head_dh_regs_q<half, 4, 128>;
+template [[host_name("fcce_dhreg_hf16_q5_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 5, 32>) head_dh_regs_q<half, 5, 32>;
+template [[host_name("fcce_dhreg_hf16_q5_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 5, 64>) head_dh_regs_q<half, 5, 64>;
+template [[host_name("fcce_dhreg_hf16_q5_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 5, 128>) head_dh_regs_q<half, 5, 128>;
+template [[host_name("fcce_dhreg_hf16_q6_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 6, 32>) head_dh_regs_q<half, 6, 32>;
+template [[host_name("fcce_dhreg_hf16_q6_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 6, 64>) head_dh_regs_q<half, 6, 64>;
+template [[host_name("fcce_dhreg_hf16_q6_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 6, 128>) head_dh_regs_q<half, 6, 128>;
+template [[host_name("fcce_dhreg_hf16_q8_g32")]] [[kernel]] decltype(head_dh_regs_q<half, 8, 32>) head_dh_regs_q<half, 8, 32>;
+template [[host_name("fcce_dhreg_hf16_q8_g64")]] [[kernel]] decltype(head_dh_regs_q<half, 8, 64>) head_dh_regs_q<half, 8, 64>;
+template [[host_name("fcce_dhreg_hf16_q8_g128")]] [[kernel]] decltype(head_dh_regs_q<half, 8, 128>) head_dh_regs_q<half, 8, 128>;
+template [[host_name("fcce_dhreg_hbf16_q2_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 2, 32>) head_dh_regs_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_dhreg_hbf16_q2_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 2, 64>) head_dh_regs_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_dhreg_hbf16_q2_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 2, 128>) head_dh_regs_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_dhreg_hbf16_q3_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 3, 32>) head_dh_regs_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_dhreg_hbf16_q3_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 3, 64>) head_dh_regs_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_dhreg_hbf16_q3_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 3, 128>) head_dh_regs_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_dhreg_hbf16_q4_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 4, 32>) head_dh_regs_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_dhreg_hbf16_q4_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 4, 64>) head_dh_regs_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_dhreg_hbf16_q4_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 4, 128>) head_dh_regs_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_dhreg_hbf16_q5_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 5, 32>) head_dh_regs_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_dhreg_hbf16_q5_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 5, 64>) head_dh_regs_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_dhreg_hbf16_q5_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 5, 128>) head_dh_regs_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_dhreg_hbf16_q6_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 6, 32>) head_dh_regs_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_dhreg_hbf16_q6_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 6, 64>) head_dh_regs_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_dhreg_hbf16_q6_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 6, 128>) head_dh_regs_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_dhreg_hbf16_q8_g32")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 8, 32>) head_dh_regs_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_dhreg_hbf16_q8_g64")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 8, 64>) head_dh_regs_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_dhreg_hbf16_q8_g128")]] [[kernel]] decltype(head_dh_regs_q<bfloat16_t, 8, 128>) head_dh_regs_q<bfloat16_t, 8, 128>;
 // dW (dense heads)
 template [[host_name("fcce_dw_hf32_wf32")]] [[kernel]] decltype(head_dw<float, float>) head_dw<float, float>;
 template [[host_name("fcce_dw_hf32_wf16")]] [[kernel]] decltype(head_dw<float, half>) head_dw<float, half>;
@@ -650,6 +852,8 @@ template [[host_name("fcce_reduce_dh_f16")]] [[kernel]] decltype(reduce_dh<half>
 template [[host_name("fcce_reduce_dh_bf16")]] [[kernel]] decltype(reduce_dh<bfloat16_t>) reduce_dh<bfloat16_t>;
 template [[host_name("fcce_cast_f16")]] [[kernel]] decltype(cast_dw<half>) cast_dw<half>;
 template [[host_name("fcce_cast_bf16")]] [[kernel]] decltype(cast_dw<bfloat16_t>) cast_dw<bfloat16_t>;
+template [[host_name("fcce_widen_f16")]] [[kernel]] decltype(widen<half>) widen<half>;
+template [[host_name("fcce_widen_bf16")]] [[kernel]] decltype(widen<bfloat16_t>) widen<bfloat16_t>;
 template [[host_name("fcce_fused_dh_of32_wf32")]] [[kernel]] decltype(fused_dh<float, float>) fused_dh<float, float>;
 template [[host_name("fcce_fused_dh_of32_wf16")]] [[kernel]] decltype(fused_dh<float, half>) fused_dh<float, half>;
 template [[host_name("fcce_fused_dh_of32_wbf16")]] [[kernel]] decltype(fused_dh<float, bfloat16_t>) fused_dh<float, bfloat16_t>;
@@ -673,25 +877,61 @@ template [[host_name("fcce_fwd_ent_hf16_wbf16")]] [[kernel]] decltype(head_fwd_e
 template [[host_name("fcce_fwd_ent_hbf16_wf32")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, float>) head_fwd_ent<bfloat16_t, float>;
 template [[host_name("fcce_fwd_ent_hbf16_wf16")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, half>) head_fwd_ent<bfloat16_t, half>;
 template [[host_name("fcce_fwd_ent_hbf16_wbf16")]] [[kernel]] decltype(head_fwd_ent<bfloat16_t, bfloat16_t>) head_fwd_ent<bfloat16_t, bfloat16_t>;
-// fwd_ent: quantized heads
-template [[host_name("fcce_fwd_ent_hf32_q2")]] [[kernel]] decltype(head_fwd_ent_q<float, 2>) head_fwd_ent_q<float, 2>;
-template [[host_name("fcce_fwd_ent_hf32_q3")]] [[kernel]] decltype(head_fwd_ent_q<float, 3>) head_fwd_ent_q<float, 3>;
-template [[host_name("fcce_fwd_ent_hf32_q4")]] [[kernel]] decltype(head_fwd_ent_q<float, 4>) head_fwd_ent_q<float, 4>;
-template [[host_name("fcce_fwd_ent_hf32_q5")]] [[kernel]] decltype(head_fwd_ent_q<float, 5>) head_fwd_ent_q<float, 5>;
-template [[host_name("fcce_fwd_ent_hf32_q6")]] [[kernel]] decltype(head_fwd_ent_q<float, 6>) head_fwd_ent_q<float, 6>;
-template [[host_name("fcce_fwd_ent_hf32_q8")]] [[kernel]] decltype(head_fwd_ent_q<float, 8>) head_fwd_ent_q<float, 8>;
-template [[host_name("fcce_fwd_ent_hf16_q2")]] [[kernel]] decltype(head_fwd_ent_q<half, 2>) head_fwd_ent_q<half, 2>;
-template [[host_name("fcce_fwd_ent_hf16_q3")]] [[kernel]] decltype(head_fwd_ent_q<half, 3>) head_fwd_ent_q<half, 3>;
-template [[host_name("fcce_fwd_ent_hf16_q4")]] [[kernel]] decltype(head_fwd_ent_q<half, 4>) head_fwd_ent_q<half, 4>;
-template [[host_name("fcce_fwd_ent_hf16_q5")]] [[kernel]] decltype(head_fwd_ent_q<half, 5>) head_fwd_ent_q<half, 5>;
-template [[host_name("fcce_fwd_ent_hf16_q6")]] [[kernel]] decltype(head_fwd_ent_q<half, 6>) head_fwd_ent_q<half, 6>;
-template [[host_name("fcce_fwd_ent_hf16_q8")]] [[kernel]] decltype(head_fwd_ent_q<half, 8>) head_fwd_ent_q<half, 8>;
-template [[host_name("fcce_fwd_ent_hbf16_q2")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 2>) head_fwd_ent_q<bfloat16_t, 2>;
-template [[host_name("fcce_fwd_ent_hbf16_q3")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 3>) head_fwd_ent_q<bfloat16_t, 3>;
-template [[host_name("fcce_fwd_ent_hbf16_q4")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 4>) head_fwd_ent_q<bfloat16_t, 4>;
-template [[host_name("fcce_fwd_ent_hbf16_q5")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 5>) head_fwd_ent_q<bfloat16_t, 5>;
-template [[host_name("fcce_fwd_ent_hbf16_q6")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 6>) head_fwd_ent_q<bfloat16_t, 6>;
-template [[host_name("fcce_fwd_ent_hbf16_q8")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 8>) head_fwd_ent_q<bfloat16_t, 8>;
+// fwd_ent: quantized heads (h, scales and biases in the tile type)
+template [[host_name("fcce_fwd_ent_hf32_q2_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 2, 32>) head_fwd_ent_q<float, 2, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q2_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 2, 64>) head_fwd_ent_q<float, 2, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q2_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 2, 128>) head_fwd_ent_q<float, 2, 128>;
+template [[host_name("fcce_fwd_ent_hf32_q3_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 3, 32>) head_fwd_ent_q<float, 3, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q3_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 3, 64>) head_fwd_ent_q<float, 3, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q3_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 3, 128>) head_fwd_ent_q<float, 3, 128>;
+template [[host_name("fcce_fwd_ent_hf32_q4_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 4, 32>) head_fwd_ent_q<float, 4, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q4_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 4, 64>) head_fwd_ent_q<float, 4, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q4_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 4, 128>) head_fwd_ent_q<float, 4, 128>;
+template [[host_name("fcce_fwd_ent_hf32_q5_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 5, 32>) head_fwd_ent_q<float, 5, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q5_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 5, 64>) head_fwd_ent_q<float, 5, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q5_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 5, 128>) head_fwd_ent_q<float, 5, 128>;
+template [[host_name("fcce_fwd_ent_hf32_q6_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 6, 32>) head_fwd_ent_q<float, 6, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q6_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 6, 64>) head_fwd_ent_q<float, 6, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q6_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 6, 128>) head_fwd_ent_q<float, 6, 128>;
+template [[host_name("fcce_fwd_ent_hf32_q8_g32")]] [[kernel]] decltype(head_fwd_ent_q<float, 8, 32>) head_fwd_ent_q<float, 8, 32>;
+template [[host_name("fcce_fwd_ent_hf32_q8_g64")]] [[kernel]] decltype(head_fwd_ent_q<float, 8, 64>) head_fwd_ent_q<float, 8, 64>;
+template [[host_name("fcce_fwd_ent_hf32_q8_g128")]] [[kernel]] decltype(head_fwd_ent_q<float, 8, 128>) head_fwd_ent_q<float, 8, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q2_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 2, 32>) head_fwd_ent_q<half, 2, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q2_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 2, 64>) head_fwd_ent_q<half, 2, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q2_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 2, 128>) head_fwd_ent_q<half, 2, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q3_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 3, 32>) head_fwd_ent_q<half, 3, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q3_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 3, 64>) head_fwd_ent_q<half, 3, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q3_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 3, 128>) head_fwd_ent_q<half, 3, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q4_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 4, 32>) head_fwd_ent_q<half, 4, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q4_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 4, 64>) head_fwd_ent_q<half, 4, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q4_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 4, 128>) head_fwd_ent_q<half, 4, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q5_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 5, 32>) head_fwd_ent_q<half, 5, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q5_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 5, 64>) head_fwd_ent_q<half, 5, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q5_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 5, 128>) head_fwd_ent_q<half, 5, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q6_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 6, 32>) head_fwd_ent_q<half, 6, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q6_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 6, 64>) head_fwd_ent_q<half, 6, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q6_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 6, 128>) head_fwd_ent_q<half, 6, 128>;
+template [[host_name("fcce_fwd_ent_hf16_q8_g32")]] [[kernel]] decltype(head_fwd_ent_q<half, 8, 32>) head_fwd_ent_q<half, 8, 32>;
+template [[host_name("fcce_fwd_ent_hf16_q8_g64")]] [[kernel]] decltype(head_fwd_ent_q<half, 8, 64>) head_fwd_ent_q<half, 8, 64>;
+template [[host_name("fcce_fwd_ent_hf16_q8_g128")]] [[kernel]] decltype(head_fwd_ent_q<half, 8, 128>) head_fwd_ent_q<half, 8, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q2_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 2, 32>) head_fwd_ent_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q2_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 2, 64>) head_fwd_ent_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q2_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 2, 128>) head_fwd_ent_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q3_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 3, 32>) head_fwd_ent_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q3_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 3, 64>) head_fwd_ent_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q3_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 3, 128>) head_fwd_ent_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q4_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 4, 32>) head_fwd_ent_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q4_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 4, 64>) head_fwd_ent_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q4_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 4, 128>) head_fwd_ent_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q5_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 5, 32>) head_fwd_ent_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q5_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 5, 64>) head_fwd_ent_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q5_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 5, 128>) head_fwd_ent_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q6_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 6, 32>) head_fwd_ent_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q6_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 6, 64>) head_fwd_ent_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q6_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 6, 128>) head_fwd_ent_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_fwd_ent_hbf16_q8_g32")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 8, 32>) head_fwd_ent_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_fwd_ent_hbf16_q8_g64")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 8, 64>) head_fwd_ent_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_fwd_ent_hbf16_q8_g128")]] [[kernel]] decltype(head_fwd_ent_q<bfloat16_t, 8, 128>) head_fwd_ent_q<bfloat16_t, 8, 128>;
 // dh with the entropy's cotangent (accumulator in registers): dense heads
 template [[host_name("fcce_dhreg_ent_hf32_wf32")]] [[kernel]] decltype(head_dh_regs_ent<float, float>) head_dh_regs_ent<float, float>;
 template [[host_name("fcce_dhreg_ent_hf32_wf16")]] [[kernel]] decltype(head_dh_regs_ent<float, half>) head_dh_regs_ent<float, half>;
@@ -703,24 +943,60 @@ template [[host_name("fcce_dhreg_ent_hbf16_wf32")]] [[kernel]] decltype(head_dh_
 template [[host_name("fcce_dhreg_ent_hbf16_wf16")]] [[kernel]] decltype(head_dh_regs_ent<bfloat16_t, half>) head_dh_regs_ent<bfloat16_t, half>;
 template [[host_name("fcce_dhreg_ent_hbf16_wbf16")]] [[kernel]] decltype(head_dh_regs_ent<bfloat16_t, bfloat16_t>) head_dh_regs_ent<bfloat16_t, bfloat16_t>;
 // dh with the entropy's cotangent (accumulator in registers): quantized heads
-template [[host_name("fcce_dhreg_ent_hf32_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 2>) head_dh_regs_ent_q<float, 2>;
-template [[host_name("fcce_dhreg_ent_hf32_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 3>) head_dh_regs_ent_q<float, 3>;
-template [[host_name("fcce_dhreg_ent_hf32_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 4>) head_dh_regs_ent_q<float, 4>;
-template [[host_name("fcce_dhreg_ent_hf32_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 5>) head_dh_regs_ent_q<float, 5>;
-template [[host_name("fcce_dhreg_ent_hf32_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 6>) head_dh_regs_ent_q<float, 6>;
-template [[host_name("fcce_dhreg_ent_hf32_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 8>) head_dh_regs_ent_q<float, 8>;
-template [[host_name("fcce_dhreg_ent_hf16_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 2>) head_dh_regs_ent_q<half, 2>;
-template [[host_name("fcce_dhreg_ent_hf16_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 3>) head_dh_regs_ent_q<half, 3>;
-template [[host_name("fcce_dhreg_ent_hf16_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 4>) head_dh_regs_ent_q<half, 4>;
-template [[host_name("fcce_dhreg_ent_hf16_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 5>) head_dh_regs_ent_q<half, 5>;
-template [[host_name("fcce_dhreg_ent_hf16_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 6>) head_dh_regs_ent_q<half, 6>;
-template [[host_name("fcce_dhreg_ent_hf16_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 8>) head_dh_regs_ent_q<half, 8>;
-template [[host_name("fcce_dhreg_ent_hbf16_q2")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 2>) head_dh_regs_ent_q<bfloat16_t, 2>;
-template [[host_name("fcce_dhreg_ent_hbf16_q3")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 3>) head_dh_regs_ent_q<bfloat16_t, 3>;
-template [[host_name("fcce_dhreg_ent_hbf16_q4")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 4>) head_dh_regs_ent_q<bfloat16_t, 4>;
-template [[host_name("fcce_dhreg_ent_hbf16_q5")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 5>) head_dh_regs_ent_q<bfloat16_t, 5>;
-template [[host_name("fcce_dhreg_ent_hbf16_q6")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 6>) head_dh_regs_ent_q<bfloat16_t, 6>;
-template [[host_name("fcce_dhreg_ent_hbf16_q8")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 8>) head_dh_regs_ent_q<bfloat16_t, 8>;
+template [[host_name("fcce_dhreg_ent_hf32_q2_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 2, 32>) head_dh_regs_ent_q<float, 2, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q2_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 2, 64>) head_dh_regs_ent_q<float, 2, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q2_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 2, 128>) head_dh_regs_ent_q<float, 2, 128>;
+template [[host_name("fcce_dhreg_ent_hf32_q3_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 3, 32>) head_dh_regs_ent_q<float, 3, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q3_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 3, 64>) head_dh_regs_ent_q<float, 3, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q3_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 3, 128>) head_dh_regs_ent_q<float, 3, 128>;
+template [[host_name("fcce_dhreg_ent_hf32_q4_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 4, 32>) head_dh_regs_ent_q<float, 4, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q4_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 4, 64>) head_dh_regs_ent_q<float, 4, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q4_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 4, 128>) head_dh_regs_ent_q<float, 4, 128>;
+template [[host_name("fcce_dhreg_ent_hf32_q5_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 5, 32>) head_dh_regs_ent_q<float, 5, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q5_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 5, 64>) head_dh_regs_ent_q<float, 5, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q5_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 5, 128>) head_dh_regs_ent_q<float, 5, 128>;
+template [[host_name("fcce_dhreg_ent_hf32_q6_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 6, 32>) head_dh_regs_ent_q<float, 6, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q6_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 6, 64>) head_dh_regs_ent_q<float, 6, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q6_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 6, 128>) head_dh_regs_ent_q<float, 6, 128>;
+template [[host_name("fcce_dhreg_ent_hf32_q8_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 8, 32>) head_dh_regs_ent_q<float, 8, 32>;
+template [[host_name("fcce_dhreg_ent_hf32_q8_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 8, 64>) head_dh_regs_ent_q<float, 8, 64>;
+template [[host_name("fcce_dhreg_ent_hf32_q8_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<float, 8, 128>) head_dh_regs_ent_q<float, 8, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q2_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 2, 32>) head_dh_regs_ent_q<half, 2, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q2_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 2, 64>) head_dh_regs_ent_q<half, 2, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q2_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 2, 128>) head_dh_regs_ent_q<half, 2, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q3_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 3, 32>) head_dh_regs_ent_q<half, 3, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q3_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 3, 64>) head_dh_regs_ent_q<half, 3, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q3_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 3, 128>) head_dh_regs_ent_q<half, 3, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q4_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 4, 32>) head_dh_regs_ent_q<half, 4, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q4_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 4, 64>) head_dh_regs_ent_q<half, 4, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q4_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 4, 128>) head_dh_regs_ent_q<half, 4, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q5_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 5, 32>) head_dh_regs_ent_q<half, 5, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q5_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 5, 64>) head_dh_regs_ent_q<half, 5, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q5_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 5, 128>) head_dh_regs_ent_q<half, 5, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q6_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 6, 32>) head_dh_regs_ent_q<half, 6, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q6_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 6, 64>) head_dh_regs_ent_q<half, 6, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q6_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 6, 128>) head_dh_regs_ent_q<half, 6, 128>;
+template [[host_name("fcce_dhreg_ent_hf16_q8_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 8, 32>) head_dh_regs_ent_q<half, 8, 32>;
+template [[host_name("fcce_dhreg_ent_hf16_q8_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 8, 64>) head_dh_regs_ent_q<half, 8, 64>;
+template [[host_name("fcce_dhreg_ent_hf16_q8_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<half, 8, 128>) head_dh_regs_ent_q<half, 8, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q2_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 2, 32>) head_dh_regs_ent_q<bfloat16_t, 2, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q2_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 2, 64>) head_dh_regs_ent_q<bfloat16_t, 2, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q2_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 2, 128>) head_dh_regs_ent_q<bfloat16_t, 2, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q3_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 3, 32>) head_dh_regs_ent_q<bfloat16_t, 3, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q3_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 3, 64>) head_dh_regs_ent_q<bfloat16_t, 3, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q3_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 3, 128>) head_dh_regs_ent_q<bfloat16_t, 3, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q4_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 4, 32>) head_dh_regs_ent_q<bfloat16_t, 4, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q4_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 4, 64>) head_dh_regs_ent_q<bfloat16_t, 4, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q4_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 4, 128>) head_dh_regs_ent_q<bfloat16_t, 4, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q5_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 5, 32>) head_dh_regs_ent_q<bfloat16_t, 5, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q5_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 5, 64>) head_dh_regs_ent_q<bfloat16_t, 5, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q5_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 5, 128>) head_dh_regs_ent_q<bfloat16_t, 5, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q6_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 6, 32>) head_dh_regs_ent_q<bfloat16_t, 6, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q6_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 6, 64>) head_dh_regs_ent_q<bfloat16_t, 6, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q6_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 6, 128>) head_dh_regs_ent_q<bfloat16_t, 6, 128>;
+template [[host_name("fcce_dhreg_ent_hbf16_q8_g32")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 8, 32>) head_dh_regs_ent_q<bfloat16_t, 8, 32>;
+template [[host_name("fcce_dhreg_ent_hbf16_q8_g64")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 8, 64>) head_dh_regs_ent_q<bfloat16_t, 8, 64>;
+template [[host_name("fcce_dhreg_ent_hbf16_q8_g128")]] [[kernel]] decltype(head_dh_regs_ent_q<bfloat16_t, 8, 128>) head_dh_regs_ent_q<bfloat16_t, 8, 128>;
 // dW with the entropy's cotangent (dense heads)
 template [[host_name("fcce_dw_ent_hf32_wf32")]] [[kernel]] decltype(head_dw_ent<float, float>) head_dw_ent<float, float>;
 template [[host_name("fcce_dw_ent_hf32_wf16")]] [[kernel]] decltype(head_dw_ent<float, half>) head_dw_ent<float, half>;

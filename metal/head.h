@@ -1,8 +1,9 @@
 // The head's tile loop. A threadgroup owns BM rows of h and a contiguous range
 // of BN-row vocabulary blocks (one split), taken in groups of
 // FCCE_GROUP_BLOCKS. Per block of a group:
-//   1. logits S [BM, BN] = h W^T over H with steel's BlockMMA (fp32 operands
-//      and accumulators), stored to the block's tile in threadgroup memory;
+//   1. logits S [BM, BN] = h W^T over H with steel's BlockMMA (h and w tiles
+//      of the head's tile type T from steel's loaders, metal/loaders.h; float
+//      accumulators), stored to the block's float tile in threadgroup memory;
 //   2. a row epilogue (4 threads per row, 8 columns each): softcap, then
 //      - FWD / FWD_FUSED: the online (max, sum of exp) of the row and the
 //        target's logit; FWD_FUSED keeps C = exp(s - max) dcap (and rescales
@@ -27,44 +28,70 @@ namespace fcce {
 
 // The running-maximum sentinel: finite, so that exp(sentinel - x) is 0, never NaN.
 constant constexpr float kFloorLogit = -3.0e38f;
-constant constexpr int kLdC = FCCE_BN + 4;
-constant constexpr int kNoArg = 0x7fffffff; // above every column: no arg-max yet // row stride of the coefficient tile
+constant constexpr int kLdC = FCCE_BN + 4; // row stride of the coefficient tile
+constant constexpr int kNoArg = 0x7fffffff; // above every column: no arg-max yet
 
+template <typename T>
 using LogitMMA = mlx::steel::BlockMMA<
-    float, float, FCCE_BM, FCCE_BN, FCCE_BK, FCCE_WM, FCCE_WN,
-    false, true, FCCE_LD, FCCE_LD>;
-// C [BM, BN] times a w tile [BN, BK] (rows v, columns of H).
+    T, float, FCCE_BM, FCCE_BN, FCCE_BK, FCCE_WM, FCCE_WN,
+    false, true, FCCE_TILE_LD(sizeof(T)), FCCE_TILE_LD(sizeof(T))>;
+// C [BM, BN] (float) times a w tile [BN, BK] of T (rows v, columns of H),
+// through mma_mixed.
+template <typename T>
 using AccMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BM, FCCE_BK, FCCE_BN, FCCE_WM, FCCE_WN,
-    false, false, kLdC, FCCE_LD>;
+    false, false, kLdC, FCCE_TILE_LD(sizeof(T))>;
 
 constant constexpr int kTileC = FCCE_BM * kLdC; // floats of one coefficient tile
 
-// Threadgroup memory of the head kernel (plan.cpp's head_threadgroup_bytes).
+// steel's BlockMMA::mma for operands of two element types (the float
+// coefficient tile times a T tile of w or h): the same fragment loads and
+// tile_matmad over a reduction of K, each operand read in its own type and
+// converted to the float fragments.
+template <short K, typename TA, typename TB, class MMA>
+METAL_FUNC void mma_mixed(thread MMA& mma, const threadgroup TA* As, const threadgroup TB* Bs) {
+  As += mma.As_offset;
+  Bs += mma.Bs_offset;
+  for (short kk = 0; kk < K; kk += 8) {
+    simdgroup_barrier(mem_flags::mem_none);
+    mma.Atile.template load<TA, FCCE_WM, 1, MMA::A_str_m, MMA::A_str_k>(As);
+    simdgroup_barrier(mem_flags::mem_none);
+    mma.Btile.template load<TB, 1, FCCE_WN, MMA::B_str_k, MMA::B_str_n>(Bs);
+    simdgroup_barrier(mem_flags::mem_none);
+    mlx::steel::tile_matmad(mma.Ctile, mma.Atile, mma.Btile, mma.Ctile);
+    As += MMA::tile_stride_a;
+    Bs += MMA::tile_stride_b;
+  }
+}
+
+// Threadgroup memory of the head kernel (plan.cpp's head_threadgroup_bytes):
+// the h and w tiles of T, then the float coefficient tiles and row factors.
+template <typename T>
 struct HeadSmem {
-  threadgroup float* hs; // [BM, LD] h tile
-  threadgroup float* ws; // [BN, LD] w tile
+  threadgroup T* hs; // [BM, FCCE_TILE_LD(sizeof(T))] h tile
+  threadgroup T* ws; // [BN, FCCE_TILE_LD(sizeof(T))] w tile
   threadgroup float* cs; // FCCE_GROUP_BLOCKS x [BM, kLdC] logits, then coefficients
   threadgroup float* factor; // [BM] per-row rescale of the partials
 
   METAL_FUNC HeadSmem(threadgroup float* smem)
-      : hs(smem),
-        ws(smem + FCCE_BM * FCCE_LD),
-        cs(smem + (FCCE_BM + FCCE_BN) * FCCE_LD),
-        factor(smem + (FCCE_BM + FCCE_BN) * FCCE_LD + FCCE_GROUP_BLOCKS * kTileC) {}
+      : hs((threadgroup T*)smem),
+        ws((threadgroup T*)smem + FCCE_BM * FCCE_TILE_LD(sizeof(T))),
+        cs(smem + FCCE_HW_FLOATS(sizeof(T))),
+        factor(smem + FCCE_HW_FLOATS(sizeof(T)) + FCCE_GROUP_BLOCKS * kTileC) {}
 };
 
 // S = h[m0 : m0 + BM] w[v0 : v0 + BN]^T into the tile cs.
 template <typename HT, class W>
 METAL_FUNC void logits_tile(
     const device HT* h, thread const W& w, const constant FcceParams& p,
-    int m0, int v0, threadgroup float* cs, thread const HeadSmem& sm, uint tid, uint sgid,
-    uint lane) {
-  LogitMMA mma(sgid, lane);
+    int m0, int v0, threadgroup float* cs, thread const HeadSmem<typename W::Tile>& sm,
+    uint sgid, uint lane) {
+  using T = typename W::Tile;
+  LogitMMA<T> mma(sgid, lane);
   for (int k0 = 0; k0 < p.H; k0 += FCCE_BK) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_dense_tile(h, p.M, p.H, m0, k0, sm.hs, tid);
-    w.load(p, v0, k0, sm.ws, tid);
+    DenseTile<HT, T>::load(h, p.M, p.H, m0, k0, sm.hs, sgid, lane);
+    w.load(p, v0, k0, sm.ws, sgid, lane);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     mma.mma(sm.hs, sm.ws);
   }
@@ -256,16 +283,17 @@ METAL_FUNC float online_row8(
 template <class W>
 METAL_FUNC void accumulate_cw(
     thread const W& w, const constant FcceParams& p, device float* part,
-    int m0, int vb, int count, bool first, bool rescale, thread const HeadSmem& sm,
-    uint tid, uint sgid, uint lane) {
+    int m0, int vb, int count, bool first, bool rescale,
+    thread const HeadSmem<typename W::Tile>& sm, uint sgid, uint lane) {
+  using T = typename W::Tile;
   const short rows = short(min(FCCE_BM, p.M - m0));
   for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {
-    AccMMA acc(sgid, lane);
+    AccMMA<T> acc(sgid, lane);
     const short2 dims(short(min(FCCE_BK, p.H - i0)), rows);
     device float* dst = part + i0;
     for (int b = 0; b < count; ++b) {
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);
+      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (b == 0 && !first) {
         acc.Ctile.template load_safe<float, FCCE_WM, FCCE_WN>(
@@ -279,7 +307,7 @@ METAL_FUNC void accumulate_cw(
           }
         }
       }
-      acc.mma(sm.cs + b * kTileC, sm.ws);
+      mma_mixed<FCCE_BN>(acc, sm.cs + b * kTileC, sm.ws);
     }
     acc.store_result_safe(dst, p.H, dims);
   }
@@ -308,7 +336,7 @@ METAL_FUNC void head_tiles(
     device float* part_max, device float* part_sum, device float* target_logit,
     device float* part_acc, const constant FcceParams& p, threadgroup float* smem,
     uint3 group, uint tid, uint sgid, uint lane, EntParts ent_parts = EntParts{}) {
-  const HeadSmem sm(smem);
+  const HeadSmem<typename W::Tile> sm(smem);
   const HeadRound rd(p, group);
   const int split = rd.split, m0 = rd.m0, split_vb0 = rd.split_vb0, vb0 = rd.vb0, vb1 = rd.vb1;
 
@@ -336,7 +364,7 @@ METAL_FUNC void head_tiles(
     for (int b = 0; b < count; ++b) {
       const int v0 = (g0 + b) * FCCE_BN;
       threadgroup float* cs = sm.cs + b * kTileC;
-      logits_tile(h, w, p, m0, v0, cs, sm, tid, sgid, lane);
+      logits_tile(h, w, p, m0, v0, cs, sm, sgid, lane);
 
       threadgroup float* crow = cs + er * kLdC + ec;
       float s[8], dcap[8];
@@ -361,7 +389,7 @@ METAL_FUNC void head_tiles(
         sm.factor[er] = metal::precise::exp(group_max - run_max);
       }
       accumulate_cw(w, p, part, m0, g0, count, g0 == split_vb0, MODE == FCCE_MODE_FWD_FUSED,
-                    sm, tid, sgid, lane);
+                    sm, sgid, lane);
     }
   }
   if (MODE != FCCE_MODE_DH && ec == 0 && t.ok) {

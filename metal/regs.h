@@ -19,7 +19,7 @@
 
 namespace fcce {
 
-using RegTile = decltype(AccMMA::Ctile);
+using RegTile = decltype(AccMMA<float>::Ctile); // the same float fragments for every T
 
 // kEnt (DH only): dS takes the entropy's share too (write_ds8), from `ent`.
 template <int MODE, bool kEnt = false, typename HT, class W>
@@ -31,7 +31,8 @@ METAL_FUNC void regs_tiles(
     threadgroup float* smem, uint3 group, uint3 groups, uint tid, uint sgid, uint lane,
     EntGrad ent = EntGrad{nullptr, nullptr}) {
   constexpr bool kFused = MODE == FCCE_MODE_FWD_FUSED;
-  const HeadSmem sm(smem);
+  using T = typename W::Tile;
+  const HeadSmem<T> sm(smem);
   const HeadRound rd(p, group);
   const int m0 = rd.m0, vb0 = rd.vb0, vb1 = rd.vb1;
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
@@ -53,7 +54,7 @@ METAL_FUNC void regs_tiles(
   threadgroup float* crow = sm.cs + er * kLdC + ec;
   threadgroup float* factor = sm.cs + kTileC; // [BM], after the one coefficient tile
 
-  AccMMA mma(sgid, lane);
+  AccMMA<T> mma(sgid, lane);
   RegTile acc[FCCE_REG_PIECES];
   for (int c0 = 0; c0 < p.H; c0 += FCCE_REG_COLS) {
     for (short j = 0; j < FCCE_REG_PIECES; ++j) {
@@ -71,7 +72,7 @@ METAL_FUNC void regs_tiles(
       const int v0 = vb * FCCE_BN;
       device float* st = stage + (vb - vb0) * FCCE_STAGE_FLOATS;
       if (c0 == 0) {
-        logits_tile(h, w, p, m0, v0, sm.cs, sm, tid, sgid, lane);
+        logits_tile(h, w, p, m0, v0, sm.cs, sm, sgid, lane);
         float s[8], dcap[8];
         read_logits8(crow, s, dcap, p.softcap);
         if (kFused) {
@@ -105,7 +106,7 @@ METAL_FUNC void regs_tiles(
         const int i0 = c0 + j * FCCE_BK;
         if (i0 < p.H) { // the same for every thread of the threadgroup
           threadgroup_barrier(mem_flags::mem_threadgroup);
-          w.load(p, v0, i0, sm.ws, tid);
+          w.load(p, v0, i0, sm.ws, sgid, lane);
           threadgroup_barrier(mem_flags::mem_threadgroup);
           mma.Ctile = acc[j];
           if (kFused) {
@@ -117,7 +118,7 @@ METAL_FUNC void regs_tiles(
               }
             }
           }
-          mma.mma(sm.cs, sm.ws);
+          mma_mixed<FCCE_BN>(mma, sm.cs, sm.ws);
           acc[j] = mma.Ctile;
         }
       }

@@ -87,6 +87,16 @@ METAL_FUNC void cast_rows(
   }
 }
 
+// Element i of a scales or biases array of dtype `kind` (FcceParams::sb_dtype:
+// 0 float32, 1 float16, 2 bfloat16), read from its raw bytes.
+METAL_FUNC float load_scale(const device uint8_t* base, int kind, size_t i) {
+  if (kind == 0) {
+    return ((const device float*)base)[i];
+  }
+  const ushort bits = ((const device ushort*)base)[i];
+  return kind == 1 ? float(as_type<half>(bits)) : as_type<float>(uint(bits) << 16);
+}
+
 // Element i of row v of a dense head.
 template <typename T>
 struct DenseElement {

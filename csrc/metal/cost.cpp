@@ -19,12 +19,19 @@ bool starts_with(const std::string& s, const char* prefix) {
 }
 
 // Device bytes of one row of W over H: dense in its dtype, or packed values
-// plus one scale and one bias per group.
+// plus one scale and one bias per group, read in the tile type (plan.h's
+// tile_dtype: the plan widens scales of another dtype first).
 double w_row_bytes(const Problem& p) {
   if (!p.quantized) {
     return double(p.H) * dtype_bytes(p.w);
   }
-  return double(p.H) * p.bits / 8.0 + double(p.H / p.group_size) * 2 * dtype_bytes(p.sb);
+  return double(p.H) * p.bits / 8.0 + double(p.H / p.group_size) * 2 * dtype_bytes(tile_dtype(p));
+}
+
+// Device bytes of one row of h as the head kernels read it: a quantized
+// head's in the tile type (widened first where h's dtype is not).
+double h_row_bytes(const Problem& p) {
+  return double(p.H) * dtype_bytes(p.quantized ? tile_dtype(p) : p.h);
 }
 
 // Per row of the launch's threadgroups: targets and the backward's lse, g,
@@ -63,7 +70,7 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   }
   const double m_tiles = l.grid[0];
   const double blocks = m_tiles * double(tile_blocks);
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double part_tile = double(FCCE_BM) * p.H * 4;
   c.flops = blocks * 2.0 * (acc ? 2 : 1) * FCCE_BM * FCCE_BN * double(hk);
@@ -94,7 +101,7 @@ void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     tile_blocks += std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
   }
   const double blocks = double(l.grid[0]) * double(tile_blocks);
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double staged = chunks > 1 ? double(FCCE_STAGE_FLOATS) * 4 : 0.0;
   const double rows = double(c.threadgroups) * FCCE_BM;
@@ -115,7 +122,7 @@ void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const int64_t walked = std::clamp<int64_t>(m_tiles - q.m_tile_begin, 0, q.m_tile_count);
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
   const double n = double(l.grid[0]) * walked;
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double acc_tile = double(FCCE_BN) * p.H * 4;
   c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
@@ -145,6 +152,9 @@ void elementwise_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     c.bytes_written = n * dtype_bytes(p.h);
   } else if (k == "fcce_reduce_gsum") {
     c.bytes_read = n * (splits * 8 + 4);
+    c.bytes_written = n * 4;
+  } else if (starts_with(k, "fcce_widen_")) {
+    c.bytes_read = n * 2;
     c.bytes_written = n * 4;
   } else if (starts_with(k, "fcce_cast_")) {
     c.bytes_read = n * 4;
@@ -191,14 +201,19 @@ std::vector<LaunchCost> plan_cost(const Problem& p, const Plan& plan) {
     c.threadgroups = int64_t(l.grid[0]) * l.grid[1] * l.grid[2];
     c.threads = c.threadgroups * int64_t(l.threads[0]) * l.threads[1] * l.threads[2];
     c.threadgroup_bytes = l.threadgroup_bytes;
+    const DType tile = tile_dtype(p);
+    const bool gemm = starts_with(c.kernel, "fcce_dw_") || starts_with(c.kernel, "fcce_dhreg_") ||
+        starts_with(c.kernel, "fcce_fwdreg_") || starts_with(c.kernel, "fcce_fwd_") ||
+        starts_with(c.kernel, "fcce_dh_");
+    c.half_operands = gemm && tile != DType::f32;
     if (starts_with(c.kernel, "fcce_dw_")) {
-      c.threadgroup_bytes += dw_threadgroup_bytes();
+      c.threadgroup_bytes += dw_threadgroup_bytes(tile);
       dw_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_dhreg_") || starts_with(c.kernel, "fcce_fwdreg_")) {
-      c.threadgroup_bytes += regs_threadgroup_bytes();
+      c.threadgroup_bytes += regs_threadgroup_bytes(tile);
       regs_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_fwd_") || starts_with(c.kernel, "fcce_dh_")) {
-      c.threadgroup_bytes += head_threadgroup_bytes();
+      c.threadgroup_bytes += head_threadgroup_bytes(tile);
       head_cost(p, l, c);
     } else {
       elementwise_cost(p, l, c);

@@ -24,38 +24,16 @@ const char* const kHeadDense[3][3][3] = {
 
 constexpr int kBits[6] = {2, 3, 4, 5, 6, 8};
 
-// [mode][h][bits]
-const char* const kHeadQuant[3][3][6] = {
-    {{"fcce_fwd_hf32_q2", "fcce_fwd_hf32_q3", "fcce_fwd_hf32_q4", "fcce_fwd_hf32_q5", "fcce_fwd_hf32_q6", "fcce_fwd_hf32_q8"},
-     {"fcce_fwd_hf16_q2", "fcce_fwd_hf16_q3", "fcce_fwd_hf16_q4", "fcce_fwd_hf16_q5", "fcce_fwd_hf16_q6", "fcce_fwd_hf16_q8"},
-     {"fcce_fwd_hbf16_q2", "fcce_fwd_hbf16_q3", "fcce_fwd_hbf16_q4", "fcce_fwd_hbf16_q5", "fcce_fwd_hbf16_q6", "fcce_fwd_hbf16_q8"}},
-    {{"fcce_fwd_fused_hf32_q2", "fcce_fwd_fused_hf32_q3", "fcce_fwd_fused_hf32_q4", "fcce_fwd_fused_hf32_q5", "fcce_fwd_fused_hf32_q6", "fcce_fwd_fused_hf32_q8"},
-     {"fcce_fwd_fused_hf16_q2", "fcce_fwd_fused_hf16_q3", "fcce_fwd_fused_hf16_q4", "fcce_fwd_fused_hf16_q5", "fcce_fwd_fused_hf16_q6", "fcce_fwd_fused_hf16_q8"},
-     {"fcce_fwd_fused_hbf16_q2", "fcce_fwd_fused_hbf16_q3", "fcce_fwd_fused_hbf16_q4", "fcce_fwd_fused_hbf16_q5", "fcce_fwd_fused_hbf16_q6", "fcce_fwd_fused_hbf16_q8"}},
-    {{"fcce_dh_hf32_q2", "fcce_dh_hf32_q3", "fcce_dh_hf32_q4", "fcce_dh_hf32_q5", "fcce_dh_hf32_q6", "fcce_dh_hf32_q8"},
-     {"fcce_dh_hf16_q2", "fcce_dh_hf16_q3", "fcce_dh_hf16_q4", "fcce_dh_hf16_q5", "fcce_dh_hf16_q6", "fcce_dh_hf16_q8"},
-     {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
-};
-
-// [h][w] and [h][bits]: the fused forward with the accumulator in registers.
+// [h][w]: the fused forward with the accumulator in registers.
 const char* const kFwdRegDense[3][3] = {
     {"fcce_fwdreg_hf32_wf32", "fcce_fwdreg_hf32_wf16", "fcce_fwdreg_hf32_wbf16"},
     {"fcce_fwdreg_hf16_wf32", "fcce_fwdreg_hf16_wf16", "fcce_fwdreg_hf16_wbf16"},
     {"fcce_fwdreg_hbf16_wf32", "fcce_fwdreg_hbf16_wf16", "fcce_fwdreg_hbf16_wbf16"}};
-const char* const kFwdRegQuant[3][6] = {
-    {"fcce_fwdreg_hf32_q2", "fcce_fwdreg_hf32_q3", "fcce_fwdreg_hf32_q4", "fcce_fwdreg_hf32_q5", "fcce_fwdreg_hf32_q6", "fcce_fwdreg_hf32_q8"},
-    {"fcce_fwdreg_hf16_q2", "fcce_fwdreg_hf16_q3", "fcce_fwdreg_hf16_q4", "fcce_fwdreg_hf16_q5", "fcce_fwdreg_hf16_q6", "fcce_fwdreg_hf16_q8"},
-    {"fcce_fwdreg_hbf16_q2", "fcce_fwdreg_hbf16_q3", "fcce_fwdreg_hbf16_q4", "fcce_fwdreg_hbf16_q5", "fcce_fwdreg_hbf16_q6", "fcce_fwdreg_hbf16_q8"}};
-// [h][w] and [h][bits]: dh with the accumulator in registers (metal/regs.h).
+// [h][w]: dh with the accumulator in registers (metal/regs.h).
 const char* const kDhRegDense[3][3] = {
     {"fcce_dhreg_hf32_wf32", "fcce_dhreg_hf32_wf16", "fcce_dhreg_hf32_wbf16"},
     {"fcce_dhreg_hf16_wf32", "fcce_dhreg_hf16_wf16", "fcce_dhreg_hf16_wbf16"},
     {"fcce_dhreg_hbf16_wf32", "fcce_dhreg_hbf16_wf16", "fcce_dhreg_hbf16_wbf16"}};
-const char* const kDhRegQuant[3][6] = {
-    {"fcce_dhreg_hf32_q2", "fcce_dhreg_hf32_q3", "fcce_dhreg_hf32_q4", "fcce_dhreg_hf32_q5", "fcce_dhreg_hf32_q6", "fcce_dhreg_hf32_q8"},
-    {"fcce_dhreg_hf16_q2", "fcce_dhreg_hf16_q3", "fcce_dhreg_hf16_q4", "fcce_dhreg_hf16_q5", "fcce_dhreg_hf16_q6", "fcce_dhreg_hf16_q8"},
-    {"fcce_dhreg_hbf16_q2", "fcce_dhreg_hbf16_q3", "fcce_dhreg_hbf16_q4", "fcce_dhreg_hbf16_q5", "fcce_dhreg_hbf16_q6", "fcce_dhreg_hbf16_q8"}};
-
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
@@ -63,28 +41,48 @@ const char* const kDw[3][3] = {
 
 // The entropy variants (Problem::stats): the plain forward with the entropy
 // statistics, dh (accumulator in registers) and dW with the entropy's
-// cotangent, and the combine that merges the statistics. [h][w] or [h][bits].
+// cotangent, and the combine that merges the statistics, [h][w] (quantized:
+// quant_names()).
 const char* const kFwdEntDense[3][3] = {
     {"fcce_fwd_ent_hf32_wf32", "fcce_fwd_ent_hf32_wf16", "fcce_fwd_ent_hf32_wbf16"},
     {"fcce_fwd_ent_hf16_wf32", "fcce_fwd_ent_hf16_wf16", "fcce_fwd_ent_hf16_wbf16"},
     {"fcce_fwd_ent_hbf16_wf32", "fcce_fwd_ent_hbf16_wf16", "fcce_fwd_ent_hbf16_wbf16"}};
-const char* const kFwdEntQuant[3][6] = {
-    {"fcce_fwd_ent_hf32_q2", "fcce_fwd_ent_hf32_q3", "fcce_fwd_ent_hf32_q4", "fcce_fwd_ent_hf32_q5", "fcce_fwd_ent_hf32_q6", "fcce_fwd_ent_hf32_q8"},
-    {"fcce_fwd_ent_hf16_q2", "fcce_fwd_ent_hf16_q3", "fcce_fwd_ent_hf16_q4", "fcce_fwd_ent_hf16_q5", "fcce_fwd_ent_hf16_q6", "fcce_fwd_ent_hf16_q8"},
-    {"fcce_fwd_ent_hbf16_q2", "fcce_fwd_ent_hbf16_q3", "fcce_fwd_ent_hbf16_q4", "fcce_fwd_ent_hbf16_q5", "fcce_fwd_ent_hbf16_q6", "fcce_fwd_ent_hbf16_q8"}};
 const char* const kDhRegEntDense[3][3] = {
     {"fcce_dhreg_ent_hf32_wf32", "fcce_dhreg_ent_hf32_wf16", "fcce_dhreg_ent_hf32_wbf16"},
     {"fcce_dhreg_ent_hf16_wf32", "fcce_dhreg_ent_hf16_wf16", "fcce_dhreg_ent_hf16_wbf16"},
     {"fcce_dhreg_ent_hbf16_wf32", "fcce_dhreg_ent_hbf16_wf16", "fcce_dhreg_ent_hbf16_wbf16"}};
-const char* const kDhRegEntQuant[3][6] = {
-    {"fcce_dhreg_ent_hf32_q2", "fcce_dhreg_ent_hf32_q3", "fcce_dhreg_ent_hf32_q4", "fcce_dhreg_ent_hf32_q5", "fcce_dhreg_ent_hf32_q6", "fcce_dhreg_ent_hf32_q8"},
-    {"fcce_dhreg_ent_hf16_q2", "fcce_dhreg_ent_hf16_q3", "fcce_dhreg_ent_hf16_q4", "fcce_dhreg_ent_hf16_q5", "fcce_dhreg_ent_hf16_q6", "fcce_dhreg_ent_hf16_q8"},
-    {"fcce_dhreg_ent_hbf16_q2", "fcce_dhreg_ent_hbf16_q3", "fcce_dhreg_ent_hbf16_q4", "fcce_dhreg_ent_hbf16_q5", "fcce_dhreg_ent_hbf16_q6", "fcce_dhreg_ent_hbf16_q8"}};
 const char* const kDwEnt[3][3] = {
     {"fcce_dw_ent_hf32_wf32", "fcce_dw_ent_hf32_wf16", "fcce_dw_ent_hf32_wbf16"},
     {"fcce_dw_ent_hf16_wf32", "fcce_dw_ent_hf16_wf16", "fcce_dw_ent_hf16_wbf16"},
     {"fcce_dw_ent_hbf16_wf32", "fcce_dw_ent_hbf16_wf16", "fcce_dw_ent_hbf16_wbf16"}};
 const char* const kCombineEnt = "fcce_combine_ent";
+
+// Quantized heads: fcce_{mode}_h{T}_q{bits}_g{group}, T the tile type (the
+// dtype of h and of the scales as the kernel reads them, after the plan's
+// casts), in the order [mode: fwd, fwd_fused, dh, fwdreg, dhreg, fwd_ent,
+// dhreg_ent][T][bits][group] (the last two: the entropy variants).
+const char* const kQuantModes[7] = {"fwd", "fwd_fused", "dh", "fwdreg", "dhreg", "fwd_ent",
+                                    "dhreg_ent"};
+const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
+constexpr int kGroups[3] = {32, 64, 128};
+
+const std::vector<std::string>& quant_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const char* mode : kQuantModes)
+      for (const char* t : kDtypeNames)
+        for (int bits : kBits)
+          for (int g : kGroups)
+            n.push_back(std::string("fcce_") + mode + "_h" + t + "_q" + std::to_string(bits) +
+                        "_g" + std::to_string(g));
+    return n;
+  }();
+  return names;
+}
+
+// A quantized head's h or scales of float16 or bfloat16 widened to float32
+// (index 0 unused).
+const char* const kWiden[3] = {nullptr, "fcce_widen_f16", "fcce_widen_bf16"};
 
 const char* const kCombine = "fcce_combine";
 const char* const kReduceDh[3] = {"fcce_reduce_dh_f32", "fcce_reduce_dh_f16", "fcce_reduce_dh_bf16"};
@@ -231,11 +229,31 @@ void choose_splits(const Problem& p, bool with_acc, FcceParams& q) {
   q.splits = static_cast<int>(cdiv(v_blocks, per));
 }
 
+int group_index(int group_size) {
+  for (int i = 0; i < 3; ++i) {
+    if (kGroups[i] == group_size) {
+      return i;
+    }
+  }
+  throw std::invalid_argument("[flash_cce] Metal head: group_size must be 32, 64 or 128, got " +
+                              std::to_string(group_size));
+}
+
+// Whether a quantized head's kernels read a float32 copy of h, or of the
+// scales and biases: the ones whose dtype is not the tile type.
+bool widen_h(const Problem& p) {
+  return p.quantized && p.h != tile_dtype(p);
+}
+bool widen_sb(const Problem& p) {
+  return p.quantized && p.sb != tile_dtype(p);
+}
+
 std::vector<Binding> operand_bindings(const Problem& p) {
-  std::vector<Binding> b{{0, Role::h}, {1, Role::w}, {4, Role::targets}};
+  std::vector<Binding> b{{0, widen_h(p) ? Role::h_tile : Role::h}, {1, Role::w},
+                         {4, Role::targets}};
   if (p.quantized) {
-    b.push_back({2, Role::scales});
-    b.push_back({3, Role::biases});
+    b.push_back({2, widen_sb(p) ? Role::scales_tile : Role::scales});
+    b.push_back({3, widen_sb(p) ? Role::biases_tile : Role::biases});
   }
   return b;
 }
@@ -253,22 +271,25 @@ const std::vector<Binding>& ent_grad_bindings() {
 }
 
 const char* head_kernel(const Problem& p, int mode, bool regs) {
-  const int h = dtype_index(p.h);
+  if (p.quantized) {
+    const int m = p.stats && mode == FCCE_MODE_FWD ? 5
+        : p.stats && regs && mode == FCCE_MODE_DH ? 6
+        : regs ? (mode == FCCE_MODE_DH ? 4 : 3) : mode;
+    const size_t i = ((size_t(m) * 3 + dtype_index(tile_dtype(p))) * 6 + bits_index(p.bits)) * 3 +
+        group_index(p.group_size);
+    return quant_names()[i].c_str();
+  }
+  const int h = dtype_index(p.h), w = dtype_index(p.w);
   if (p.stats && mode == FCCE_MODE_FWD) {
-    return p.quantized ? kFwdEntQuant[h][bits_index(p.bits)] : kFwdEntDense[h][dtype_index(p.w)];
+    return kFwdEntDense[h][w];
   }
   if (p.stats && regs && mode == FCCE_MODE_DH) {
-    return p.quantized ? kDhRegEntQuant[h][bits_index(p.bits)]
-                       : kDhRegEntDense[h][dtype_index(p.w)];
-  }
-  if (regs && mode == FCCE_MODE_DH) {
-    return p.quantized ? kDhRegQuant[h][bits_index(p.bits)] : kDhRegDense[h][dtype_index(p.w)];
+    return kDhRegEntDense[h][w];
   }
   if (regs) {
-    return p.quantized ? kFwdRegQuant[h][bits_index(p.bits)] : kFwdRegDense[h][dtype_index(p.w)];
+    return mode == FCCE_MODE_DH ? kDhRegDense[h][w] : kFwdRegDense[h][w];
   }
-  return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
-                     : kHeadDense[mode][h][dtype_index(p.w)];
+  return kHeadDense[mode][h][w];
 }
 
 Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
@@ -391,6 +412,22 @@ Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
   return l;
 }
 
+// The float32 copies of a quantized head's h, scales and biases whose dtype
+// is not its tile type, and the launches that write them (before the head's).
+void plan_widen(const Problem& p, const FcceParams& q, Plan& plan) {
+  auto widen = [&](Role from, Role to, DType t, int64_t count) {
+    plan.scratch.push_back({to, size_t(count) * 4});
+    plan.launches.push_back(elementwise(kWiden[dtype_index(t)], count, q, {{17, from}, {18, to}}));
+  };
+  if (widen_h(p)) {
+    widen(Role::h, Role::h_tile, p.h, p.M * p.H);
+  }
+  if (widen_sb(p)) {
+    widen(Role::scales, Role::scales_tile, p.sb, p.V * (p.H / p.group_size));
+    widen(Role::biases, Role::biases_tile, p.sb, p.V * (p.H / p.group_size));
+  }
+}
+
 void plan_forward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, p.fused, q);
@@ -405,6 +442,7 @@ void plan_forward(const Problem& p, Plan& plan) {
       plan.scratch.push_back({r, per_split});
     }
   }
+  plan_widen(p, q, plan);
   const bool regs = p.fused && acc_in_registers(p);
   const int64_t units =
       head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, regs, plan);
@@ -490,6 +528,7 @@ void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
+  plan_widen(p, q, plan);
   const bool regs = acc_in_registers(p);
   const int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
   if (regs) {
@@ -521,6 +560,11 @@ void plan_fused_dh(const Problem& p, Plan& plan) {
 
 } // namespace
 
+DType tile_dtype(const Problem& p) {
+  const DType other = p.quantized ? p.sb : p.w;
+  return p.h == other ? p.h : DType::f32;
+}
+
 int64_t register_chunks(int64_t H) {
   return cdiv(H, FCCE_REG_COLS);
 }
@@ -535,21 +579,21 @@ const char* role_name(Role r) {
       "lse",     "gsum",       "g",         "g_lse",  "dh",           "dw",
       "entropy", "is_top1",    "mean_logit", "g_ent", "part_max",     "part_sum",
       "target_logit", "part_acc", "dw_acc", "stage",  "part_ent",     "part_lsum",
-      "part_arg"};
-  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Role::part_arg) + 1);
+      "part_arg", "h_tile",    "scales_tile", "biases_tile"};
+  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Role::biases_tile) + 1);
   return names[static_cast<int>(r)];
 }
 
-size_t head_threadgroup_bytes() {
-  return size_t(FCCE_SMEM_FLOATS) * 4;
+size_t head_threadgroup_bytes(DType tile) {
+  return size_t(FCCE_SMEM_FLOATS(tile == DType::f32 ? 4 : 2)) * 4;
 }
 
-size_t regs_threadgroup_bytes() {
-  return size_t(FCCE_REG_SMEM_FLOATS) * 4;
+size_t regs_threadgroup_bytes(DType tile) {
+  return size_t(FCCE_REG_SMEM_FLOATS(tile == DType::f32 ? 4 : 2)) * 4;
 }
 
-size_t dw_threadgroup_bytes() {
-  return head_threadgroup_bytes(); // the same tiles (metal/dw.h uses HeadSmem)
+size_t dw_threadgroup_bytes(DType tile) {
+  return head_threadgroup_bytes(tile); // the same tiles (metal/dw.h uses HeadSmem)
 }
 
 double launch_gemm_flops(const Launch& l) {
@@ -590,23 +634,20 @@ const std::vector<std::string>& kernel_names() {
     std::vector<std::string> n;
     for (auto& mode : kHeadDense)
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& mode : kHeadQuant)
-      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    n.insert(n.end(), quant_names().begin(), quant_names().end());
     for (auto& row : kFwdRegDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& row : kFwdRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDhRegDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& row : kDhRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
     n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));
     n.push_back(kReduceGsum);
     n.push_back(kCast[1]);
     n.push_back(kCast[2]);
+    n.push_back(kWiden[1]);
+    n.push_back(kWiden[2]);
     for (auto& row : kFusedDhDense) n.insert(n.end(), std::begin(row), std::end(row));
     n.insert(n.end(), std::begin(kFusedDhQuant), std::end(kFusedDhQuant));
     for (auto* t : {&kFwdEntDense, &kDhRegEntDense, &kDwEnt})
-      for (auto& row : *t) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto* t : {&kFwdEntQuant, &kDhRegEntQuant})
       for (auto& row : *t) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombineEnt);
     return n;

@@ -10,7 +10,7 @@
 // - `grid` counts threadgroups (dispatch_threadgroups), `threads` is the
 //   threadgroup size. `threadgroup_bytes` is dynamic threadgroup memory at
 //   index 0 (set_threadgroup_memory_length(bytes, 0)); 0 means none, which is
-//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS).
+//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS(sz)).
 // - `buffers` lists every device buffer of the launch as (index, role), all
 //   bound at offset 0. Scratch roles name buffers of Plan::scratch, allocated
 //   by the caller (contents undefined on entry: every kernel writes a scratch
@@ -114,6 +114,11 @@ enum class Role {
   part_ent, // per-split sum_v exp(s - part_max) (s - part_max), float32
   part_lsum, // per-split sum of the logits, float32
   part_arg, // per-split first arg-max, int32
+  // A quantized head's h [M, H] and scales, biases [V, H / group_size] widened
+  // to float32 where their dtype is not the tile type (tile_dtype).
+  h_tile,
+  scales_tile,
+  biases_tile,
 };
 
 const char* role_name(Role r);
@@ -158,6 +163,14 @@ const std::vector<std::string>& kernel_names();
 double launch_gemm_flops(const Launch& l);
 constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
+// The element type of the head kernels' h and w tiles (metal/loaders.h): the
+// common type of h and a dense w, or of h and a quantized w's scales, as
+// MLX's quantized_matmul resolves it: their dtype where they agree, float32
+// otherwise. A quantized head's kernels read h and the scales in this type
+// (the plan widens the others first); a dense head's convert the operand
+// that is not float32 in their loader.
+DType tile_dtype(const Problem& p);
+
 // Whether the dh pass and the fused forward run the kernels with their
 // accumulator in registers (metal/regs.h), the plan's choice unless
 // Problem::acc_registers is -1: the same GEMMs and tile loads as the grouped
@@ -171,9 +184,10 @@ int64_t register_chunks(int64_t H);
 // they stage (more than one chunk): the stage is at most 4.1 KB per unit (66 MiB).
 constexpr int64_t kMaxStagedUnits = 16384;
 
-// Threadgroup memory each kernel family declares, in bytes (under 32 KB).
-size_t head_threadgroup_bytes();
-size_t regs_threadgroup_bytes();
-size_t dw_threadgroup_bytes();
+// Threadgroup memory each kernel family declares, in bytes (under 32 KB), for
+// h and w tiles of the given tile type (tile_dtype).
+size_t head_threadgroup_bytes(DType tile = DType::f32);
+size_t regs_threadgroup_bytes(DType tile = DType::f32);
+size_t dw_threadgroup_bytes(DType tile = DType::f32);
 
 } // namespace flash_cce::metal

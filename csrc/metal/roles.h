@@ -44,6 +44,9 @@ inline Slot role_slot(Pass pass, Role role, bool stats = false) {
     case R::part_ent:
     case R::part_lsum:
     case R::part_arg:
+    case R::h_tile:
+    case R::scales_tile:
+    case R::biases_tile:
       return {Slot::scratch, -1};
     default:
       break;

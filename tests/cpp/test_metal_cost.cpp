@@ -125,7 +125,7 @@ TEST(MetalCost, DhRegistersAtE4b) {
   for (size_t i = 0; i < bc.size(); ++i) {
     if (bc[i].flops == 0) continue;
     const Launch& l = bp.launches[i];
-    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4");
+    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4_g64");
     read += bc[i].bytes_read, written += bc[i].bytes_written, flops += bc[i].flops;
     parts += double(l.grid[0]) * l.grid[1];
     resumed += l.params.block_begin > 0 ? double(l.grid[0]) * l.grid[1] : 0.0;
@@ -158,7 +158,10 @@ TEST(MetalCost, RooflineAndLaunchFields) {
     ASSERT_EQ(costs[i].threads, int64_t(l.grid[0]) * l.grid[1] * l.threads[0]);
     ASSERT_LE(costs[i].threadgroup_bytes, 32768u);
   }
-  ASSERT_EQ(costs[0].threadgroup_bytes, head_threadgroup_bytes());
+  // bfloat16 h and scales: bfloat16 tiles (h and w 2,560 bytes each, not 4,608).
+  ASSERT_EQ(costs[0].threadgroup_bytes, head_threadgroup_bytes(DType::bf16));
+  ASSERT_EQ(head_threadgroup_bytes(DType::f32) - head_threadgroup_bytes(DType::bf16),
+            size_t(2 * (4608 - 2560)));
   const PassCost t = pass_cost(costs, m1);
   ASSERT_EQ(t.launches, costs.size());
   ASSERT_GE(t.seconds, t.longest_seconds);

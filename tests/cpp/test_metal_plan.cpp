@@ -189,9 +189,10 @@ Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
 TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
-  // 109 + 2 x 27 register kernels (9 dense, 18 quantized each) + the entropy
-  // variants: 27 forward, 27 dh, 9 dW and the combine.
-  ASSERT_EQ(n.size(), 227u);
+  // 5 passes x 9 dense (h, w) pairs, 5 x 3 tile types x 6 bit widths x 3 group sizes
+  // quantized, 9 dW, combine, 3 reduce_dh, reduce_gsum, 2 casts, 2 widens, 12 fused dh;
+  // the entropy variants: 2 x 9 dense (forward, dh), 2 x 54 quantized, 9 dW, the combine.
+  ASSERT_EQ(n.size(), 45u + 270 + 9 + 1 + 3 + 1 + 2 + 2 + 12 + 18 + 108 + 9 + 1);
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -246,17 +247,35 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         p.sb = DType::bf16;
         const Plan plan = make_plan(p);
         check_plan(p, plan);
-        const Launch& l = plan.launches[0];
+        // The tile type is h's where the scales agree (bfloat16), else float32:
+        // the float16 h, the scales of a non-bfloat16 h and their biases are
+        // widened first, and the head kernel reads those copies.
+        const bool same = h == DType::bf16;
+        ASSERT_EQ(tile_dtype(p), same ? DType::bf16 : DType::f32);
+        std::vector<std::string> widened;
+        size_t head = 0;
+        while (std::string(plan.launches[head].kernel).rfind("fcce_widen_", 0) == 0) {
+          widened.push_back(plan.launches[head++].kernel);
+        }
+        std::vector<std::string> want;
+        if (h == DType::f16) want.push_back("fcce_widen_f16");
+        if (!same) want.insert(want.end(), {"fcce_widen_bf16", "fcce_widen_bf16"});
+        ASSERT_EQ(widened, want);
+        const Launch& l = plan.launches[head];
         const std::string hn = h == DType::f32 ? "f32" : h == DType::f16 ? "f16" : "bf16";
+        const std::string tn = same ? "bf16" : "f32";
         ASSERT_TRUE(acc_in_registers(p));
-        ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_h" + hn + "_q" + std::to_string(b));
+        ASSERT_EQ(std::string(l.kernel),
+                  "fcce_dhreg_h" + tn + "_q" + std::to_string(b) + "_g" + std::to_string(gs));
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
         ASSERT_EQ(l.params.groups, 256 / gs);
         ASSERT_EQ(l.params.sb_dtype, 2);
         ASSERT_EQ(std::string(plan.launches.back().kernel), "fcce_reduce_dh_" + hn);
-        bool binds_scales = false;
-        for (const auto& bd : l.buffers) binds_scales |= bd.role == Role::scales;
-        ASSERT_TRUE(binds_scales);
+        std::set<Role> bound;
+        for (const auto& bd : l.buffers) bound.insert(bd.role);
+        ASSERT_EQ(bound.count(same ? Role::scales : Role::scales_tile), 1u);
+        ASSERT_EQ(bound.count(same ? Role::biases : Role::biases_tile), 1u);
+        ASSERT_EQ(bound.count(h == DType::f16 ? Role::h_tile : Role::h), 1u);
       }
 }
 

@@ -160,3 +160,23 @@ def test_entropy_costs_rows_not_tiles(M):
     fused = cost("forward", M, **E4B, **Q4, fused=True)["seconds"] + \
         cost("fused_dh", M, **E4B, **Q4)["seconds"]
     assert 1.4 < step / fused < 1.6
+
+
+@pytest.mark.parametrize("pass_,extra", [("forward", {}), ("forward", {"fused": True}),
+                                         ("backward", {})])
+def test_tiles_in_the_head_type(pass_, extra):
+    # At e4b (bfloat16 h and scales) the h and w tiles are bfloat16, as MLX's
+    # qmm_t tiles are: [32, 40] each, 5,120 bytes together, beside the float
+    # coefficient tiles [32, 36] (one in the register kernels, four in the
+    # grouped forward) and the row factors [32].
+    qmm = ext.metal_qmm_cost(512, E4B["V"], E4B["H"], x_bytes=2, bits=4, group_size=64,
+                             sb_bytes=2)["threadgroup_bytes"]
+    coef = 4 if pass_ == "forward" and not extra else 1
+    for l in cost(pass_, 512, **E4B, **Q4, **extra)["launches"]:
+        if l["flops"] > 0:
+            assert l["threadgroup_bytes"] == qmm + coef * 32 * 36 * 4 + 32 * 4 == \
+                (23680 if coef == 4 else 9856), l
+    # A float32 h with bfloat16 scales: float32 tiles, the scales widened first.
+    f32 = cost(pass_, 512, **E4B, **{**Q4, "h": "float32"}, **extra)["launches"]
+    assert [l["kernel"] for l in f32[:2]] == ["fcce_widen_bf16"] * 2
+    assert all(l["threadgroup_bytes"] in (13952, 27776) for l in f32 if l["flops"] > 0)

@@ -90,8 +90,9 @@ def test_every_pass_clean_under_asan():
 # and multiplying (one multiplies a tile others have not finished loading), and
 # between storing the logits and the row epilogue (rows read before written).
 BARRIERS = {
-    "before_load": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    load_dense_tile(h,",
-                    "    load_dense_tile(h,"),
+    "before_load": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                    "    DenseTile<HT, T>::load(h, p.M, p.H, m0,",
+                    "    DenseTile<HT, T>::load(h, p.M, p.H, m0,"),
     "before_mma": ("threadgroup_barrier(mem_flags::mem_threadgroup);\n    mma.mma(sm.hs, sm.ws);",
                    "mma.mma(sm.hs, sm.ws);"),
     "before_epilogue": ("      cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
@@ -113,13 +114,33 @@ def test_threadgroup_memory_one_float_short_is_caught(small, regs):
     src = source_for()
     size, kernel = ("FCCE_REG_SMEM_FLOATS", "head_fwd_fused_regs(") if regs > 0 else \
         ("FCCE_SMEM_FLOATS", "head_fwd_fused(")
-    decl = f"threadgroup float smem[{size}];"
+    decl = f"threadgroup float smem[{size}(sizeof(T))];"
     at = src[: src.index(f"void {kernel}")].count(decl)  # that kernel's own
-    src = metal_emu.mutate(src, decl, f"threadgroup float smem[{size} - 1];", occurrence=at)
+    src = metal_emu.mutate(src, decl, f"threadgroup float smem[{size}(sizeof(T)) - 1];",
+                           occurrence=at)
     prog = he.build(source=src, mode="asan")
     assert forward_error(he.build(source=source_for(), mode="asan"), small, True, regs=regs) <= 1
     with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
         forward_error(prog, small, True, regs=regs)
+
+
+# The loaders' fast path (metal/loaders.h): steel's unpredicated load_unsafe
+# only for tiles wholly inside the operand. Taken for every tile, the last m
+# tile, the last columns of H and the last vocabulary block read past their
+# buffers (dense); the last vocabulary block past the packed rows (quantized).
+FAST_PATH = {
+    "dense": ("if (r0 + FCCE_BM <= rows && c0 + FCCE_BK <= cols) {", "if (true) {"),
+    "quantized": ("if (v0 + FCCE_BN <= p.V) {", "if (true) {"),
+}
+
+
+@pytest.mark.parametrize("loader", sorted(FAST_PATH))
+def test_loader_fast_path_at_an_edge_is_caught(small, loader):
+    p = small if loader == "dense" else Head(5, 64, 45, quant=(4, 32), seed=4)
+    src = he.kernel_source(he.plan_kernels(forward_plan(p, False)))
+    prog = he.build(source=metal_emu.mutate(src, *FAST_PATH[loader]), mode="asan")
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, p, False)
 
 
 def test_scratch_buffer_one_float_short_is_caught(small):
@@ -155,11 +176,11 @@ def test_address_spaces_type_check():
 # under any schedule.
 GROUP_BARRIERS = {
     "before_w_load": ("      threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);",
-                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
-    "before_acc_mma": ("      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);\n"
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);",
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);"),
+    "before_acc_mma": ("      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);\n"
                        "      threadgroup_barrier(mem_flags::mem_threadgroup);",
-                       "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
+                       "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);"),
 }
 
 
@@ -202,11 +223,11 @@ def test_group_barrier_removed_is_caught_under_tsan(barrier):
 # at its own place in the stage.
 REG_BARRIERS = {
     "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                          "          w.load(p, v0, i0, sm.ws, tid);",
-                          "          w.load(p, v0, i0, sm.ws, tid);"),
-    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, tid);\n"
+                          "          w.load(p, v0, i0, sm.ws, sgid, lane);",
+                          "          w.load(p, v0, i0, sm.ws, sgid, lane);"),
+    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, sgid, lane);\n"
                          "          threadgroup_barrier(mem_flags::mem_threadgroup);",
-                         "          w.load(p, v0, i0, sm.ws, tid);"),
+                         "          w.load(p, v0, i0, sm.ws, sgid, lane);"),
     "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
                          "        for (int k = 0; k < 8; ++k) {\n"
                          "          crow[k] = st[er * FCCE_BN + ec + k];",

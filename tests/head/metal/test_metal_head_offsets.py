@@ -71,7 +71,10 @@ def test_dw_rows_past_two_to_the_31_elements(source):
 
 
 def test_a_32_bit_row_offset_is_caught(source):
-    narrow = metal_emu.mutate(source, "src + size_t(r0 + r) * size_t(cols);", "src + (r0 + r) * cols;")
+    # The offset of steel's BlockLoader tile (metal/loaders.h, steel_tile), which
+    # a bfloat16 head's tiles take, formed in 32 bits.
+    narrow = metal_emu.mutate(source, "src + size_t(r0) * size_t(cols) + c0,",
+                              "src + r0 * cols + c0,")
     try:
         err, tol = run(he.build(source=narrow))
     except metal_emu.EmulationError:
