@@ -373,7 +373,30 @@ template <typename HT, typename WT>
   fcce::dw_tiles(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane);
 }
 
-// dW with the entropy's cotangent.
+// dW with its accumulator in registers (metal/dw.h, dw_regs_tiles).
+template <typename HT, typename WT>
+[[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw_regs(
+    const device HT* h [[buffer(0)]],
+    const device WT* w [[buffer(1)]],
+    const device int* targets [[buffer(4)]],
+    const device float* lse [[buffer(5)]],
+    const device float* g [[buffer(6)]],
+    const device float* g_lse [[buffer(7)]],
+    device float* acc [[buffer(14)]],
+    device float* stage [[buffer(16)]],
+    constant FcceParams& p [[buffer(20)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using T = typename fcce::TileOf<HT, WT>::type;
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
+  const fcce::DenseWeight<WT, T> wt{w};
+  fcce::dw_regs_tiles(h, wt, targets, lse, g, g_lse, acc, stage, p, smem, group, tid, sgid,
+                      lane);
+}
+
+// dW with the entropy's cotangent (accumulator in registers).
 template <typename HT, typename WT>
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_THREADS)]] void head_dw_ent(
     const device HT* h [[buffer(0)]],
@@ -383,6 +406,7 @@ template <typename HT, typename WT>
     const device float* g [[buffer(6)]],
     const device float* g_lse [[buffer(7)]],
     device float* acc [[buffer(14)]],
+    device float* stage [[buffer(16)]],
     const device float* entropy [[buffer(21)]],
     const device float* g_ent [[buffer(24)]],
     constant FcceParams& p [[buffer(20)]],
@@ -391,10 +415,10 @@ template <typename HT, typename WT>
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   using T = typename fcce::TileOf<HT, WT>::type;
-  threadgroup float smem[FCCE_SMEM_FLOATS(sizeof(T))];
+  threadgroup float smem[FCCE_REG_SMEM_FLOATS(sizeof(T))];
   const fcce::DenseWeight<WT, T> wt{w};
-  fcce::dw_tiles<true>(h, wt, targets, lse, g, g_lse, acc, p, smem, group, tid, sgid, lane,
-      fcce::EntGrad{entropy, g_ent});
+  fcce::dw_regs_tiles<true>(h, wt, targets, lse, g, g_lse, acc, stage, p, smem, group, tid, sgid,
+                            lane, fcce::EntGrad{entropy, g_ent});
 }
 
 [[kernel]] [[max_total_threads_per_threadgroup(FCCE_EW_THREADS)]] void fcce_combine(
@@ -846,6 +870,16 @@ template [[host_name("fcce_dw_hf16_wbf16")]] [[kernel]] decltype(head_dw<half, b
 template [[host_name("fcce_dw_hbf16_wf32")]] [[kernel]] decltype(head_dw<bfloat16_t, float>) head_dw<bfloat16_t, float>;
 template [[host_name("fcce_dw_hbf16_wf16")]] [[kernel]] decltype(head_dw<bfloat16_t, half>) head_dw<bfloat16_t, half>;
 template [[host_name("fcce_dw_hbf16_wbf16")]] [[kernel]] decltype(head_dw<bfloat16_t, bfloat16_t>) head_dw<bfloat16_t, bfloat16_t>;
+// dW with the accumulator in registers (dense heads)
+template [[host_name("fcce_dwreg_hf32_wf32")]] [[kernel]] decltype(head_dw_regs<float, float>) head_dw_regs<float, float>;
+template [[host_name("fcce_dwreg_hf32_wf16")]] [[kernel]] decltype(head_dw_regs<float, half>) head_dw_regs<float, half>;
+template [[host_name("fcce_dwreg_hf32_wbf16")]] [[kernel]] decltype(head_dw_regs<float, bfloat16_t>) head_dw_regs<float, bfloat16_t>;
+template [[host_name("fcce_dwreg_hf16_wf32")]] [[kernel]] decltype(head_dw_regs<half, float>) head_dw_regs<half, float>;
+template [[host_name("fcce_dwreg_hf16_wf16")]] [[kernel]] decltype(head_dw_regs<half, half>) head_dw_regs<half, half>;
+template [[host_name("fcce_dwreg_hf16_wbf16")]] [[kernel]] decltype(head_dw_regs<half, bfloat16_t>) head_dw_regs<half, bfloat16_t>;
+template [[host_name("fcce_dwreg_hbf16_wf32")]] [[kernel]] decltype(head_dw_regs<bfloat16_t, float>) head_dw_regs<bfloat16_t, float>;
+template [[host_name("fcce_dwreg_hbf16_wf16")]] [[kernel]] decltype(head_dw_regs<bfloat16_t, half>) head_dw_regs<bfloat16_t, half>;
+template [[host_name("fcce_dwreg_hbf16_wbf16")]] [[kernel]] decltype(head_dw_regs<bfloat16_t, bfloat16_t>) head_dw_regs<bfloat16_t, bfloat16_t>;
 // Element-wise passes
 template [[host_name("fcce_reduce_dh_f32")]] [[kernel]] decltype(reduce_dh<float>) reduce_dh<float>;
 template [[host_name("fcce_reduce_dh_f16")]] [[kernel]] decltype(reduce_dh<half>) reduce_dh<half>;

@@ -134,6 +134,28 @@ void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.bytes_written = groups * acc_tile;
 }
 
+// dW with its accumulator in registers (metal/dw.h, dw_regs_tiles): per
+// (threadgroup, m tile) as dw_cost, plus with more than one chunk of H the
+// m tile's staged dS tile written once and read by each later chunk; the
+// float32 [BN, H] rows written once per launch and read once when the launch
+// continues them (m_tile_begin > 0).
+void dw_regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
+  const FcceParams& q = l.params;
+  const int64_t m_tiles = cdiv(p.M, FCCE_BM);
+  const int64_t walked = std::clamp<int64_t>(m_tiles - q.m_tile_begin, 0, q.m_tile_count);
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  const double chunks = double(register_chunks(p.H));
+  const double n = double(l.grid[0]) * walked;
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
+  const double w_tile = double(FCCE_BN) * w_row_bytes(p);
+  const double rows = double(l.grid[0]) * FCCE_BN * p.H * 4;
+  const double staged = chunks > 1 ? double(FCCE_BM) * FCCE_BN * 4 : 0.0;
+  c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4 + (chunks - 1) * staged) +
+      (q.m_tile_begin > 0 ? rows : 0.0);
+  c.bytes_written = n * staged + rows;
+}
+
 // The element-wise kernels (metal/rows.h), per element as their loops read.
 void elementwise_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const std::string k = l.kernel;
@@ -202,11 +224,14 @@ std::vector<LaunchCost> plan_cost(const Problem& p, const Plan& plan) {
     c.threads = c.threadgroups * int64_t(l.threads[0]) * l.threads[1] * l.threads[2];
     c.threadgroup_bytes = l.threadgroup_bytes;
     const DType tile = tile_dtype(p);
-    const bool gemm = starts_with(c.kernel, "fcce_dw_") || starts_with(c.kernel, "fcce_dhreg_") ||
+    const bool gemm = starts_with(c.kernel, "fcce_dw") || starts_with(c.kernel, "fcce_dhreg_") ||
         starts_with(c.kernel, "fcce_fwdreg_") || starts_with(c.kernel, "fcce_fwd_") ||
         starts_with(c.kernel, "fcce_dh_");
     c.half_operands = gemm && tile != DType::f32;
-    if (starts_with(c.kernel, "fcce_dw_")) {
+    if (starts_with(c.kernel, "fcce_dwreg_")) {
+      c.threadgroup_bytes += regs_threadgroup_bytes(tile);
+      dw_regs_cost(p, l, c);
+    } else if (starts_with(c.kernel, "fcce_dw_")) {
       c.threadgroup_bytes += dw_threadgroup_bytes(tile);
       dw_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_dhreg_") || starts_with(c.kernel, "fcce_fwdreg_")) {

@@ -34,6 +34,12 @@ const char* const kDhRegDense[3][3] = {
     {"fcce_dhreg_hf32_wf32", "fcce_dhreg_hf32_wf16", "fcce_dhreg_hf32_wbf16"},
     {"fcce_dhreg_hf16_wf32", "fcce_dhreg_hf16_wf16", "fcce_dhreg_hf16_wbf16"},
     {"fcce_dhreg_hbf16_wf32", "fcce_dhreg_hbf16_wf16", "fcce_dhreg_hbf16_wbf16"}};
+// [h][w]: dW with the accumulator in registers (metal/dw.h, dw_regs_tiles),
+// then the grouped dW.
+const char* const kDwReg[3][3] = {
+    {"fcce_dwreg_hf32_wf32", "fcce_dwreg_hf32_wf16", "fcce_dwreg_hf32_wbf16"},
+    {"fcce_dwreg_hf16_wf32", "fcce_dwreg_hf16_wf16", "fcce_dwreg_hf16_wbf16"},
+    {"fcce_dwreg_hbf16_wf32", "fcce_dwreg_hbf16_wf16", "fcce_dwreg_hbf16_wbf16"}};
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
@@ -471,15 +477,23 @@ void plan_forward(const Problem& p, Plan& plan) {
 // by at most `m_chunk` m tiles each threadgroup walks, within kLaunchFlops and
 // FCCE_MAX_ROUND_ROWS rows of h per threadgroup. A float32 head accumulates in
 // dw itself; a half-precision one in a float32 slab, cast when its last m
-// chunk is done.
-void plan_dw(const Problem& p, Plan& plan) {
+// chunk is done. The kernel with its accumulator in registers (the plan's
+// unless Problem::acc_registers is -1) stages each m tile's dS tile where H
+// takes more than one chunk, so a launch then also holds at most
+// kMaxStagedUnits (threadgroup, m tile) units. Returns the most units of one
+// launch (for the stage that dh's kernel shares).
+int64_t plan_dw(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   const bool staged = p.w != DType::f32;
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
   int64_t slab = p.dw_slab_rows > 0 ? p.dw_slab_rows
                                     : staged ? kDwSlabRows : kTargetThreadgroups * FCCE_BN;
   slab = std::min(slab, cdiv(p.V, FCCE_BN) * FCCE_BN);
-  const double per_tile = 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  const bool regs = acc_in_registers(p);
+  double per_tile = 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  if (regs && register_chunks(p.H) > 1) {
+    per_tile = std::max(per_tile, kLaunchFlops / double(kMaxStagedUnits));
+  }
   int64_t m_chunk = std::min<int64_t>(q.m_tiles, FCCE_MAX_ROUND_ROWS / FCCE_BM);
   while (slab > FCCE_BN && double(slab / FCCE_BN) * per_tile > kLaunchFlops) {
     slab = std::max<int64_t>(FCCE_BN, slab / 2 / FCCE_BN * FCCE_BN);
@@ -493,6 +507,7 @@ void plan_dw(const Problem& p, Plan& plan) {
   if (staged) {
     plan.scratch.push_back({Role::dw_acc, size_t(slab) * p.H * 4});
   }
+  int64_t units = 0;
   for (int64_t v0 = 0; v0 < p.V; v0 += slab) {
     const int64_t n = std::min(slab, p.V - v0);
     q.v_begin = static_cast<int>(v0);
@@ -500,7 +515,7 @@ void plan_dw(const Problem& p, Plan& plan) {
     q.acc_row0 = staged ? 0 : static_cast<int>(v0);
     for (int64_t mt = 0; mt < q.m_tiles; mt += m_chunk) {
       Launch l{};
-      l.kernel = (p.stats ? kDwEnt : kDw)[dtype_index(p.h)][dtype_index(p.w)];
+      l.kernel = (p.stats ? kDwEnt : regs ? kDwReg : kDw)[dtype_index(p.h)][dtype_index(p.w)];
       l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
       l.grid[1] = l.grid[2] = 1;
       l.threads[0] = FCCE_THREADS;
@@ -508,6 +523,9 @@ void plan_dw(const Problem& p, Plan& plan) {
       l.threadgroup_bytes = 0;
       l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
                    {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
+      if (regs) {
+        l.buffers.push_back({16, Role::stage});
+      }
       if (p.stats) {
         l.buffers.insert(l.buffers.end(), ent_grad_bindings().begin(), ent_grad_bindings().end());
       }
@@ -515,6 +533,7 @@ void plan_dw(const Problem& p, Plan& plan) {
       l.params = q;
       l.params.m_tile_begin = static_cast<int>(mt);
       l.params.m_tile_count = static_cast<int>(std::min<int64_t>(m_chunk, q.m_tiles - mt));
+      units = std::max(units, int64_t(l.grid[0]) * l.params.m_tile_count);
       plan.launches.push_back(l);
     }
     if (staged) {
@@ -522,6 +541,7 @@ void plan_dw(const Problem& p, Plan& plan) {
                                           {{14, Role::dw_acc}, {15, Role::dw}}));
     }
   }
+  return regs ? units : 0;
 }
 
 void plan_backward(const Problem& p, Plan& plan) {
@@ -530,16 +550,18 @@ void plan_backward(const Problem& p, Plan& plan) {
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
   plan_widen(p, q, plan);
   const bool regs = acc_in_registers(p);
-  const int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
-  if (regs) {
-    plan.scratch.push_back(stage_buffer(p, units));
-  }
+  int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
                                       {{11, Role::part_acc}, {13, Role::dh}}));
   if (p.compute_dw) {
-    plan_dw(p, plan);
+    // dW's register kernel stages at most FCCE_BM * FCCE_BN floats per unit,
+    // within dh's FCCE_STAGE_FLOATS: one stage serves both passes.
+    units = std::max(units, plan_dw(p, plan));
+  }
+  if (regs) {
+    plan.scratch.push_back(stage_buffer(p, units));
   }
 }
 
@@ -600,7 +622,7 @@ double launch_gemm_flops(const Launch& l) {
   const std::string k = l.kernel;
   const FcceParams& q = l.params;
   const double hk = double(cdiv(q.H, FCCE_BK) * FCCE_BK);
-  if (k.rfind("fcce_dw_", 0) == 0) {
+  if (k.rfind("fcce_dw_", 0) == 0 || k.rfind("fcce_dwreg_", 0) == 0) {
     return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
   }
   const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
@@ -638,6 +660,7 @@ const std::vector<std::string>& kernel_names() {
     for (auto& row : kFwdRegDense) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDhRegDense) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDwReg) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
     n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));
     n.push_back(kReduceGsum);

@@ -78,7 +78,7 @@ struct Problem {
   int dw_slab_rows = 0;
   int round_blocks = 0;
   int round_m_tiles = 0;
-  // The kernels of the dh pass and the fused forward: 0 the plan's choice
+  // The kernels of the dh pass, the fused forward and dW: 0 the plan's choice
   // (acc_in_registers), 1 the accumulator in registers, -1 the partials in
   // device memory per group of blocks.
   int acc_registers = 0;
@@ -171,17 +171,19 @@ constexpr double kLaunchFlops = double(int64_t(1) << 36);
 // that is not float32 in their loader.
 DType tile_dtype(const Problem& p);
 
-// Whether the dh pass and the fused forward run the kernels with their
-// accumulator in registers (metal/regs.h), the plan's choice unless
-// Problem::acc_registers is -1: the same GEMMs and tile loads as the grouped
-// kernels, the partial written once per launch instead of read and written
-// per group of blocks, and with more than one chunk of H each block's
+// Whether the dh pass, the fused forward and dW run the kernels with their
+// accumulator in registers (metal/regs.h; dW: metal/dw.h, dw_regs_tiles),
+// the plan's choice unless Problem::acc_registers is -1: the same GEMMs and
+// tile loads as the grouped kernels, the partial (dW: the float32 rows)
+// written once per launch instead of read and written per group of blocks
+// (of m tiles), and with more than one chunk of H each block's (m tile's)
 // coefficient tile (4.1 KB) staged in device memory.
 bool acc_in_registers(const Problem& p);
 // Chunks of FCCE_REG_COLS columns of H those kernels walk.
 int64_t register_chunks(int64_t H);
-// The most (m tile, split, block) units of one launch of those kernels when
-// they stage (more than one chunk): the stage is at most 4.1 KB per unit (66 MiB).
+// The most (m tile, split, block) units (dW: (threadgroup, m tile)) of one
+// launch of those kernels when they stage (more than one chunk): the stage is
+// at most 4.1 KB per unit (66 MiB).
 constexpr int64_t kMaxStagedUnits = 16384;
 
 // Threadgroup memory each kernel family declares, in bytes (under 32 KB), for

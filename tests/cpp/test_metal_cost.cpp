@@ -68,7 +68,7 @@ TEST(MetalCost, GemmFlopsOfEveryPass) {
   const auto c = plan_cost(d, plan);
   double dw = 0;
   for (size_t i = 0; i < c.size(); ++i)
-    if (std::string(plan.launches[i].kernel).rfind("fcce_dw_", 0) == 0) dw += c[i].flops;
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dw", 0) == 0) dw += c[i].flops;
   ASSERT_TRUE(near(dw, 2 * 2 * 128.0 * 1024 * 96));
 }
 
@@ -179,7 +179,8 @@ TEST(MetalCost, MlxQuantizedMatmul) {
 TEST(MetalCost, DwRowsOncePerGroupOfMTiles) {
   // Nine m tiles in one launch: the float32 dW rows are written once per group
   // of FCCE_GROUP_BLOCKS m tiles (3 groups) and read by all but the first.
-  const Problem p = dense_dw(280, 64, 100);
+  Problem p = dense_dw(280, 64, 100);
+  p.acc_registers = -1; // the grouped kernel
   const Plan plan = make_plan(p);
   const auto c = plan_cost(p, plan);
   double read = 0, written = 0;
@@ -190,4 +191,24 @@ TEST(MetalCost, DwRowsOncePerGroupOfMTiles) {
   ASSERT_TRUE(near(written, tgs * groups * rows));
   const double tiles = tgs * 9 * (2 * 32.0 * 64 * 4 + 32.0 * 64 * 4 + 32 * 16);
   ASSERT_TRUE(near(read, tiles + tgs * (groups - 1) * rows));
+}
+
+TEST(MetalCost, DwRowsOncePerLaunchInRegisters) {
+  // dW's register kernel at H = 300 (two chunks): nine m tiles in launches of
+  // four; per (threadgroup, m tile) h's tile twice and W's rows once, the dS
+  // tile (4 KB) written once and read by the second chunk; the float32 rows
+  // written once per launch and read by the launches that continue them.
+  Problem p = dense_dw(280, 300, 100);
+  p.round_m_tiles = 4;
+  const Plan plan = make_plan(p);
+  const auto c = plan_cost(p, plan);
+  double read = 0, written = 0, launches = 0;
+  for (size_t i = 0; i < c.size(); ++i)
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dwreg_", 0) == 0)
+      read += c[i].bytes_read, written += c[i].bytes_written, ++launches;
+  ASSERT_EQ(launches, 3);
+  const double tgs = 4, rows = 32.0 * 300 * 4, ds = 32.0 * 32 * 4;
+  ASSERT_TRUE(near(written, tgs * (3 * rows + 9 * ds)));
+  const double tiles = tgs * 9 * (2 * 32.0 * 300 * 4 + 32.0 * 300 * 4 + 32 * 16 + ds);
+  ASSERT_TRUE(near(read, tiles + tgs * 2 * rows));
 }

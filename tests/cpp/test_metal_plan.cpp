@@ -71,7 +71,7 @@ bool is_head(const Launch& l) {
 }
 
 bool is_dw(const Launch& l) {
-  return std::string(l.kernel).rfind("fcce_dw_", 0) == 0;
+  return std::string(l.kernel).rfind("fcce_dw", 0) == 0;
 }
 
 // The head kernel's launches: the splits cover the vocabulary's BN-row blocks
@@ -190,9 +190,9 @@ TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
   // 5 passes x 9 dense (h, w) pairs, 5 x 3 tile types x 6 bit widths x 3 group sizes
-  // quantized, 9 dW, combine, 3 reduce_dh, reduce_gsum, 2 casts, 2 widens, 12 fused dh;
+  // quantized, 2 x 9 dW, combine, 3 reduce_dh, reduce_gsum, 2 casts, 2 widens, 12 fused dh;
   // the entropy variants: 2 x 9 dense (forward, dh), 2 x 54 quantized, 9 dW, the combine.
-  ASSERT_EQ(n.size(), 45u + 270 + 9 + 1 + 3 + 1 + 2 + 2 + 12 + 18 + 108 + 9 + 1);
+  ASSERT_EQ(n.size(), 45u + 270 + 2 * 9 + 1 + 3 + 1 + 2 + 2 + 12 + 18 + 108 + 9 + 1);
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -304,6 +304,30 @@ TEST(MetalPlan, DwSlabsTileTheVocabulary) {
 // rows, nor dW more than 8192 rows of h, in one launch; no launch beyond
 // kLaunchFlops), over the shapes the CPU backend accepts up to Gemma's heads
 // and awkward ones, every pass, dense and 4-bit.
+// The head launches' grid: x over m tiles (dispatched fastest), y over
+// splits, so that threadgroups in flight are one split's m tiles walking the
+// same W blocks. At e4b M = 512 every launch of each pass carries all 16 m
+// tiles of its splits.
+TEST(MetalPlan, GridOrderSharesWTiles) {
+  for (int pass = 0; pass < 3; ++pass) {
+    Problem p = problem(pass == 2 ? Pass::backward : Pass::forward, 512, 2560, 262144);
+    p.fused = pass == 1;
+    p.quantized = true;
+    p.h = p.sb = DType::bf16;
+    const Plan plan = make_plan(p);
+    int head = 0;
+    for (const auto& l : plan.launches) {
+      if (!is_head(l)) continue;
+      ++head;
+      ASSERT_EQ(l.grid[0], 16u) << l.kernel; // m tiles: 32 splits x 16 in the forward
+      ASSERT_EQ(l.params.m_tile_begin, 0);
+      ASSERT_LE(l.params.split_begin + int(l.grid[1]), l.params.splits) << l.kernel;
+      ASSERT_GT(l.grid[1], 1u) << l.kernel;
+    }
+    ASSERT_GT(head, 0);
+  }
+}
+
 TEST(MetalPlan, LaunchesAreBounded) {
   const int64_t shapes[][3] = {
       {512, 2560, 262144}, {8192, 2560, 262144}, {32768, 2560, 262144},

@@ -409,11 +409,13 @@ def test_acc_registers_dense(dense, dtype, softcap):
     # second of 44 columns (its last BK piece partial, the rest of its pieces
     # past H); 11 blocks in 2 splits in rounds of 2 (each launch resumes the
     # register accumulator from the partial its predecessor wrote), one m tile
-    # per launch (the second partial).
+    # per launch (the second partial). dW likewise in registers: two slabs, each
+    # m tile in its own launch (the second continues the float32 rows the
+    # first wrote), the second chunk from each m tile's staged dS tile.
     p = Head(37, 300, 333, dtype, ignore=(0, 5), seed=31 + len(dtype))
     ref_lse = reference(p, softcap)[1]
-    check_backward(dense, p, softcap, ref_lse, seed=1, max_splits=2, round_blocks=2,
-                   round_m_tiles=1, acc_registers=1)
+    check_backward(dense, p, softcap, ref_lse, compute_dw=True, seed=1, max_splits=2,
+                   round_blocks=2, round_m_tiles=1, acc_registers=1, dw_slab_rows=192)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

@@ -287,6 +287,65 @@ def test_acc_registers_wrong_fragment_is_caught(edit):
         check_regs(prog)
 
 
+# dW with its accumulator in registers (metal/dw.h, dw_regs_tiles): two chunks
+# of H (the second partial), three m tiles in one launch and, in the second
+# plan, one per launch (each continuing the float32 rows). ThreadSanitizer
+# reports the barriers before staging an h piece and before a later chunk
+# reloads an m tile's dS tile removed; the float64 dW comparison catches a
+# launch that restarts the rows from zero, a later chunk reading the previous
+# m tile's staged dS, and a piece's sum stored to another piece's columns.
+DW_PROBLEM = dict(M=70, H=264, V=40)
+DW_PLANS = [dict(), dict(round_m_tiles=1)]
+DW_BARRIERS = {
+    "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "          DenseTile<HT, T>::load(h, p.M, p.H, m0, i0,",
+                          "          DenseTile<HT, T>::load(h, p.M, p.H, m0, i0,"),
+    "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          ds_row[k] =",
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          ds_row[k] ="),
+}
+DW_EDITS = {
+    "rows_not_continued": ("      if (p.m_tile_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    "wrong_stage_tile": ("          ds_row[k] = ds_stage[er * FCCE_BN + ec + k];",
+                         "          ds_row[k] = (mt > p.m_tile_begin ? ds_stage - FCCE_BM * FCCE_BN"
+                         " : ds_stage)[er * FCCE_BN + ec + k];"),
+    "stored_to_other_columns": ("        mma.Ctile = rows_sum[j];\n        mma.store_result_safe",
+                                "        mma.Ctile = rows_sum[j ^ 1];\n        mma.store_result_safe"),
+}
+
+
+def dw_source():
+    return he.kernel_source({"fcce_dhreg_hf32_wf32", "fcce_reduce_dh_f32",
+                             "fcce_dwreg_hf32_wf32"})
+
+
+def check_dw(prog, seed=0):
+    p = Head(**DW_PROBLEM, ignore=(3,), seed=14)
+    for plan in DW_PLANS:
+        check_backward(prog, p, 3.0, reference(p, 3.0)[1], compute_dw=True, seed=seed, **plan)
+
+
+def test_dw_registers_clean_under_tsan():
+    check_dw(he.build(source=dw_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("barrier", sorted(DW_BARRIERS))
+def test_dw_registers_barrier_removed_is_caught_under_tsan(barrier):
+    src = metal_emu.mutate(dw_source(), *DW_BARRIERS[barrier])
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        check_dw(he.build(source=src, mode="tsan"))
+
+
+@pytest.mark.parametrize("edit", sorted(DW_EDITS))
+def test_dw_registers_wrong_rows_are_caught(edit):
+    prog = he.build(source=metal_emu.mutate(dw_source(), *DW_EDITS[edit]))
+    check_dw(he.build(source=dw_source()))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_dw(prog)
+
+
 # The fused forward with its accumulator in registers: the online-softmax
 # rescale of the accumulator dropped, and a later chunk replaying no factors
 # (the first chunk's last ones) are caught by the float64 gsum comparison;

@@ -27,7 +27,7 @@ SLAB = 2**25  # two slabs: [0, 2^25) and the 32 rows from 2^25
 def last_slab_plan():
     plan = he.plan("backward", M, H, V, h="bf16", w="bf16", compute_dw=True, dw_slab_rows=SLAB)
     last = plan["launches"][-2:]
-    assert [l["kernel"] for l in last] == ["fcce_dw_hbf16_wbf16", "fcce_cast_bf16"]
+    assert [l["kernel"] for l in last] == ["fcce_dwreg_hbf16_wbf16", "fcce_cast_bf16"]
     assert all(l["params"]["v_begin"] == ROW0 for l in last)
     return dict(plan, launches=last)
 
