@@ -18,13 +18,12 @@ using DwMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BN, FCCE_BK, FCCE_BM, FCCE_WM, FCCE_WN,
     true, false, kLdC, FCCE_TILE_LD(sizeof(T))>;
 
-// kEnt: dS takes the entropy's share too (write_ds8), from `ent`.
-template <bool kEnt = false, typename HT, class W>
+template <typename HT, class W>
 METAL_FUNC void dw_tiles(
     const device HT* h, thread const W& w, const device int* targets,
     const device float* lse, const device float* g, const device float* g_lse,
     device float* acc, const constant FcceParams& p, threadgroup float* smem,
-    uint3 group, uint tid, uint sgid, uint lane, EntGrad ent = EntGrad{nullptr, nullptr}) {
+    uint3 group, uint tid, uint sgid, uint lane) {
   using T = typename W::Tile;
   const HeadSmem<T> sm(smem);
   const int r0 = int(group.x) * FCCE_BN; // first row within the slab
@@ -42,13 +41,13 @@ METAL_FUNC void dw_tiles(
     for (int b = 0; b < count; ++b) {
       const int m0 = (g0 + b) * FCCE_BM;
       const RowTarget t = row_target(p, targets, m0 + er);
-      const RowGrad r = row_grad(t, lse, g, g_lse, m0 + er, ent);
+      const RowGrad r = row_grad(t, lse, g, g_lse, m0 + er);
       threadgroup float* cs = sm.cs + b * kTileC;
       logits_tile(h, w, p, m0, v0, cs, sm, sgid, lane);
       threadgroup float* crow = cs + er * kLdC + ec;
       float s[8], dcap[8];
       read_logits8(crow, s, dcap, p.softcap);
-      write_ds8<kEnt>(crow, s, dcap, v0 + ec, p, t, r);
+      write_ds8(crow, s, dcap, v0 + ec, p, t, r);
     }
 
     for (int i0 = 0; i0 < p.H; i0 += FCCE_BK) {

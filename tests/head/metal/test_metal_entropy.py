@@ -148,6 +148,8 @@ def with_top1_targets(p: Head, softcap, rows):
 
 # --- Builds -----------------------------------------------------------------
 
+QUANT = [(4, "f32"), (8, "f32"), (4, "bf16")]  # (bits, dtype of h and the scales)
+
 def ent_plans(p: Head, softcap=0.0, compute_dw=True, **kw):
     c = softcap or 0.0
     return [he.plan("forward", p.M, p.H, p.V, softcap=c, **ent_kw(p, **kw)),
@@ -162,8 +164,8 @@ def ent_kernels():
         # the same head without the entropy, for the g_ent = 0 comparison
         names |= he.plan_kernels(he.plan("backward", 2, 8, 40, compute_dw=True,
                                          **Head(2, 8, 40, dt).kw(dw_slab_rows=32)))
-    for bits in (4, 8):
-        names |= he.plan_kernels(*ent_plans(Head(2, 64, 40, "f32", quant=(bits, 64)),
+    for bits, dt in QUANT:
+        names |= he.plan_kernels(*ent_plans(Head(2, 64, 40, dt, quant=(bits, 64), sb_dtype=dt),
                                             compute_dw=False))
     return names
 
@@ -192,7 +194,7 @@ def test_entropy_dense(ent, dtype, softcap):
 def test_entropy_rounds_move_the_maximum(ent):
     # A large logit scale and one split of 11 blocks walked in rounds of two:
     # the running maximum moves across blocks and across launches, so r is
-    # rescaled (and resumed from part_ent) many times; dh at H = 300 (two
+    # rescaled (and resumed from part_ent) many times; dh and dW at H = 300 (two
     # register chunks, the second's coefficients read from the stage).
     p = Head(37, 300, 333, "f32", ignore=(4,), scale=4.0, seed=44)
     with_top1_targets(p, 3.0, (5, 6))
@@ -237,9 +239,11 @@ def test_entropy_first_arg_max_on_ties(ent):
     assert out["is_top1"][0] == 1 and out["is_top1"][1] == 0
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_entropy_quantized(ent, bits):
-    p = Head(9, 128, 150, "f32", quant=(bits, 64), sb_dtype="f32", ignore=(2,), seed=48 + bits)
+@pytest.mark.parametrize("bits,dtype", QUANT)
+def test_entropy_quantized(ent, bits, dtype):
+    # float32 tiles, and bfloat16 ones (h and scales in bfloat16).
+    p = Head(9, 128, 150, dtype, quant=(bits, 64), sb_dtype=dtype, ignore=(2,),
+             seed=48 + bits + len(dtype))
     with_top1_targets(p, 30.0, (0, 1))
     check_forward(ent, p, 30.0, max_splits=2)
     check_backward(ent, p, 30.0, g_ent_of(p, 4), seed=4, max_splits=2)
