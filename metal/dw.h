@@ -18,6 +18,21 @@ using DwMMA = mlx::steel::BlockMMA<
     float, float, FCCE_BN, FCCE_BK, FCCE_BM, FCCE_WM, FCCE_WN,
     true, false, kLdC, FCCE_TILE_LD(sizeof(T))>;
 
+// A dW threadgroup's part of the launch: its BN rows of the slab (from r0,
+// vocabulary rows from v0; `rows` of them inside the slab) and the launch's
+// m tiles [m_tile_begin, mt_end).
+struct DwRows {
+  int r0, v0;
+  short rows;
+  int mt_end;
+
+  METAL_FUNC DwRows(const constant FcceParams& p, uint3 group)
+      : r0(int(group.x) * FCCE_BN),
+        v0(p.v_begin + r0),
+        rows(short(min(FCCE_BN, p.v_count - r0))),
+        mt_end(min((p.M + FCCE_BM - 1) / FCCE_BM, p.m_tile_begin + p.m_tile_count)) {}
+};
+
 template <typename HT, class W>
 METAL_FUNC void dw_tiles(
     const device HT* h, thread const W& w, const device int* targets,
@@ -26,15 +41,14 @@ METAL_FUNC void dw_tiles(
     uint3 group, uint tid, uint sgid, uint lane) {
   using T = typename W::Tile;
   const HeadSmem<T> sm(smem);
-  const int r0 = int(group.x) * FCCE_BN; // first row within the slab
-  const int v0 = p.v_begin + r0;
-  const short out_rows = short(min(FCCE_BN, p.v_count - r0));
-  device float* out = acc + size_t(p.acc_row0 + r0) * size_t(p.H);
+  const DwRows rw(p, group);
+  const int v0 = rw.v0, mt_end = rw.mt_end;
+  const short out_rows = rw.rows;
+  device float* out = acc + size_t(p.acc_row0 + rw.r0) * size_t(p.H);
   const int er = int(tid) / 4, ec = int(tid % 4) * 8;
   // This launch's m tiles, in groups of FCCE_GROUP_BLOCKS whose dS tiles stay
   // in threadgroup memory, so that the float32 rows are read and written once
   // per group; later launches add to the rows the first wrote.
-  const int mt_end = min((p.M + FCCE_BM - 1) / FCCE_BM, p.m_tile_begin + p.m_tile_count);
 
   for (int g0 = p.m_tile_begin; g0 < mt_end; g0 += FCCE_GROUP_BLOCKS) {
     const int count = min(FCCE_GROUP_BLOCKS, mt_end - g0);
@@ -92,12 +106,10 @@ METAL_FUNC void dw_regs_tiles(
     EntGrad ent = EntGrad{nullptr, nullptr}) {
   using T = typename W::Tile;
   const HeadSmem<T> sm(smem);
-  const int r0 = int(group.x) * FCCE_BN; // first row within the slab
-  const int v0 = p.v_begin + r0;
-  const short out_rows = short(min(FCCE_BN, p.v_count - r0));
-  device float* out = acc_rows + size_t(p.acc_row0 + r0) * size_t(p.H);
+  const DwRows rw(p, group);
+  const int v0 = rw.v0, mt_end = rw.mt_end;
+  device float* out = acc_rows + size_t(p.acc_row0 + rw.r0) * size_t(p.H);
   const int er = int(tid) / 4, ec = int(tid % 4) * 8;
-  const int mt_end = min((p.M + FCCE_BM - 1) / FCCE_BM, p.m_tile_begin + p.m_tile_count);
   const bool staged = p.H > FCCE_REG_COLS;
   device float* stage =
       stage_buf + size_t(group.x) * size_t(p.m_tile_count) * (FCCE_BM * FCCE_BN);
@@ -106,15 +118,7 @@ METAL_FUNC void dw_regs_tiles(
   DwMMA<T> mma(sgid, lane);
   RegTile rows_sum[FCCE_REG_PIECES];
   for (int c0 = 0; c0 < p.H; c0 += FCCE_REG_COLS) {
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      const short2 dims(short(min(FCCE_BK, p.H - c0 - j * FCCE_BK)), out_rows);
-      if (p.m_tile_begin > 0 && dims.x > 0) {
-        rows_sum[j].template load_safe<float, FCCE_WM, FCCE_WN>(
-            out + c0 + j * FCCE_BK + mma.sm * p.H + mma.sn, p.H, dims - short2(mma.sn, mma.sm));
-      } else {
-        rows_sum[j].clear();
-      }
-    }
+    start_chunk(rows_sum, mma, out, p.H, c0, rw.rows, p.m_tile_begin > 0);
 
     for (int mt = p.m_tile_begin; mt < mt_end; ++mt) {
       const int m0 = mt * FCCE_BM;
@@ -150,14 +154,7 @@ METAL_FUNC void dw_regs_tiles(
         }
       }
     }
-
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      const int i0 = c0 + j * FCCE_BK;
-      if (i0 < p.H) {
-        mma.Ctile = rows_sum[j];
-        mma.store_result_safe(out + i0, p.H, short2(short(min(FCCE_BK, p.H - i0)), out_rows));
-      }
-    }
+    store_chunk(rows_sum, mma, out, p.H, c0, rw.rows);
   }
 }
 

@@ -93,18 +93,6 @@ struct DenseTile<float, float> {
   }
 };
 
-// h [M, H] of HT in T tiles.
-template <typename HT, typename T>
-struct HTiles {
-  using Tile = T;
-  const device HT* h;
-
-  METAL_FUNC void load(const constant FcceParams& p, int m0, int k0, threadgroup T* tile,
-                       uint sgid, uint lane) const {
-    DenseTile<HT, T>::load(h, p.M, p.H, m0, k0, tile, sgid, lane);
-  }
-};
-
 // A dense head weight w [V, H] in its own dtype WT, in tiles of its head's T.
 template <typename WT, typename T>
 struct DenseWeight {

@@ -21,6 +21,37 @@ namespace fcce {
 
 using RegTile = decltype(AccMMA<float>::Ctile); // the same float fragments for every T
 
+// The register accumulators of the chunk of H at column c0, one per BK-wide
+// piece: loaded from the float32 [rows, H] block `part` where the launch
+// resumes it (its predecessor wrote it), else cleared.
+template <class MMA>
+METAL_FUNC void start_chunk(thread RegTile* acc, thread const MMA& mma, const device float* part,
+                            int H, int c0, short rows, bool resume) {
+  for (short j = 0; j < FCCE_REG_PIECES; ++j) {
+    // Columns of piece j inside H (<= 0 past its end).
+    const short2 dims(short(min(FCCE_BK, H - c0 - j * FCCE_BK)), rows);
+    if (resume && dims.x > 0) {
+      acc[j].template load_safe<float, FCCE_WM, FCCE_WN>(
+          part + c0 + j * FCCE_BK + mma.sm * H + mma.sn, H, dims - short2(mma.sn, mma.sm));
+    } else {
+      acc[j].clear();
+    }
+  }
+}
+
+// The chunk's accumulators stored into `part`, the pieces inside H.
+template <class MMA>
+METAL_FUNC void store_chunk(thread const RegTile* acc, thread MMA& mma, device float* part, int H,
+                            int c0, short rows) {
+  for (short j = 0; j < FCCE_REG_PIECES; ++j) {
+    const int i0 = c0 + j * FCCE_BK;
+    if (i0 < H) {
+      mma.Ctile = acc[j];
+      mma.store_result_safe(part + i0, H, short2(short(min(FCCE_BK, H - i0)), rows));
+    }
+  }
+}
+
 // kEnt (DH only): dS takes the entropy's share too (write_ds8), from `ent`.
 template <int MODE, bool kEnt = false, typename HT, class W>
 METAL_FUNC void regs_tiles(
@@ -57,16 +88,7 @@ METAL_FUNC void regs_tiles(
   AccMMA<T> mma(sgid, lane);
   RegTile acc[FCCE_REG_PIECES];
   for (int c0 = 0; c0 < p.H; c0 += FCCE_REG_COLS) {
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      // Columns of piece j inside H (<= 0 past its end).
-      const short2 dims(short(min(FCCE_BK, p.H - c0 - j * FCCE_BK)), rows);
-      if (p.block_begin > 0 && dims.x > 0) {
-        acc[j].template load_safe<float, FCCE_WM, FCCE_WN>(
-            part + c0 + j * FCCE_BK + mma.sm * p.H + mma.sn, p.H, dims - short2(mma.sn, mma.sm));
-      } else {
-        acc[j].clear();
-      }
-    }
+    start_chunk(acc, mma, part, p.H, c0, rows, p.block_begin > 0);
 
     for (int vb = vb0; vb < vb1; ++vb) {
       const int v0 = vb * FCCE_BN;
@@ -123,14 +145,7 @@ METAL_FUNC void regs_tiles(
         }
       }
     }
-
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      const int i0 = c0 + j * FCCE_BK;
-      if (i0 < p.H) {
-        mma.Ctile = acc[j];
-        mma.store_result_safe(part + i0, p.H, short2(short(min(FCCE_BK, p.H - i0)), rows));
-      }
-    }
+    store_chunk(acc, mma, part, p.H, c0, rows);
   }
   if (kFused && ec == 0 && t.ok) {
     part_max[rd.split * p.M + m] = run_max;

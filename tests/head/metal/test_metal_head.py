@@ -400,6 +400,22 @@ def test_quantized_half_scales(quant, sb_dtype):
     check_all(quant, p, None)
 
 
+@pytest.mark.parametrize("dtype,sb_dtype", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+def test_quantized_tile_types(dtype, sb_dtype):
+    # Every pass of a 4-bit head (group 64) with float16 and bfloat16 tiles
+    # (h and scales of one dtype: MLX's loaders and dequantization in that
+    # dtype, bounded by u_deq), and with float32 tiles behind the widening of
+    # both a float16 h and bfloat16 scales.
+    p = Head(9, 128, 150, dtype, quant=(4, 64), sb_dtype=sb_dtype, ignore=(2,), seed=41)
+    kernels = set()
+    for plan in plans_for(p, 30.0):
+        kernels |= he.plan_kernels(plan)
+    tile = dtype if dtype == sb_dtype else "f32"
+    assert f"fcce_fwd_h{tile}_q4_g64" in kernels
+    assert ("fcce_widen_f16" in kernels) == (dtype != sb_dtype)
+    check_all(program(kernels), p, 30.0, max_splits=2)
+
+
 # --- dh with its accumulator in registers ------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

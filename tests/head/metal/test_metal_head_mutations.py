@@ -204,15 +204,21 @@ def run_fused_passes(prog):
     he.run_plan(prog, bwd, b)
 
 
+def race_is_reported(source, edit, check):
+    """`check` run on the `tsan` build of `source` with `edit` (a barrier
+    removed) reports a data race."""
+    src = metal_emu.mutate(source, *edit)
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        check(he.build(source=src, mode="tsan"))
+
+
 def test_group_accumulation_clean_under_tsan():
     run_fused_passes(he.build(source=group_source(), mode="tsan"))
 
 
 @pytest.mark.parametrize("barrier", sorted(GROUP_BARRIERS))
 def test_group_barrier_removed_is_caught_under_tsan(barrier):
-    src = metal_emu.mutate(group_source(), *GROUP_BARRIERS[barrier])
-    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
-        run_fused_passes(he.build(source=src, mode="tsan"))
+    race_is_reported(group_source(), GROUP_BARRIERS[barrier], run_fused_passes)
 
 
 # dh with the accumulator in registers (metal/regs.h): the barriers around
@@ -255,20 +261,19 @@ def test_acc_registers_clean_under_tsan():
 
 @pytest.mark.parametrize("barrier", sorted(REG_BARRIERS))
 def test_acc_registers_barrier_removed_is_caught_under_tsan(barrier):
-    src = metal_emu.mutate(regs_source(), *REG_BARRIERS[barrier])
-    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
-        check_regs(he.build(source=src, mode="tsan"))
+    race_is_reported(regs_source(), REG_BARRIERS[barrier], check_regs)
 
 
 REG_EDITS = {
     # a piece's accumulator stored to another piece's columns
-    "stored_to_other_columns": ("        mma.Ctile = acc[j];\n        mma.store_result_safe",
-                                "        mma.Ctile = acc[j ^ 1];\n        mma.store_result_safe"),
+    "stored_to_other_columns": ("      mma.Ctile = acc[j];\n      mma.store_result_safe",
+                                "      mma.Ctile = acc[j ^ 1];\n      mma.store_result_safe"),
     # a block's W piece multiplied into the next piece's accumulator
     "wrong_accumulator": ("          acc[j] = mma.Ctile;",
                           "          acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
     # a resumed round starting from zero, not from its predecessor's partial
-    "resume_dropped": ("      if (p.block_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    "resume_dropped": ("start_chunk(acc, mma, part, p.H, c0, rows, p.block_begin > 0);",
+                       "start_chunk(acc, mma, part, p.H, c0, rows, false);"),
     # a later chunk reading another block's staged dS tile
     "wrong_stage_tile": ("          crow[k] = st[er * FCCE_BN + ec + k];",
                          "          crow[k] = (vb > vb0 ? st - FCCE_STAGE_FLOATS : st)"
@@ -292,8 +297,9 @@ def test_acc_registers_wrong_fragment_is_caught(edit):
 # plan, one per launch (each continuing the float32 rows). ThreadSanitizer
 # reports the barriers before staging an h piece and before a later chunk
 # reloads an m tile's dS tile removed; the float64 dW comparison catches a
-# launch that restarts the rows from zero, a later chunk reading the previous
-# m tile's staged dS, and a piece's sum stored to another piece's columns.
+# launch that restarts the rows from zero and a later chunk reading the
+# previous m tile's staged dS (its chunks start and end in regs.h's
+# start_chunk and store_chunk, whose edits REG_EDITS covers).
 DW_PROBLEM = dict(M=70, H=264, V=40)
 DW_PLANS = [dict(), dict(round_m_tiles=1)]
 DW_BARRIERS = {
@@ -307,12 +313,11 @@ DW_BARRIERS = {
                          "          ds_row[k] ="),
 }
 DW_EDITS = {
-    "rows_not_continued": ("      if (p.m_tile_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    "rows_not_continued": ("start_chunk(rows_sum, mma, out, p.H, c0, rw.rows, p.m_tile_begin > 0);",
+                           "start_chunk(rows_sum, mma, out, p.H, c0, rw.rows, false);"),
     "wrong_stage_tile": ("          ds_row[k] = ds_stage[er * FCCE_BN + ec + k];",
                          "          ds_row[k] = (mt > p.m_tile_begin ? ds_stage - FCCE_BM * FCCE_BN"
                          " : ds_stage)[er * FCCE_BN + ec + k];"),
-    "stored_to_other_columns": ("        mma.Ctile = rows_sum[j];\n        mma.store_result_safe",
-                                "        mma.Ctile = rows_sum[j ^ 1];\n        mma.store_result_safe"),
 }
 
 
@@ -333,9 +338,7 @@ def test_dw_registers_clean_under_tsan():
 
 @pytest.mark.parametrize("barrier", sorted(DW_BARRIERS))
 def test_dw_registers_barrier_removed_is_caught_under_tsan(barrier):
-    src = metal_emu.mutate(dw_source(), *DW_BARRIERS[barrier])
-    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
-        check_dw(he.build(source=src, mode="tsan"))
+    race_is_reported(dw_source(), DW_BARRIERS[barrier], check_dw)
 
 
 @pytest.mark.parametrize("edit", sorted(DW_EDITS))
