@@ -106,7 +106,7 @@ nb::dict cost_dict(const fm::LaunchCost& c, const fm::AppleGpu& gpu) {
 nb::dict metal_cost(const std::string& pass, int64_t M, int64_t H, int64_t V,
                     const std::string& h, const std::string& w, const std::string& sb,
                     bool quantized, int bits, int group_size, bool fused, bool compute_dw,
-                    int acc_registers, const std::string& gpu_name) {
+                    int acc_registers, bool stats, const std::string& gpu_name) {
   fm::Problem p;
   if (pass == "forward") p.pass = fm::Pass::forward;
   else if (pass == "backward") p.pass = fm::Pass::backward;
@@ -126,6 +126,7 @@ nb::dict metal_cost(const std::string& pass, int64_t M, int64_t H, int64_t V,
   p.fused = fused;
   p.compute_dw = compute_dw;
   p.acc_registers = acc_registers;
+  p.stats = stats;
   const fm::AppleGpu& gpu = metal_gpu(gpu_name);
   const auto costs = fm::plan_cost(p, fm::make_plan(p));
   const fm::PassCost t = fm::pass_cost(costs, gpu);
@@ -246,7 +247,7 @@ NB_MODULE(_ext, m) {
   m.def("metal_cost", &metal_cost, "pass_"_a, "M"_a, "H"_a, "V"_a, nb::kw_only(),
         "h"_a = "bfloat16", "w"_a = "bfloat16", "sb"_a = "bfloat16", "quantized"_a = false,
         "bits"_a = 4, "group_size"_a = 64, "fused"_a = false, "compute_dw"_a = false,
-        "acc_registers"_a = 0, "gpu"_a = "Apple M1 Max",
+        "acc_registers"_a = 0, "stats"_a = false, "gpu"_a = "Apple M1 Max",
         "The cost model of the Metal launch plan of one primitive (csrc/metal/cost.h): per "
         "launch and in all, flops, device bytes, threadgroup memory, threads and the estimated "
         "seconds on a named Apple GPU. Runs nothing.");

@@ -303,7 +303,7 @@ std::vector<mx::array> flash_cce_forward(
     }
     return out;
   }
-  cfg.fused = fused_backward && supports_fused(stream, h.dtype());
+  cfg.fused = fused_backward && supports_fused(stream, h.dtype(), stats);
   auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
   out.erase(out.begin() + fused_at(cfg), out.end());
   return out;
@@ -687,9 +687,13 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                });
 }
 
-// The entropy statistics have CPU kernels only so far.
+// The entropy statistics have CPU and Metal kernels (not CUDA's yet).
 bool supports_stats(const mx::Device& d) {
+#if defined(FLASH_CCE_METAL)
+  return true;
+#else
   return d == mx::Device::cpu;
+#endif
 }
 
 // Whether the forward on this stream can also emit the gradient state (third
@@ -697,16 +701,18 @@ bool supports_stats(const mx::Device& d) {
 // reference in the operand type (see forward_fused in cuda_head.cpp): bf16
 // has the range of fp32 for that, fp16 (largest value 65504) does not, so fp16
 // heads keep the three-GEMM path.
-bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype) {
+bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype, bool stats) {
   if (s.device == mx::Device::cpu) {
     return true;
   }
 #if defined(FLASH_CCE_CUDA)
+  (void)stats;
   return h_dtype != mx::float16;
 #elif defined(FLASH_CCE_METAL)
-  return metal::supports_fused(h_dtype);
+  return metal::supports_fused(h_dtype, stats);
 #else
   (void)h_dtype;
+  (void)stats;
   return false;
 #endif
 }

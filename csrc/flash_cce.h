@@ -141,8 +141,9 @@ struct PlanLimits {
 void check_plan_limits(const PlanLimits& limits);
 void metal_plan_limits(const PlanLimits& limits, const mx::Stream& s);
 
-// True when the backend of `s` implements the fused forward outputs for h_dtype.
-bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype);
+// True when the backend of `s` implements the fused forward outputs for h_dtype
+// (with the entropy statistics when `stats`).
+bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype, bool stats = false);
 
 // Primitives ------------------------------------------------------------------
 

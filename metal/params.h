@@ -11,28 +11,33 @@
 #define FCCE_WM 2
 #define FCCE_WN 2
 #define FCCE_THREADS 128 // FCCE_WM * FCCE_WN SIMD groups of 32 (asserted in loaders.h)
-// Row stride (in floats) of the threadgroup tiles: padded against bank conflicts.
-#define FCCE_LD (FCCE_BK + 4)
+// Row stride, in elements, of the h and w tiles in threadgroup memory, whose
+// element type T is the GEMM's tile type (metal/loaders.h): BK plus 16 bytes of
+// padding against bank conflicts, as MLX's steel GEMMs pad theirs (36 floats
+// or 40 halves). `sz` is sizeof(T).
+#define FCCE_TILE_LD(sz) (FCCE_BK + 16 / (sz))
+// Floats of threadgroup memory that the h and w tiles [BM, LD] and [BN, LD]
+// of T take together: 2,304 (float32 tiles) or 1,280 (half or bfloat16).
+#define FCCE_HW_FLOATS(sz) ((FCCE_BM + FCCE_BN) * FCCE_TILE_LD(sz) * (sz) / 4)
 // Vocabulary blocks whose coefficient tiles the fused forward and dh passes
 // keep in threadgroup memory, so that they read and write their [BM, H]
 // partial sums once per group of blocks rather than once per block.
 #define FCCE_GROUP_BLOCKS 4
 // Threadgroup memory of the head and dW kernels, in floats (declared in the
-// kernels; metal/head.h's HeadSmem carves it): h tile [BM, LD], w tile
-// [BN, LD], FCCE_GROUP_BLOCKS coefficient tiles [BM, BN + 4], row factors
-// [BM]: 27,776 bytes.
-#define FCCE_SMEM_FLOATS                                                            \
-  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_GROUP_BLOCKS * FCCE_BM * (FCCE_BN + 4) + \
-   FCCE_BM)
+// kernels; metal/head.h's HeadSmem carves it): h and w tiles of T,
+// FCCE_GROUP_BLOCKS float coefficient tiles [BM, BN + 4], row factors [BM]:
+// 27,776 bytes with float32 tiles, 23,680 with half or bfloat16 tiles.
+#define FCCE_SMEM_FLOATS(sz) \
+  (FCCE_HW_FLOATS(sz) + FCCE_GROUP_BLOCKS * FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
 // The dh and fused forward kernels with their accumulator in registers
 // (metal/regs.h) walk H in chunks of FCCE_REG_PIECES BK-wide columns, held as
 // FCCE_REG_PIECES accumulator tiles of 8 floats per thread (64 floats); their
-// threadgroup memory holds the h, w and one coefficient tile and the row
-// factors [BM]: 13,952 bytes.
+// threadgroup memory holds the h and w tiles of T, one float coefficient tile
+// and the row factors [BM]: 13,952 bytes (float32 tiles) or 9,856 (half or
+// bfloat16 tiles).
 #define FCCE_REG_PIECES 8
 #define FCCE_REG_COLS (FCCE_REG_PIECES * FCCE_BK)
-#define FCCE_REG_SMEM_FLOATS \
-  (FCCE_BM * FCCE_LD + FCCE_BN * FCCE_LD + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
+#define FCCE_REG_SMEM_FLOATS(sz) (FCCE_HW_FLOATS(sz) + FCCE_BM * (FCCE_BN + 4) + FCCE_BM)
 // Floats of one staged vocabulary block of those kernels where H takes more
 // than one chunk: its coefficient tile [BM, BN] and (fused forward) row factors [BM].
 #define FCCE_STAGE_FLOATS (FCCE_BM * FCCE_BN + FCCE_BM)
@@ -65,7 +70,8 @@ struct FcceParams {
   int group_size; // quantized heads: weights per scale/bias
   int row_bytes; // quantized heads: bytes of one packed row (H * bits / 8)
   int groups; // quantized heads: H / group_size
-  int sb_dtype; // quantized heads: dtype of scales and biases (0 float32, 1 float16, 2 bfloat16)
+  int sb_dtype; // quantized heads: dtype of scales and biases as given (0 float32, 1 float16,
+               // 2 bfloat16; the fused dh reads them so; the tile loops read them in T)
   float softcap; // 0: off
   int ignore_index;
   int splits; // vocabulary splits (grid.y of the head kernel)

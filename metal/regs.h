@@ -19,23 +19,58 @@
 
 namespace fcce {
 
-using RegTile = decltype(AccMMA::Ctile);
+using RegTile = decltype(AccMMA<float>::Ctile); // the same float fragments for every T
 
-template <int MODE, typename HT, class W>
+// The register accumulators of the chunk of H at column c0, one per BK-wide
+// piece: loaded from the float32 [rows, H] block `part` where the launch
+// resumes it (its predecessor wrote it), else cleared.
+template <class MMA>
+METAL_FUNC void start_chunk(thread RegTile* acc, thread const MMA& mma, const device float* part,
+                            int H, int c0, short rows, bool resume) {
+  for (short j = 0; j < FCCE_REG_PIECES; ++j) {
+    // Columns of piece j inside H (<= 0 past its end).
+    const short2 dims(short(min(FCCE_BK, H - c0 - j * FCCE_BK)), rows);
+    if (resume && dims.x > 0) {
+      acc[j].template load_safe<float, FCCE_WM, FCCE_WN>(
+          part + c0 + j * FCCE_BK + mma.sm * H + mma.sn, H, dims - short2(mma.sn, mma.sm));
+    } else {
+      acc[j].clear();
+    }
+  }
+}
+
+// The chunk's accumulators stored into `part`, the pieces inside H.
+template <class MMA>
+METAL_FUNC void store_chunk(thread const RegTile* acc, thread MMA& mma, device float* part, int H,
+                            int c0, short rows) {
+  for (short j = 0; j < FCCE_REG_PIECES; ++j) {
+    const int i0 = c0 + j * FCCE_BK;
+    if (i0 < H) {
+      mma.Ctile = acc[j];
+      mma.store_result_safe(part + i0, H, short2(short(min(FCCE_BK, H - i0)), rows));
+    }
+  }
+}
+
+// kEnt (DH only): dS takes the entropy's share too (write_ds8), from `ent`.
+template <int MODE, bool kEnt = false, typename HT, class W>
 METAL_FUNC void regs_tiles(
     const device HT* h, thread const W& w, const device int* targets,
     const device float* lse, const device float* g, const device float* g_lse,
     device float* part_max, device float* part_sum, device float* target_logit,
     device float* part_acc, device float* stage_buf, const constant FcceParams& p,
-    threadgroup float* smem, uint3 group, uint3 groups, uint tid, uint sgid, uint lane) {
+    threadgroup float* smem, uint3 group, uint3 groups, uint tid, uint sgid, uint lane,
+    EntGrad ent = EntGrad{nullptr, nullptr}) {
   constexpr bool kFused = MODE == FCCE_MODE_FWD_FUSED;
-  const HeadSmem sm(smem);
+  using T = typename W::Tile;
+  const HeadSmem<T> sm(smem);
   const HeadRound rd(p, group);
   const int m0 = rd.m0, vb0 = rd.vb0, vb1 = rd.vb1;
   const int er = int(tid) / 4, ec = int(tid % 4) * 8, m = m0 + er;
   const RowTarget t = row_target(p, targets, m);
-  const RowGrad r = kFused ? RowGrad{0, 0, 0} : row_grad(t, lse, g, g_lse, m);
+  const RowGrad r = kFused ? RowGrad{} : row_grad(t, lse, g, g_lse, m, ent);
   float run_max = kFloorLogit, run_sum = 0.0f;
+  RowEnt no_ent{0.0f, 0.0f, kNoArg}; // the fused forward keeps no entropy statistics
   if (kFused && p.block_begin > 0 && t.ok) {
     run_max = part_max[rd.split * p.M + m];
     run_sum = part_sum[rd.split * p.M + m];
@@ -50,30 +85,21 @@ METAL_FUNC void regs_tiles(
   threadgroup float* crow = sm.cs + er * kLdC + ec;
   threadgroup float* factor = sm.cs + kTileC; // [BM], after the one coefficient tile
 
-  AccMMA mma(sgid, lane);
+  AccMMA<T> mma(sgid, lane);
   RegTile acc[FCCE_REG_PIECES];
   for (int c0 = 0; c0 < p.H; c0 += FCCE_REG_COLS) {
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      // Columns of piece j inside H (<= 0 past its end).
-      const short2 dims(short(min(FCCE_BK, p.H - c0 - j * FCCE_BK)), rows);
-      if (p.block_begin > 0 && dims.x > 0) {
-        acc[j].template load_safe<float, FCCE_WM, FCCE_WN>(
-            part + c0 + j * FCCE_BK + mma.sm * p.H + mma.sn, p.H, dims - short2(mma.sn, mma.sm));
-      } else {
-        acc[j].clear();
-      }
-    }
+    start_chunk(acc, mma, part, p.H, c0, rows, p.block_begin > 0);
 
     for (int vb = vb0; vb < vb1; ++vb) {
       const int v0 = vb * FCCE_BN;
       device float* st = stage + (vb - vb0) * FCCE_STAGE_FLOATS;
       if (c0 == 0) {
-        logits_tile(h, w, p, m0, v0, sm.cs, sm, tid, sgid, lane);
+        logits_tile(h, w, p, m0, v0, sm.cs, sm, sgid, lane);
         float s[8], dcap[8];
         read_logits8(crow, s, dcap, p.softcap);
         if (kFused) {
           const float f = online_row8<true>(crow, s, dcap, v0 + ec, p, t, target_logit, m,
-                                            run_max, run_sum);
+                                            run_max, run_sum, no_ent);
           if (ec == 0) {
             factor[er] = f;
             if (staged) {
@@ -81,7 +107,7 @@ METAL_FUNC void regs_tiles(
             }
           }
         } else {
-          write_ds8(crow, s, dcap, v0 + ec, p, t, r);
+          write_ds8<kEnt>(crow, s, dcap, v0 + ec, p, t, r);
         }
         if (staged) {
           for (int k = 0; k < 8; ++k) {
@@ -102,7 +128,7 @@ METAL_FUNC void regs_tiles(
         const int i0 = c0 + j * FCCE_BK;
         if (i0 < p.H) { // the same for every thread of the threadgroup
           threadgroup_barrier(mem_flags::mem_threadgroup);
-          w.load(p, v0, i0, sm.ws, tid);
+          w.load(p, v0, i0, sm.ws, sgid, lane);
           threadgroup_barrier(mem_flags::mem_threadgroup);
           mma.Ctile = acc[j];
           if (kFused) {
@@ -114,19 +140,12 @@ METAL_FUNC void regs_tiles(
               }
             }
           }
-          mma.mma(sm.cs, sm.ws);
+          mma_mixed<FCCE_BN>(mma, sm.cs, sm.ws);
           acc[j] = mma.Ctile;
         }
       }
     }
-
-    for (short j = 0; j < FCCE_REG_PIECES; ++j) {
-      const int i0 = c0 + j * FCCE_BK;
-      if (i0 < p.H) {
-        mma.Ctile = acc[j];
-        mma.store_result_safe(part + i0, p.H, short2(short(min(FCCE_BK, p.H - i0)), rows));
-      }
-    }
+    store_chunk(acc, mma, part, p.H, c0, rows);
   }
   if (kFused && ec == 0 && t.ok) {
     part_max[rd.split * p.M + m] = run_max;

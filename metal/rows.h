@@ -5,12 +5,27 @@
 
 namespace fcce {
 
+// The forward's entropy statistics per row (combine_row with kEnt): the
+// entropy of the softmax, whether the target is the first arg-max, the mean
+// logit.
+struct EntOut {
+  device float* entropy;
+  device bool* is_top1;
+  device float* mean_logit;
+};
+
 // lse = log sum_s part_sum[s] exp(part_max[s]); logp = s_y - lse (0 for
-// ignored rows, NaN for targets outside [0, V)).
+// ignored rows, NaN for targets outside [0, V)). kEnt also merges the
+// splits' entropy statistics (head.h's RowEnt) as the sums merge: each split's
+// r moved to the global maximum, exp(m_s - gmax) (r_s + (m_s - gmax) sum_s);
+// entropy = log total - r / total; the first arg-max is the smallest among
+// the splits at the global maximum.
+template <bool kEnt = false>
 METAL_FUNC void combine_row(
     const device int* targets, const device float* part_max, const device float* part_sum,
     const device float* target_logit, device float* logp, device float* lse,
-    const constant FcceParams& p, uint m) {
+    const constant FcceParams& p, uint m, EntParts parts = EntParts{},
+    EntOut out = EntOut{}) {
   if (int(m) >= p.M) {
     return;
   }
@@ -18,9 +33,17 @@ METAL_FUNC void combine_row(
   for (int s = 0; s < p.splits; ++s) {
     gmax = max(gmax, part_max[s * p.M + m]);
   }
-  float total = 0.0f;
+  float total = 0.0f, r = 0.0f, lsum = 0.0f;
+  int arg = kNoArg;
   for (int s = 0; s < p.splits; ++s) {
-    total += part_sum[s * p.M + m] * metal::precise::exp(part_max[s * p.M + m] - gmax);
+    const int at = s * p.M + int(m);
+    const float f = metal::precise::exp(part_max[at] - gmax);
+    total += part_sum[at] * f;
+    if (kEnt) {
+      r += f * (parts.r[at] + (part_max[at] - gmax) * part_sum[at]);
+      lsum += parts.lsum[at];
+      arg = part_max[at] == gmax ? min(arg, parts.arg[at]) : arg;
+    }
   }
   const float l = gmax + metal::precise::log(total);
   lse[m] = l;
@@ -28,6 +51,11 @@ METAL_FUNC void combine_row(
   logp[m] = y == p.ignore_index ? 0.0f
       : (y >= 0 && y < p.V) ? target_logit[m] - l
                             : metal::numeric_limits<float>::quiet_NaN();
+  if (kEnt) {
+    out.entropy[m] = metal::precise::log(total) - r / total;
+    out.is_top1[m] = y == arg && y != p.ignore_index;
+    out.mean_logit[m] = lsum / float(p.V);
+  }
 }
 
 // out[i] = sum_s weight_s part_acc[s, i] over the M x H elements, with weight 1
@@ -57,6 +85,16 @@ METAL_FUNC void cast_rows(
   if (int(i) < p.count) {
     dw[size_t(p.v_begin) * size_t(p.H) + i] = static_cast<OutT>(src[i]);
   }
+}
+
+// Element i of a scales or biases array of dtype `kind` (FcceParams::sb_dtype:
+// 0 float32, 1 float16, 2 bfloat16), read from its raw bytes.
+METAL_FUNC float load_scale(const device uint8_t* base, int kind, size_t i) {
+  if (kind == 0) {
+    return ((const device float*)base)[i];
+  }
+  const ushort bits = ((const device ushort*)base)[i];
+  return kind == 1 ? float(as_type<half>(bits)) : as_type<float>(uint(bits) << 16);
 }
 
 // Element i of row v of a dense head.

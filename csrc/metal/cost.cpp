@@ -19,22 +19,32 @@ bool starts_with(const std::string& s, const char* prefix) {
 }
 
 // Device bytes of one row of W over H: dense in its dtype, or packed values
-// plus one scale and one bias per group.
+// plus one scale and one bias per group, read in the tile type (plan.h's
+// tile_dtype: the plan widens scales of another dtype first).
 double w_row_bytes(const Problem& p) {
   if (!p.quantized) {
     return double(p.H) * dtype_bytes(p.w);
   }
-  return double(p.H) * p.bits / 8.0 + double(p.H / p.group_size) * 2 * dtype_bytes(p.sb);
+  return double(p.H) * p.bits / 8.0 + double(p.H / p.group_size) * 2 * dtype_bytes(tile_dtype(p));
+}
+
+// Device bytes of one row of h as the head kernels read it: a quantized
+// head's in the tile type (widened first where h's dtype is not).
+double h_row_bytes(const Problem& p) {
+  return double(p.H) * dtype_bytes(p.quantized ? tile_dtype(p) : p.h);
 }
 
 // Per row of the launch's threadgroups: targets and the backward's lse, g,
-// g_lse, or the forward's statistics (read when resuming, written at the end).
-void add_row_bytes(const FcceParams& q, double rows, LaunchCost& c) {
+// g_lse (with the entropy also entropy and g_ent), or the forward's statistics
+// (max and sum, with the entropy also r, the logit sum and the arg-max: read
+// when resuming, written at the end).
+void add_row_bytes(const FcceParams& q, bool stats, double rows, LaunchCost& c) {
+  const double ent = stats ? (q.mode == FCCE_MODE_DH ? 2 : 3) : 0;
   if (q.mode == FCCE_MODE_DH) {
-    c.bytes_read += rows * 4 * 4;
+    c.bytes_read += rows * 4 * (4 + ent);
   } else {
-    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 : 1);
-    c.bytes_written += rows * 4 * 2;
+    c.bytes_read += rows * 4 * (q.block_begin > 0 ? 3 + ent : 1);
+    c.bytes_written += rows * 4 * (2 + ent);
   }
 }
 
@@ -60,7 +70,7 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   }
   const double m_tiles = l.grid[0];
   const double blocks = m_tiles * double(tile_blocks);
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double part_tile = double(FCCE_BM) * p.H * 4;
   c.flops = blocks * 2.0 * (acc ? 2 : 1) * FCCE_BM * FCCE_BN * double(hk);
@@ -69,7 +79,7 @@ void head_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     c.bytes_read += m_tiles * double(tile_groups - first_groups) * part_tile;
     c.bytes_written += m_tiles * double(tile_groups) * part_tile;
   }
-  add_row_bytes(q, double(c.threadgroups) * FCCE_BM, c);
+  add_row_bytes(q, p.stats, double(c.threadgroups) * FCCE_BM, c);
 }
 
 // The kernels with the accumulator in registers (metal/regs.h): per
@@ -91,7 +101,7 @@ void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
     tile_blocks += std::clamp<int64_t>(in_split - q.block_begin, 0, q.block_count);
   }
   const double blocks = double(l.grid[0]) * double(tile_blocks);
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double staged = chunks > 1 ? double(FCCE_STAGE_FLOATS) * 4 : 0.0;
   const double rows = double(c.threadgroups) * FCCE_BM;
@@ -100,7 +110,7 @@ void regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   c.bytes_read = blocks * (h_tile + 2 * w_tile + (chunks - 1) * staged) +
       (q.block_begin > 0 ? part : 0.0);
   c.bytes_written = blocks * staged + part;
-  add_row_bytes(q, rows, c);
+  add_row_bytes(q, p.stats, rows, c);
 }
 
 // dW (metal/dw.h): per (threadgroup, m tile) the logits (h and W rows) and
@@ -112,14 +122,38 @@ void dw_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   const int64_t walked = std::clamp<int64_t>(m_tiles - q.m_tile_begin, 0, q.m_tile_count);
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
   const double n = double(l.grid[0]) * walked;
-  const double h_tile = double(FCCE_BM) * p.H * dtype_bytes(p.h);
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
   const double w_tile = double(FCCE_BN) * w_row_bytes(p);
   const double acc_tile = double(FCCE_BN) * p.H * 4;
   c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
   const double groups = double(l.grid[0]) * cdiv(walked, FCCE_GROUP_BLOCKS);
   const double first = q.m_tile_begin == 0 && walked > 0 ? double(l.grid[0]) : 0.0;
-  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4) + (groups - first) * acc_tile;
+  // Per m tile its rows' targets, lse, g, g_lse (and entropy, g_ent).
+  const double row_floats = p.stats ? 6 : 4;
+  c.bytes_read = n * (2 * h_tile + w_tile + row_floats * FCCE_BM * 4) + (groups - first) * acc_tile;
   c.bytes_written = groups * acc_tile;
+}
+
+// dW with its accumulator in registers (metal/dw.h, dw_regs_tiles): per
+// (threadgroup, m tile) as dw_cost, plus with more than one chunk of H the
+// m tile's staged dS tile written once and read by each later chunk; the
+// float32 [BN, H] rows written once per launch and read once when the launch
+// continues them (m_tile_begin > 0).
+void dw_regs_cost(const Problem& p, const Launch& l, LaunchCost& c) {
+  const FcceParams& q = l.params;
+  const int64_t m_tiles = cdiv(p.M, FCCE_BM);
+  const int64_t walked = std::clamp<int64_t>(m_tiles - q.m_tile_begin, 0, q.m_tile_count);
+  const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
+  const double chunks = double(register_chunks(p.H));
+  const double n = double(l.grid[0]) * walked;
+  const double h_tile = double(FCCE_BM) * h_row_bytes(p);
+  const double w_tile = double(FCCE_BN) * w_row_bytes(p);
+  const double rows = double(l.grid[0]) * FCCE_BN * p.H * 4;
+  const double staged = chunks > 1 ? double(FCCE_BM) * FCCE_BN * 4 : 0.0;
+  c.flops = n * 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  c.bytes_read = n * (2 * h_tile + w_tile + 4.0 * FCCE_BM * 4 + (chunks - 1) * staged) +
+      (q.m_tile_begin > 0 ? rows : 0.0);
+  c.bytes_written = n * staged + rows;
 }
 
 // The element-wise kernels (metal/rows.h), per element as their loops read.
@@ -130,11 +164,19 @@ void elementwise_cost(const Problem& p, const Launch& l, LaunchCost& c) {
   if (k == "fcce_combine") {
     c.bytes_read = n * (splits * 8 + 8);
     c.bytes_written = n * 8;
+  } else if (k == "fcce_combine_ent") {
+    // Five [splits, M] statistics, the target and its logit; logp, lse,
+    // entropy, mean logit and the is_top1 byte.
+    c.bytes_read = n * (splits * 20 + 8);
+    c.bytes_written = n * 17;
   } else if (starts_with(k, "fcce_reduce_dh_")) {
     c.bytes_read = n * splits * 4;
     c.bytes_written = n * dtype_bytes(p.h);
   } else if (k == "fcce_reduce_gsum") {
     c.bytes_read = n * (splits * 8 + 4);
+    c.bytes_written = n * 4;
+  } else if (starts_with(k, "fcce_widen_")) {
+    c.bytes_read = n * 2;
     c.bytes_written = n * 4;
   } else if (starts_with(k, "fcce_cast_")) {
     c.bytes_read = n * 4;
@@ -181,14 +223,22 @@ std::vector<LaunchCost> plan_cost(const Problem& p, const Plan& plan) {
     c.threadgroups = int64_t(l.grid[0]) * l.grid[1] * l.grid[2];
     c.threads = c.threadgroups * int64_t(l.threads[0]) * l.threads[1] * l.threads[2];
     c.threadgroup_bytes = l.threadgroup_bytes;
-    if (starts_with(c.kernel, "fcce_dw_")) {
-      c.threadgroup_bytes += dw_threadgroup_bytes();
+    const DType tile = tile_dtype(p);
+    const bool gemm = starts_with(c.kernel, "fcce_dw") || starts_with(c.kernel, "fcce_dhreg_") ||
+        starts_with(c.kernel, "fcce_fwdreg_") || starts_with(c.kernel, "fcce_fwd_") ||
+        starts_with(c.kernel, "fcce_dh_");
+    c.half_operands = gemm && tile != DType::f32;
+    if (starts_with(c.kernel, "fcce_dwreg_")) {
+      c.threadgroup_bytes += regs_threadgroup_bytes(tile);
+      dw_regs_cost(p, l, c);
+    } else if (starts_with(c.kernel, "fcce_dw_")) {
+      c.threadgroup_bytes += dw_threadgroup_bytes(tile);
       dw_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_dhreg_") || starts_with(c.kernel, "fcce_fwdreg_")) {
-      c.threadgroup_bytes += regs_threadgroup_bytes();
+      c.threadgroup_bytes += regs_threadgroup_bytes(tile);
       regs_cost(p, l, c);
     } else if (starts_with(c.kernel, "fcce_fwd_") || starts_with(c.kernel, "fcce_dh_")) {
-      c.threadgroup_bytes += head_threadgroup_bytes();
+      c.threadgroup_bytes += head_threadgroup_bytes(tile);
       head_cost(p, l, c);
     } else {
       elementwise_cost(p, l, c);

@@ -145,6 +145,7 @@ Problem plan_problem(mx::Stream s, const HeadProblem& hp, Pass pass,
   p.softcap = hp.cfg.softcap;
   p.ignore_index = hp.cfg.ignore_index;
   p.fused = hp.cfg.fused;
+  p.stats = hp.cfg.stats;
   if (pass != Pass::fused_dh) {
     p.h = dtype_of(hp.h_dtype, "h");
   }
@@ -158,8 +159,8 @@ Problem plan_problem(mx::Stream s, const HeadProblem& hp, Pass pass,
 
 // Encodes `plan` for one evaluation of a primitive of `pass`, binding each
 // role to its input, output or scratch array (roles.h).
-void encode(mx::Stream s, Pass pass, const Plan& plan, const std::vector<mx::array>& in,
-            std::vector<mx::array>& out) {
+void encode(mx::Stream s, Pass pass, bool stats, const Plan& plan,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out) {
   const Library& lib = library();
   if (lib.status.source.empty()) {
     throw std::runtime_error("[flash_cce] the Metal kernels are unavailable: " +
@@ -187,7 +188,7 @@ void encode(mx::Stream s, Pass pass, const Plan& plan, const std::vector<mx::arr
     scratch_roles.push_back(buf.role);
   }
   auto bind = [&](const Launch& l, const Binding& b) {
-    const Slot slot = role_slot(pass, b.role);
+    const Slot slot = role_slot(pass, b.role, stats);
     if (slot.kind == Slot::input && slot.index < int(in.size())) {
       enc.set_input_array(in[slot.index], b.index);
       return;
@@ -262,21 +263,23 @@ void set_plan_limits(const mx::Stream& s, PlanLimits limits) {
 
 void forward(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
              std::vector<mx::array>& out) {
-  encode(s, Pass::forward, make_plan(plan_problem(s, hp, Pass::forward, in, 3)), in, out);
+  encode(s, Pass::forward, hp.cfg.stats,
+         make_plan(plan_problem(s, hp, Pass::forward, in, 3)), in, out);
 }
 
 void backward(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
               std::vector<mx::array>& out) {
-  auto p = plan_problem(s, hp, Pass::backward, in, 6);
+  // The scales follow entropy and g_ent when the backward takes them.
+  auto p = plan_problem(s, hp, Pass::backward, in, hp.cfg.stats ? 8 : 6);
   p.compute_dw = out.size() > 1;
-  encode(s, Pass::backward, make_plan(p), in, out);
+  encode(s, Pass::backward, p.stats, make_plan(p), in, out);
 }
 
 void fused_dh(mx::Stream s, const HeadProblem& hp, const std::vector<mx::array>& in,
               std::vector<mx::array>& out) {
   auto p = plan_problem(s, hp, Pass::fused_dh, in, 7);
   p.out = dtype_of(out[0].dtype(), "dh");
-  encode(s, Pass::fused_dh, make_plan(p), in, out);
+  encode(s, Pass::fused_dh, false, make_plan(p), in, out);
 }
 
 } // namespace flash_cce::metal

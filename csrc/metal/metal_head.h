@@ -10,11 +10,13 @@
 namespace flash_cce::metal {
 
 // Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32),
-// and with three outputs also the gradient state gsum[M, H].
+// and with three outputs also the gradient state gsum[M, H]; with
+// cfg.stats logp, lse, entropy, is_top1, mean_logit (roles.h).
 void forward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
              std::vector<mx::array>& outputs);
 
-// Inputs h, w, targets, lse, g, g_lse (+ scales, biases); outputs dh (+ dw).
+// Inputs h, w, targets, lse, g, g_lse (+ entropy, g_ent with cfg.stats)
+// (+ scales, biases); outputs dh (+ dw).
 void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs);
 
@@ -22,9 +24,12 @@ void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& 
 void fused_dh(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs);
 
-// The fused forward keeps its state in float32 for every dtype of h.
-inline bool supports_fused(mx::Dtype) {
-  return true;
+// The fused forward keeps its state in float32 for every dtype of h. With the
+// entropy statistics the forward is the plain one and the gradient runs the
+// backward pass, whose dS takes the entropy's share (the fused state would
+// need a second [M, H] sum).
+inline bool supports_fused(mx::Dtype, bool stats) {
+  return !stats;
 }
 
 // Finds the kernels' library once per process (the metallib installed beside

@@ -24,42 +24,71 @@ const char* const kHeadDense[3][3][3] = {
 
 constexpr int kBits[6] = {2, 3, 4, 5, 6, 8};
 
-// [mode][h][bits]
-const char* const kHeadQuant[3][3][6] = {
-    {{"fcce_fwd_hf32_q2", "fcce_fwd_hf32_q3", "fcce_fwd_hf32_q4", "fcce_fwd_hf32_q5", "fcce_fwd_hf32_q6", "fcce_fwd_hf32_q8"},
-     {"fcce_fwd_hf16_q2", "fcce_fwd_hf16_q3", "fcce_fwd_hf16_q4", "fcce_fwd_hf16_q5", "fcce_fwd_hf16_q6", "fcce_fwd_hf16_q8"},
-     {"fcce_fwd_hbf16_q2", "fcce_fwd_hbf16_q3", "fcce_fwd_hbf16_q4", "fcce_fwd_hbf16_q5", "fcce_fwd_hbf16_q6", "fcce_fwd_hbf16_q8"}},
-    {{"fcce_fwd_fused_hf32_q2", "fcce_fwd_fused_hf32_q3", "fcce_fwd_fused_hf32_q4", "fcce_fwd_fused_hf32_q5", "fcce_fwd_fused_hf32_q6", "fcce_fwd_fused_hf32_q8"},
-     {"fcce_fwd_fused_hf16_q2", "fcce_fwd_fused_hf16_q3", "fcce_fwd_fused_hf16_q4", "fcce_fwd_fused_hf16_q5", "fcce_fwd_fused_hf16_q6", "fcce_fwd_fused_hf16_q8"},
-     {"fcce_fwd_fused_hbf16_q2", "fcce_fwd_fused_hbf16_q3", "fcce_fwd_fused_hbf16_q4", "fcce_fwd_fused_hbf16_q5", "fcce_fwd_fused_hbf16_q6", "fcce_fwd_fused_hbf16_q8"}},
-    {{"fcce_dh_hf32_q2", "fcce_dh_hf32_q3", "fcce_dh_hf32_q4", "fcce_dh_hf32_q5", "fcce_dh_hf32_q6", "fcce_dh_hf32_q8"},
-     {"fcce_dh_hf16_q2", "fcce_dh_hf16_q3", "fcce_dh_hf16_q4", "fcce_dh_hf16_q5", "fcce_dh_hf16_q6", "fcce_dh_hf16_q8"},
-     {"fcce_dh_hbf16_q2", "fcce_dh_hbf16_q3", "fcce_dh_hbf16_q4", "fcce_dh_hbf16_q5", "fcce_dh_hbf16_q6", "fcce_dh_hbf16_q8"}},
-};
-
-// [h][w] and [h][bits]: the fused forward with the accumulator in registers.
+// [h][w]: the fused forward with the accumulator in registers.
 const char* const kFwdRegDense[3][3] = {
     {"fcce_fwdreg_hf32_wf32", "fcce_fwdreg_hf32_wf16", "fcce_fwdreg_hf32_wbf16"},
     {"fcce_fwdreg_hf16_wf32", "fcce_fwdreg_hf16_wf16", "fcce_fwdreg_hf16_wbf16"},
     {"fcce_fwdreg_hbf16_wf32", "fcce_fwdreg_hbf16_wf16", "fcce_fwdreg_hbf16_wbf16"}};
-const char* const kFwdRegQuant[3][6] = {
-    {"fcce_fwdreg_hf32_q2", "fcce_fwdreg_hf32_q3", "fcce_fwdreg_hf32_q4", "fcce_fwdreg_hf32_q5", "fcce_fwdreg_hf32_q6", "fcce_fwdreg_hf32_q8"},
-    {"fcce_fwdreg_hf16_q2", "fcce_fwdreg_hf16_q3", "fcce_fwdreg_hf16_q4", "fcce_fwdreg_hf16_q5", "fcce_fwdreg_hf16_q6", "fcce_fwdreg_hf16_q8"},
-    {"fcce_fwdreg_hbf16_q2", "fcce_fwdreg_hbf16_q3", "fcce_fwdreg_hbf16_q4", "fcce_fwdreg_hbf16_q5", "fcce_fwdreg_hbf16_q6", "fcce_fwdreg_hbf16_q8"}};
-// [h][w] and [h][bits]: dh with the accumulator in registers (metal/regs.h).
+// [h][w]: dh with the accumulator in registers (metal/regs.h).
 const char* const kDhRegDense[3][3] = {
     {"fcce_dhreg_hf32_wf32", "fcce_dhreg_hf32_wf16", "fcce_dhreg_hf32_wbf16"},
     {"fcce_dhreg_hf16_wf32", "fcce_dhreg_hf16_wf16", "fcce_dhreg_hf16_wbf16"},
     {"fcce_dhreg_hbf16_wf32", "fcce_dhreg_hbf16_wf16", "fcce_dhreg_hbf16_wbf16"}};
-const char* const kDhRegQuant[3][6] = {
-    {"fcce_dhreg_hf32_q2", "fcce_dhreg_hf32_q3", "fcce_dhreg_hf32_q4", "fcce_dhreg_hf32_q5", "fcce_dhreg_hf32_q6", "fcce_dhreg_hf32_q8"},
-    {"fcce_dhreg_hf16_q2", "fcce_dhreg_hf16_q3", "fcce_dhreg_hf16_q4", "fcce_dhreg_hf16_q5", "fcce_dhreg_hf16_q6", "fcce_dhreg_hf16_q8"},
-    {"fcce_dhreg_hbf16_q2", "fcce_dhreg_hbf16_q3", "fcce_dhreg_hbf16_q4", "fcce_dhreg_hbf16_q5", "fcce_dhreg_hbf16_q6", "fcce_dhreg_hbf16_q8"}};
-
+// [h][w]: dW with the accumulator in registers (metal/dw.h, dw_regs_tiles),
+// then the grouped dW.
+const char* const kDwReg[3][3] = {
+    {"fcce_dwreg_hf32_wf32", "fcce_dwreg_hf32_wf16", "fcce_dwreg_hf32_wbf16"},
+    {"fcce_dwreg_hf16_wf32", "fcce_dwreg_hf16_wf16", "fcce_dwreg_hf16_wbf16"},
+    {"fcce_dwreg_hbf16_wf32", "fcce_dwreg_hbf16_wf16", "fcce_dwreg_hbf16_wbf16"}};
 const char* const kDw[3][3] = {
     {"fcce_dw_hf32_wf32", "fcce_dw_hf32_wf16", "fcce_dw_hf32_wbf16"},
     {"fcce_dw_hf16_wf32", "fcce_dw_hf16_wf16", "fcce_dw_hf16_wbf16"},
     {"fcce_dw_hbf16_wf32", "fcce_dw_hbf16_wf16", "fcce_dw_hbf16_wbf16"}};
+
+// The entropy variants (Problem::stats): the plain forward with the entropy
+// statistics, dh (accumulator in registers) and dW with the entropy's
+// cotangent, and the combine that merges the statistics, [h][w] (quantized:
+// quant_names()).
+const char* const kFwdEntDense[3][3] = {
+    {"fcce_fwd_ent_hf32_wf32", "fcce_fwd_ent_hf32_wf16", "fcce_fwd_ent_hf32_wbf16"},
+    {"fcce_fwd_ent_hf16_wf32", "fcce_fwd_ent_hf16_wf16", "fcce_fwd_ent_hf16_wbf16"},
+    {"fcce_fwd_ent_hbf16_wf32", "fcce_fwd_ent_hbf16_wf16", "fcce_fwd_ent_hbf16_wbf16"}};
+const char* const kDhRegEntDense[3][3] = {
+    {"fcce_dhreg_ent_hf32_wf32", "fcce_dhreg_ent_hf32_wf16", "fcce_dhreg_ent_hf32_wbf16"},
+    {"fcce_dhreg_ent_hf16_wf32", "fcce_dhreg_ent_hf16_wf16", "fcce_dhreg_ent_hf16_wbf16"},
+    {"fcce_dhreg_ent_hbf16_wf32", "fcce_dhreg_ent_hbf16_wf16", "fcce_dhreg_ent_hbf16_wbf16"}};
+const char* const kDwEnt[3][3] = {
+    {"fcce_dw_ent_hf32_wf32", "fcce_dw_ent_hf32_wf16", "fcce_dw_ent_hf32_wbf16"},
+    {"fcce_dw_ent_hf16_wf32", "fcce_dw_ent_hf16_wf16", "fcce_dw_ent_hf16_wbf16"},
+    {"fcce_dw_ent_hbf16_wf32", "fcce_dw_ent_hbf16_wf16", "fcce_dw_ent_hbf16_wbf16"}};
+const char* const kCombineEnt = "fcce_combine_ent";
+
+// Quantized heads: fcce_{mode}_h{T}_q{bits}_g{group}, T the tile type (the
+// dtype of h and of the scales as the kernel reads them, after the plan's
+// casts), in the order [mode: fwd, fwd_fused, dh, fwdreg, dhreg, fwd_ent,
+// dhreg_ent][T][bits][group] (the last two: the entropy variants).
+const char* const kQuantModes[7] = {"fwd", "fwd_fused", "dh", "fwdreg", "dhreg", "fwd_ent",
+                                    "dhreg_ent"};
+const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
+constexpr int kGroups[3] = {32, 64, 128};
+
+const std::vector<std::string>& quant_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const char* mode : kQuantModes)
+      for (const char* t : kDtypeNames)
+        for (int bits : kBits)
+          for (int g : kGroups)
+            n.push_back(std::string("fcce_") + mode + "_h" + t + "_q" + std::to_string(bits) +
+                        "_g" + std::to_string(g));
+    return n;
+  }();
+  return names;
+}
+
+// A quantized head's h or scales of float16 or bfloat16 widened to float32
+// (index 0 unused).
+const char* const kWiden[3] = {nullptr, "fcce_widen_f16", "fcce_widen_bf16"};
 
 const char* const kCombine = "fcce_combine";
 const char* const kReduceDh[3] = {"fcce_reduce_dh_f32", "fcce_reduce_dh_f16", "fcce_reduce_dh_bf16"};
@@ -147,6 +176,13 @@ void check(const Problem& p) {
       bad("compute_dw needs a dense w");
     }
   }
+  if (p.stats && (p.pass == Pass::fused_dh || (p.pass == Pass::forward && p.fused))) {
+    bad("the entropy statistics run without the fused forward (fused must be false) "
+        "and have no fused_dh pass");
+  }
+  if (p.stats && p.pass == Pass::backward && p.acc_registers == -1) {
+    bad("the entropy's backward runs the register kernels only (acc_registers must be 0 or 1)");
+  }
   if (p.acc_registers < -1 || p.acc_registers > 1) {
     bad("acc_registers must be -1, 0 or 1, got " + std::to_string(p.acc_registers));
   }
@@ -199,25 +235,67 @@ void choose_splits(const Problem& p, bool with_acc, FcceParams& q) {
   q.splits = static_cast<int>(cdiv(v_blocks, per));
 }
 
+int group_index(int group_size) {
+  for (int i = 0; i < 3; ++i) {
+    if (kGroups[i] == group_size) {
+      return i;
+    }
+  }
+  throw std::invalid_argument("[flash_cce] Metal head: group_size must be 32, 64 or 128, got " +
+                              std::to_string(group_size));
+}
+
+// Whether a quantized head's kernels read a float32 copy of h, or of the
+// scales and biases: the ones whose dtype is not the tile type.
+bool widen_h(const Problem& p) {
+  return p.quantized && p.h != tile_dtype(p);
+}
+bool widen_sb(const Problem& p) {
+  return p.quantized && p.sb != tile_dtype(p);
+}
+
 std::vector<Binding> operand_bindings(const Problem& p) {
-  std::vector<Binding> b{{0, Role::h}, {1, Role::w}, {4, Role::targets}};
+  std::vector<Binding> b{{0, widen_h(p) ? Role::h_tile : Role::h}, {1, Role::w},
+                         {4, Role::targets}};
   if (p.quantized) {
-    b.push_back({2, Role::scales});
-    b.push_back({3, Role::biases});
+    b.push_back({2, widen_sb(p) ? Role::scales_tile : Role::scales});
+    b.push_back({3, widen_sb(p) ? Role::biases_tile : Role::biases});
   }
   return b;
 }
 
+// The entropy's buffers: the forward's per-split statistics, and the
+// backward's inputs (its kernels: dh and dW).
+const std::vector<Binding>& ent_part_bindings() {
+  static const std::vector<Binding> b{
+      {17, Role::part_ent}, {18, Role::part_lsum}, {19, Role::part_arg}};
+  return b;
+}
+const std::vector<Binding>& ent_grad_bindings() {
+  static const std::vector<Binding> b{{21, Role::entropy}, {24, Role::g_ent}};
+  return b;
+}
+
 const char* head_kernel(const Problem& p, int mode, bool regs) {
-  const int h = dtype_index(p.h);
-  if (regs && mode == FCCE_MODE_DH) {
-    return p.quantized ? kDhRegQuant[h][bits_index(p.bits)] : kDhRegDense[h][dtype_index(p.w)];
+  if (p.quantized) {
+    const int m = p.stats && mode == FCCE_MODE_FWD ? 5
+        : p.stats && regs && mode == FCCE_MODE_DH ? 6
+        : regs ? (mode == FCCE_MODE_DH ? 4 : 3) : mode;
+    const size_t i = ((size_t(m) * 3 + dtype_index(tile_dtype(p))) * 6 + bits_index(p.bits)) * 3 +
+        group_index(p.group_size);
+    return quant_names()[i].c_str();
+  }
+  const int h = dtype_index(p.h), w = dtype_index(p.w);
+  if (p.stats && mode == FCCE_MODE_FWD) {
+    return kFwdEntDense[h][w];
+  }
+  if (p.stats && regs && mode == FCCE_MODE_DH) {
+    return kDhRegEntDense[h][w];
   }
   if (regs) {
-    return p.quantized ? kFwdRegQuant[h][bits_index(p.bits)] : kFwdRegDense[h][dtype_index(p.w)];
+    return mode == FCCE_MODE_DH ? kDhRegDense[h][w] : kFwdRegDense[h][w];
   }
-  return p.quantized ? kHeadQuant[mode][h][bits_index(p.bits)]
-                     : kHeadDense[mode][h][dtype_index(p.w)];
+  return kHeadDense[mode][h][w];
 }
 
 Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
@@ -241,6 +319,13 @@ Launch head_launch(const Problem& p, const FcceParams& q, int mode, bool regs) {
   }
   if (regs) {
     l.buffers.push_back({16, Role::stage});
+  }
+  if (p.stats) {
+    if (mode == FCCE_MODE_DH) {
+      l.buffers.insert(l.buffers.end(), ent_grad_bindings().begin(), ent_grad_bindings().end());
+    } else {
+      l.buffers.insert(l.buffers.end(), ent_part_bindings().begin(), ent_part_bindings().end());
+    }
   }
   l.params_index = kParamsIndex;
   l.params = q;
@@ -333,25 +418,52 @@ Launch elementwise(const char* kernel, int64_t count, const FcceParams& q,
   return l;
 }
 
+// The float32 copies of a quantized head's h, scales and biases whose dtype
+// is not its tile type, and the launches that write them (before the head's).
+void plan_widen(const Problem& p, const FcceParams& q, Plan& plan) {
+  auto widen = [&](Role from, Role to, DType t, int64_t count) {
+    plan.scratch.push_back({to, size_t(count) * 4});
+    plan.launches.push_back(elementwise(kWiden[dtype_index(t)], count, q, {{17, from}, {18, to}}));
+  };
+  if (widen_h(p)) {
+    widen(Role::h, Role::h_tile, p.h, p.M * p.H);
+  }
+  if (widen_sb(p)) {
+    widen(Role::scales, Role::scales_tile, p.sb, p.V * (p.H / p.group_size));
+    widen(Role::biases, Role::biases_tile, p.sb, p.V * (p.H / p.group_size));
+  }
+}
+
 void plan_forward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, p.fused, q);
-  const size_t stats = size_t(q.splits) * p.M * 4;
-  plan.scratch = {{Role::part_max, stats}, {Role::part_sum, stats},
+  const size_t per_split = size_t(q.splits) * p.M * 4; // [splits, M] 32-bit values
+  plan.scratch = {{Role::part_max, per_split}, {Role::part_sum, per_split},
                   {Role::target_logit, size_t(p.M) * 4}};
   if (p.fused) {
     plan.scratch.push_back({Role::part_acc, size_t(q.splits) * p.M * p.H * 4});
   }
+  if (p.stats) {
+    for (Role r : {Role::part_ent, Role::part_lsum, Role::part_arg}) {
+      plan.scratch.push_back({r, per_split});
+    }
+  }
+  plan_widen(p, q, plan);
   const bool regs = p.fused && acc_in_registers(p);
   const int64_t units =
       head_rounds(p, q, p.fused ? FCCE_MODE_FWD_FUSED : FCCE_MODE_FWD, regs, plan);
   if (regs) {
     plan.scratch.push_back(stage_buffer(p, units));
   }
-  plan.launches.push_back(elementwise(
-      kCombine, p.M, q,
-      {{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
-       {10, Role::target_logit}, {12, Role::logp}, {5, Role::lse}}));
+  std::vector<Binding> combine{{4, Role::targets}, {8, Role::part_max}, {9, Role::part_sum},
+                               {10, Role::target_logit}, {12, Role::logp}, {5, Role::lse}};
+  if (p.stats) {
+    combine.insert(combine.end(), ent_part_bindings().begin(), ent_part_bindings().end());
+    combine.insert(combine.end(),
+                   {{21, Role::entropy}, {22, Role::is_top1}, {23, Role::mean_logit}});
+  }
+  plan.launches.push_back(
+      elementwise(p.stats ? kCombineEnt : kCombine, p.M, q, std::move(combine)));
   if (p.fused) {
     FcceParams r = q;
     r.mode = FCCE_REDUCE_GSUM;
@@ -365,15 +477,23 @@ void plan_forward(const Problem& p, Plan& plan) {
 // by at most `m_chunk` m tiles each threadgroup walks, within kLaunchFlops and
 // FCCE_MAX_ROUND_ROWS rows of h per threadgroup. A float32 head accumulates in
 // dw itself; a half-precision one in a float32 slab, cast when its last m
-// chunk is done.
-void plan_dw(const Problem& p, Plan& plan) {
+// chunk is done. The kernel with its accumulator in registers (the plan's
+// unless Problem::acc_registers is -1) stages each m tile's dS tile where H
+// takes more than one chunk, so a launch then also holds at most
+// kMaxStagedUnits (threadgroup, m tile) units. Returns the most units of one
+// launch (for the stage that dh's kernel shares).
+int64_t plan_dw(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   const bool staged = p.w != DType::f32;
   const int64_t hk = cdiv(p.H, FCCE_BK) * FCCE_BK;
   int64_t slab = p.dw_slab_rows > 0 ? p.dw_slab_rows
                                     : staged ? kDwSlabRows : kTargetThreadgroups * FCCE_BN;
   slab = std::min(slab, cdiv(p.V, FCCE_BN) * FCCE_BN);
-  const double per_tile = 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  const bool regs = acc_in_registers(p);
+  double per_tile = 2.0 * 2 * FCCE_BM * FCCE_BN * double(hk);
+  if (regs && register_chunks(p.H) > 1) {
+    per_tile = std::max(per_tile, kLaunchFlops / double(kMaxStagedUnits));
+  }
   int64_t m_chunk = std::min<int64_t>(q.m_tiles, FCCE_MAX_ROUND_ROWS / FCCE_BM);
   while (slab > FCCE_BN && double(slab / FCCE_BN) * per_tile > kLaunchFlops) {
     slab = std::max<int64_t>(FCCE_BN, slab / 2 / FCCE_BN * FCCE_BN);
@@ -387,6 +507,7 @@ void plan_dw(const Problem& p, Plan& plan) {
   if (staged) {
     plan.scratch.push_back({Role::dw_acc, size_t(slab) * p.H * 4});
   }
+  int64_t units = 0;
   for (int64_t v0 = 0; v0 < p.V; v0 += slab) {
     const int64_t n = std::min(slab, p.V - v0);
     q.v_begin = static_cast<int>(v0);
@@ -394,7 +515,7 @@ void plan_dw(const Problem& p, Plan& plan) {
     q.acc_row0 = staged ? 0 : static_cast<int>(v0);
     for (int64_t mt = 0; mt < q.m_tiles; mt += m_chunk) {
       Launch l{};
-      l.kernel = kDw[dtype_index(p.h)][dtype_index(p.w)];
+      l.kernel = (p.stats ? kDwEnt : regs ? kDwReg : kDw)[dtype_index(p.h)][dtype_index(p.w)];
       l.grid[0] = u32(cdiv(n, FCCE_BN), "grid");
       l.grid[1] = l.grid[2] = 1;
       l.threads[0] = FCCE_THREADS;
@@ -402,10 +523,17 @@ void plan_dw(const Problem& p, Plan& plan) {
       l.threadgroup_bytes = 0;
       l.buffers = {{0, Role::h}, {1, Role::w}, {4, Role::targets}, {5, Role::lse},
                    {6, Role::g}, {7, Role::g_lse}, {14, staged ? Role::dw_acc : Role::dw}};
+      if (regs) {
+        l.buffers.push_back({16, Role::stage});
+      }
+      if (p.stats) {
+        l.buffers.insert(l.buffers.end(), ent_grad_bindings().begin(), ent_grad_bindings().end());
+      }
       l.params_index = kParamsIndex;
       l.params = q;
       l.params.m_tile_begin = static_cast<int>(mt);
       l.params.m_tile_count = static_cast<int>(std::min<int64_t>(m_chunk, q.m_tiles - mt));
+      units = std::max(units, int64_t(l.grid[0]) * l.params.m_tile_count);
       plan.launches.push_back(l);
     }
     if (staged) {
@@ -413,23 +541,27 @@ void plan_dw(const Problem& p, Plan& plan) {
                                           {{14, Role::dw_acc}, {15, Role::dw}}));
     }
   }
+  return regs ? units : 0;
 }
 
 void plan_backward(const Problem& p, Plan& plan) {
   FcceParams q = base_params(p);
   choose_splits(p, true, q);
   plan.scratch = {{Role::part_acc, size_t(q.splits) * p.M * p.H * 4}};
+  plan_widen(p, q, plan);
   const bool regs = acc_in_registers(p);
-  const int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
-  if (regs) {
-    plan.scratch.push_back(stage_buffer(p, units));
-  }
+  int64_t units = head_rounds(p, q, FCCE_MODE_DH, regs, plan);
   FcceParams r = q;
   r.mode = FCCE_REDUCE_SUM;
   plan.launches.push_back(elementwise(kReduceDh[dtype_index(p.h)], p.M * p.H, r,
                                       {{11, Role::part_acc}, {13, Role::dh}}));
   if (p.compute_dw) {
-    plan_dw(p, plan);
+    // dW's register kernel stages at most FCCE_BM * FCCE_BN floats per unit,
+    // within dh's FCCE_STAGE_FLOATS: one stage serves both passes.
+    units = std::max(units, plan_dw(p, plan));
+  }
+  if (regs) {
+    plan.scratch.push_back(stage_buffer(p, units));
   }
 }
 
@@ -450,6 +582,11 @@ void plan_fused_dh(const Problem& p, Plan& plan) {
 
 } // namespace
 
+DType tile_dtype(const Problem& p) {
+  const DType other = p.quantized ? p.sb : p.w;
+  return p.h == other ? p.h : DType::f32;
+}
+
 int64_t register_chunks(int64_t H) {
   return cdiv(H, FCCE_REG_COLS);
 }
@@ -460,29 +597,32 @@ bool acc_in_registers(const Problem& p) {
 
 const char* role_name(Role r) {
   static const char* const names[] = {
-      "h",    "w",  "scales", "biases",   "targets",  "logp",         "lse",
-      "gsum", "g",  "g_lse",  "dh",       "dw",       "part_max",     "part_sum",
-      "target_logit", "part_acc", "dw_acc", "stage"};
+      "h",       "w",          "scales",    "biases", "targets",      "logp",
+      "lse",     "gsum",       "g",         "g_lse",  "dh",           "dw",
+      "entropy", "is_top1",    "mean_logit", "g_ent", "part_max",     "part_sum",
+      "target_logit", "part_acc", "dw_acc", "stage",  "part_ent",     "part_lsum",
+      "part_arg", "h_tile",    "scales_tile", "biases_tile"};
+  static_assert(sizeof(names) / sizeof(names[0]) == size_t(Role::biases_tile) + 1);
   return names[static_cast<int>(r)];
 }
 
-size_t head_threadgroup_bytes() {
-  return size_t(FCCE_SMEM_FLOATS) * 4;
+size_t head_threadgroup_bytes(DType tile) {
+  return size_t(FCCE_SMEM_FLOATS(tile == DType::f32 ? 4 : 2)) * 4;
 }
 
-size_t regs_threadgroup_bytes() {
-  return size_t(FCCE_REG_SMEM_FLOATS) * 4;
+size_t regs_threadgroup_bytes(DType tile) {
+  return size_t(FCCE_REG_SMEM_FLOATS(tile == DType::f32 ? 4 : 2)) * 4;
 }
 
-size_t dw_threadgroup_bytes() {
-  return head_threadgroup_bytes(); // the same tiles (metal/dw.h uses HeadSmem)
+size_t dw_threadgroup_bytes(DType tile) {
+  return head_threadgroup_bytes(tile); // the same tiles (metal/dw.h uses HeadSmem)
 }
 
 double launch_gemm_flops(const Launch& l) {
   const std::string k = l.kernel;
   const FcceParams& q = l.params;
   const double hk = double(cdiv(q.H, FCCE_BK) * FCCE_BK);
-  if (k.rfind("fcce_dw_", 0) == 0) {
+  if (k.rfind("fcce_dw_", 0) == 0 || k.rfind("fcce_dwreg_", 0) == 0) {
     return 2.0 * 2 * double(l.grid[0]) * FCCE_BN * double(q.m_tile_count) * FCCE_BM * hk;
   }
   const bool head = k.rfind("fcce_fwd_", 0) == 0 || k.rfind("fcce_dh_", 0) == 0 ||
@@ -516,20 +656,23 @@ const std::vector<std::string>& kernel_names() {
     std::vector<std::string> n;
     for (auto& mode : kHeadDense)
       for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& mode : kHeadQuant)
-      for (auto& row : mode) n.insert(n.end(), std::begin(row), std::end(row));
+    n.insert(n.end(), quant_names().begin(), quant_names().end());
     for (auto& row : kFwdRegDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& row : kFwdRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDhRegDense) n.insert(n.end(), std::begin(row), std::end(row));
-    for (auto& row : kDhRegQuant) n.insert(n.end(), std::begin(row), std::end(row));
     for (auto& row : kDw) n.insert(n.end(), std::begin(row), std::end(row));
+    for (auto& row : kDwReg) n.insert(n.end(), std::begin(row), std::end(row));
     n.push_back(kCombine);
     n.insert(n.end(), std::begin(kReduceDh), std::end(kReduceDh));
     n.push_back(kReduceGsum);
     n.push_back(kCast[1]);
     n.push_back(kCast[2]);
+    n.push_back(kWiden[1]);
+    n.push_back(kWiden[2]);
     for (auto& row : kFusedDhDense) n.insert(n.end(), std::begin(row), std::end(row));
     n.insert(n.end(), std::begin(kFusedDhQuant), std::end(kFusedDhQuant));
+    for (auto* t : {&kFwdEntDense, &kDhRegEntDense, &kDwEnt})
+      for (auto& row : *t) n.insert(n.end(), std::begin(row), std::end(row));
+    n.push_back(kCombineEnt);
     return n;
   }();
   return names;

@@ -10,7 +10,7 @@
 // - `grid` counts threadgroups (dispatch_threadgroups), `threads` is the
 //   threadgroup size. `threadgroup_bytes` is dynamic threadgroup memory at
 //   index 0 (set_threadgroup_memory_length(bytes, 0)); 0 means none, which is
-//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS).
+//   the case for every kernel today: they declare theirs (FCCE_SMEM_FLOATS(sz)).
 // - `buffers` lists every device buffer of the launch as (index, role), all
 //   bound at offset 0. Scratch roles name buffers of Plan::scratch, allocated
 //   by the caller (contents undefined on entry: every kernel writes a scratch
@@ -19,9 +19,11 @@
 //   set_bytes.
 // - Inputs are row-major and contiguous: h [M, H], w [V, H] (dense) or packed
 //   uint32 [V, H * bits / 32], scales/biases [V, H / group_size], targets [M]
-//   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32.
+//   int32, lse/g/g_lse/logp [M] float32, gsum [M, H] float32; with stats
+//   entropy/g_ent [M] float32.
 // - Outputs: logp, lse [M] float32; gsum [M, H] float32; dh [M, H] in h's
-//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype. The launches
+//   dtype (backward) or `out` (fused_dh); dw [V, H] in w's dtype; with stats
+//   entropy, mean_logit [M] float32 and is_top1 [M] bool. The launches
 //   write every output element, so outputs need no zero-fill.
 // - Bounded launches: in no launch does a threadgroup process more than
 //   FCCE_MAX_ROUND_ROWS (8192) vocabulary rows, nor (dW) more than that many
@@ -62,6 +64,10 @@ struct Problem {
   float softcap = 0.0f; // 0: off
   int ignore_index = -100;
   bool fused = false; // forward: also produce gsum
+  // Forward: also the entropy statistics (entropy, is_top1, mean_logit);
+  // backward: dS also takes the entropy's cotangent g_ent. Not with `fused`
+  // (the entropy's gradient runs the backward pass) nor fused_dh.
+  bool stats = false;
   Pass pass = Pass::forward;
   bool compute_dw = false; // backward, dense only
   // Overrides, 0 = the plan's choice: at most this many vocabulary splits,
@@ -72,7 +78,7 @@ struct Problem {
   int dw_slab_rows = 0;
   int round_blocks = 0;
   int round_m_tiles = 0;
-  // The kernels of the dh pass and the fused forward: 0 the plan's choice
+  // The kernels of the dh pass, the fused forward and dW: 0 the plan's choice
   // (acc_in_registers), 1 the accumulator in registers, -1 the partials in
   // device memory per group of blocks.
   int acc_registers = 0;
@@ -92,13 +98,27 @@ enum class Role {
   g_lse,
   dh,
   dw,
-  // Scratch (Plan::scratch), float32.
+  // The entropy statistics (Problem::stats), [M] each:
+  entropy, // output of forward (float32), input of backward
+  is_top1, // output of forward (bool)
+  mean_logit, // output of forward (float32)
+  g_ent, // input of backward: the entropy's cotangent (float32)
+  // Scratch (Plan::scratch), float32 unless said.
   part_max, // [splits, M] per-split running row maxima
   part_sum, // [splits, M] per-split sums of exp(s - part_max)
   target_logit, // [M] the target's (softcapped) logit
   part_acc, // [splits, M, H] per-split partial dh / gsum
   dw_acc, // [dw_slab_rows, H] float32 dW rows of one slab (half-precision w)
   stage, // [threadgroups of a launch, block_count, FCCE_STAGE_FLOATS] coefficients of the register kernels
+  // The entropy's scratch (Problem::stats), [splits, M] each:
+  part_ent, // per-split sum_v exp(s - part_max) (s - part_max), float32
+  part_lsum, // per-split sum of the logits, float32
+  part_arg, // per-split first arg-max, int32
+  // A quantized head's h [M, H] and scales, biases [V, H / group_size] widened
+  // to float32 where their dtype is not the tile type (tile_dtype).
+  h_tile,
+  scales_tile,
+  biases_tile,
 };
 
 const char* role_name(Role r);
@@ -143,22 +163,33 @@ const std::vector<std::string>& kernel_names();
 double launch_gemm_flops(const Launch& l);
 constexpr double kLaunchFlops = double(int64_t(1) << 36);
 
-// Whether the dh pass and the fused forward run the kernels with their
-// accumulator in registers (metal/regs.h), the plan's choice unless
-// Problem::acc_registers is -1: the same GEMMs and tile loads as the grouped
-// kernels, the partial written once per launch instead of read and written
-// per group of blocks, and with more than one chunk of H each block's
+// The element type of the head kernels' h and w tiles (metal/loaders.h): the
+// common type of h and a dense w, or of h and a quantized w's scales, as
+// MLX's quantized_matmul resolves it: their dtype where they agree, float32
+// otherwise. A quantized head's kernels read h and the scales in this type
+// (the plan widens the others first); a dense head's convert the operand
+// that is not float32 in their loader.
+DType tile_dtype(const Problem& p);
+
+// Whether the dh pass, the fused forward and dW run the kernels with their
+// accumulator in registers (metal/regs.h; dW: metal/dw.h, dw_regs_tiles),
+// the plan's choice unless Problem::acc_registers is -1: the same GEMMs and
+// tile loads as the grouped kernels, the partial (dW: the float32 rows)
+// written once per launch instead of read and written per group of blocks
+// (of m tiles), and with more than one chunk of H each block's (m tile's)
 // coefficient tile (4.1 KB) staged in device memory.
 bool acc_in_registers(const Problem& p);
 // Chunks of FCCE_REG_COLS columns of H those kernels walk.
 int64_t register_chunks(int64_t H);
-// The most (m tile, split, block) units of one launch of those kernels when
-// they stage (more than one chunk): the stage is at most 4.1 KB per unit (66 MiB).
+// The most (m tile, split, block) units (dW: (threadgroup, m tile)) of one
+// launch of those kernels when they stage (more than one chunk): the stage is
+// at most 4.1 KB per unit (66 MiB).
 constexpr int64_t kMaxStagedUnits = 16384;
 
-// Threadgroup memory each kernel family declares, in bytes (under 32 KB).
-size_t head_threadgroup_bytes();
-size_t regs_threadgroup_bytes();
-size_t dw_threadgroup_bytes();
+// Threadgroup memory each kernel family declares, in bytes (under 32 KB), for
+// h and w tiles of the given tile type (tile_dtype).
+size_t head_threadgroup_bytes(DType tile = DType::f32);
+size_t regs_threadgroup_bytes(DType tile = DType::f32);
+size_t dw_threadgroup_bytes(DType tile = DType::f32);
 
 } // namespace flash_cce::metal

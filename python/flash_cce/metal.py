@@ -73,26 +73,32 @@ class Gate:
                     self.last_error = self.library["error"]
             return self.library
 
-    def allows(self, spec):
-        """True when the native kernels may run for `spec` (a HeadSpec)."""
+    def allows(self, spec, entropy=False):
+        """True when the native kernels may run for `spec` (a HeadSpec); with
+        `entropy`, also their entropy variants, checked apart the first time a
+        call asks for them (calls without the entropy never pay for it)."""
         with self._lock:
             lib = self.library_status()
             if not lib.get("source"):
                 self._warn_once("library", "the Metal kernels could not be loaded: "
                                 f"{lib.get('error')}")
                 return False
-            result = self.checks.get(spec.key)
-            if result is None:
-                if self._stream is None:
-                    self._stream = mx.new_stream(mx.gpu)
-                result = self.checks[spec.key] = self_check(spec, self._native, self._stream,
-                                                            self._problems)
-                if not result.passed:
-                    self.last_error = f"{spec.key}: {result.detail}"
+            return self._passes(spec, False) and (not entropy or self._passes(spec, True))
+
+    def _passes(self, spec, entropy):
+        key = spec.key + (", entropy" if entropy else "")
+        result = self.checks.get(key)
+        if result is None:
+            if self._stream is None:
+                self._stream = mx.new_stream(mx.gpu)
+            result = self.checks[key] = self_check(spec, self._native, self._stream,
+                                                   self._problems, entropy=entropy)
             if not result.passed:
-                self._warn_once(spec.key, "the Metal kernels failed their self-check "
-                                f"for {spec.key}: {result.detail}")
-            return result.passed
+                self.last_error = f"{key}: {result.detail}"
+        if not result.passed:
+            self._warn_once(key, f"the Metal kernels failed their self-check for {key}: "
+                            f"{result.detail}")
+        return result.passed
 
 
 GATE = Gate()
@@ -160,7 +166,7 @@ def metal_status(check=True, gate=None):
     built = bool(_ext.has_metal_kernels())
     if check and available and built:
         for spec in COMMON_SPECS:
-            gate.allows(spec)
+            gate.allows(spec, entropy=True)
     lib = gate.library or {}
     if not built:
         active = "fallback (this build has no Metal kernels)"

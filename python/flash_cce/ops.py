@@ -76,12 +76,11 @@ def _stats(out):
 
 
 def native_stats(device):
-    """Whether the native kernels of `device` compute the entropy statistics;
-    calls that request them elsewhere (a Metal GPU) run the fallback."""
-    device = _device(device)
-    if metal.gated(device):
-        return False
-    return _ext.supports_stats(device)
+    """Whether the native kernels of `device` compute the entropy statistics
+    (the CPU's and Metal's; on a Metal GPU only configurations that passed the
+    self-check, which covers them, run natively); calls that request them
+    elsewhere (a CUDA GPU) run the fallback."""
+    return _ext.supports_stats(_device(device))
 
 
 def _device(stream):
@@ -100,11 +99,12 @@ def has_native_kernel(device=None):
     return _device(device).type == mx.cpu or _ext.has_gpu_kernels()
 
 
-def _use_native(backend, stream, spec=None, h=None):
+def _use_native(backend, stream, spec=None, h=None, entropy=False):
     """Whether a call runs the native kernels. `spec` (a function returning the
     call's HeadSpec, made only where needed) and `h` let "auto" consult the
     Metal gate: on a Metal GPU the kernels run only for configurations that
-    passed the self-check, and sizes they index (metal.py)."""
+    passed the self-check (with `entropy`, also its entropy part), and sizes
+    they index (metal.py)."""
     source = "backend"
     if backend is None:
         backend, source = os.environ.get("FLASH_CCE_BACKEND") or None, "FLASH_CCE_BACKEND"
@@ -118,7 +118,7 @@ def _use_native(backend, stream, spec=None, h=None):
         raise ValueError(f"backend='native' but {device} has no flash-CCE kernel")
     if backend == "native" or not native or spec is None or not metal.gated(device):
         return native
-    return metal.fits(h) and metal.GATE.allows(spec())
+    return metal.fits(h) and metal.GATE.allows(spec(), entropy=entropy)
 
 
 def _is_tracing_error(err):
@@ -194,7 +194,8 @@ def flash_cce_forward(h, w, targets, scales=None, biases=None, *, group_size=64,
         check_targets(targets, w.shape[0], ignore_index)
     h_in = h
     h, softcap = _tempered(h, softcap, temperature, stream)
-    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
+    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h,
+                         entropy)
     kw = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
     if native and not entropy:
         logp, lse = _ext.forward(_kernel_h(h, h_in, stream), w, targets, scales, biases, **kw,
@@ -247,7 +248,8 @@ def flash_cce_backward(h, w, targets, lse, g, scales=None, biases=None, *,
     h_in = h
     h, softcap = _tempered(h, softcap, temperature, stream)
     kw = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
-    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h)
+    native = _use_native(backend, stream, lambda: HeadSpec.of(h, w, scales, bits, group_size), h,
+                         g_entropy is not None)
     if native and (g_entropy is None or native_stats(stream)):
         extra = {} if g_entropy is None else dict(entropy=entropy, g_entropy=g_entropy)
         out = _ext.backward(_kernel_h(h, h_in, stream), w, targets, lse, g, g_lse, scales, biases, **kw,

@@ -4,8 +4,11 @@ Used once per process and head configuration before the Metal kernels are
 trusted (see metal.py): they were verified by CPU emulation, never on the
 hardware that runs them. Each problem runs the native forward (plain and with
 the fused-backward state), its backward (dh, and dW for a dense head) and the
-gradient through the fused state, and compares every output with the fallback
-computed on the CPU from the same inputs.
+gradient through the fused state, and compares every output with the
+fallback computed on the CPU from the same inputs. The entropy statistics and
+the backward with the entropy's cotangent are checked apart
+(`self_check(..., entropy=True)`, bounds in _check_entropy), the first time a
+call asks for them.
 
 Most problems' inputs lie on grids exact in float16, bfloat16 and float32 (at
 most 8 significant bits; quantized heads get power-of-two scales and biases
@@ -169,8 +172,8 @@ def _f64(a):
     return np.array(a.astype(mx.float32), dtype=np.float64)
 
 
-def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap, ignore_index):
-    """fp64 |dS| @ |W|, |dS|^T @ |h| and B = |h| @ |W|^T of the problem."""
+def _logits64(spec, h, w, scales, biases, cap):
+    """fp64 h, W, the final logits s and the softcap's derivative dcap."""
     with mx.stream(mx.cpu):
         W = _f64(w) if scales is None else _f64(fallback.dequantize_f32(
             w, scales, biases, spec.group_size, spec.bits))
@@ -178,6 +181,12 @@ def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap, ignore_index):
     raw = H @ W.T
     s = raw if cap is None else cap * np.tanh(raw / cap)
     dcap = np.ones_like(s) if cap is None else 1.0 - (s / cap) ** 2
+    return H, W, s, dcap
+
+
+def _magnitudes(spec, h, w, scales, biases, y, g, g_lse, cap, ignore_index):
+    """fp64 |dS| @ |W|, |dS|^T @ |h| and B = |h| @ |W|^T of the problem."""
+    H, W, s, dcap = _logits64(spec, h, w, scales, biases, cap)
     top = s.max(axis=1, keepdims=True)
     p = np.exp(s - top) / np.exp(s - top).sum(axis=1, keepdims=True)
     yy = np.array(y)
@@ -257,6 +266,85 @@ def _check_problem(spec, native, stream, prob, cmp):
     cmp("dh(vjp)", dh_v, dh_r, dh_bound)
 
 
+def _supports_stats(native, stream):
+    """Whether `native` computes the entropy statistics on `stream`'s device."""
+    supports = getattr(native, "supports_stats", None)
+    device = stream.device if isinstance(stream, mx.Stream) else mx.Device(stream) \
+        if isinstance(stream, mx.DeviceType) else stream
+    return supports is not None and bool(supports(device))
+
+
+def _check_entropy(spec, native, stream, prob, cmp):
+    """The entropy statistics and the entropy's gradient (dh, dW) against the
+    fallback. With ds_v = 2 (H + 2) u B the logits' error (both paths), zbar =
+    sum_v p_v s_v = lse - entropy and spread = max_v |s_v - zbar| (dE/ds_v =
+    -p_v (s_v - zbar)), entropy = log S - R / S summed over V terms of one
+    sign: |dE| <= 2 max ds spread + 2 (V + 16) u (1 + 2 |zbar - max s| + |E|);
+    the mean logit: |d| <= 2 (max ds + (V + 4) u max |s|); is_top1 agrees where
+    the two largest logits are more than 2 max ds apart. dh and dW as the
+    logp's, with |dS| including |g_ent| p_v |s_v - zbar| dcap_v, plus the
+    entropy coefficient's own error |g_ent| p_v dcap_v (2 ds_v + 4 u (|s_v -
+    zbar| + |zbar|))."""
+    h, w, scales, biases, y, g, g_lse = _inputs(spec, prob)
+    dense = scales is None
+    M, V = prob.M, prob.V
+    q = dict(group_size=spec.group_size or 64, bits=spec.bits, softcap=prob.softcap,
+             ignore_index=prob.ignore_index)
+    g_ent = mx.array(_grid(np.random.default_rng(prob.seed + 1000), M, 1.0).astype(np.float32))
+    with mx.stream(mx.cpu):
+        ref = fallback.forward(h, w, y, scales, biases, **q, stats=True)
+        lse_r, ent_r = ref[1], ref[2]
+        dh_r, dw_r = fallback.backward(h, w, y, lse_r, g, scales, biases, g_lse=g_lse,
+                                       compute_dw=dense, entropy=ent_r, g_entropy=g_ent, **q)
+        mx.eval(ref, dh_r, dw_r)
+    out = native.forward(h, w, y, scales, biases, fused_backward=True, stream=stream,
+                         stats=True, **q)
+    H, W, s, dcap = _logits64(spec, h, w, scales, biases, q["softcap"])
+    ds = 2 * (H.shape[1] + 2) * U32 * (np.abs(H) @ np.abs(W).T)
+    lse, ent = _f64(lse_r), _f64(ent_r)
+    # The logp bound per row and the gradients' unit, as in _check_problem.
+    row = 2 * ds.max(axis=1) + 2 * (V + 16) * U32 * (1 + np.abs(lse))
+    u_op = UNIT[DTYPES[spec.h_dtype]]
+    grad_unit = 2 * (V + 4) * U32 + u_op
+    zbar = lse - ent
+    rel = s - zbar[:, None]
+    spread = np.abs(rel).max(axis=1)
+    ent_bound = 2 * ds.max(axis=1) * spread + 2 * (V + 16) * U32 * (
+        1 + 2 * np.abs(zbar - s.max(axis=1)) + np.abs(ent))
+    mean_bound = 2 * (ds.max(axis=1) + (V + 4) * U32 * np.abs(s).max(axis=1))
+    cmp("logp(stats)", out[0], ref[0], row)
+    cmp("lse(stats)", out[1], lse_r, row)
+    cmp("entropy", out[2], ent_r, ent_bound)
+    cmp("mean_logit", out[4], ref[4], mean_bound)
+    top2 = np.sort(s, axis=1)[:, -2:] if V > 1 else np.zeros((M, 2))
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * ds.max(axis=1)
+    agree = np.array(out[3]) == np.array(ref[3])
+    # A disagreement where the arg-max is clear counts twice its bound.
+    cmp("is_top1", mx.array(np.where(clear & ~agree, 1.0, 0.0)), mx.zeros((M,)), np.full(M, 0.5))
+
+    P = np.exp(s - lse[:, None])
+    yy = np.array(y)
+    keep = yy != prob.ignore_index
+    gg = np.where(keep, _f64(g), 0.0)
+    ge = np.abs(_f64(g_ent))[:, None]
+    onehot = np.zeros_like(s)
+    onehot[np.arange(M)[keep], yy[keep]] = 1.0
+    A = (np.abs(gg)[:, None] * onehot + (np.abs(_f64(g_lse) - gg)[:, None] + ge * np.abs(rel))
+         * P) * dcap
+    own = ge * P * dcap * (2 * ds + 4 * U32 * (np.abs(rel) + np.abs(zbar)[:, None]))
+    res = native.backward(h, w, y, lse_r, g, g_lse, scales, biases, compute_dw=dense,
+                          stream=stream, entropy=ent_r, g_entropy=g_ent, **q)
+    dh_bound = 2 * u_op * np.abs(_f64(dh_r)) + ((grad_unit + 4 * row[:, None]) * A + own) @ \
+        np.abs(W)
+    cmp("dh(entropy)", res[0], dh_r, dh_bound)
+    if dense:
+        u_dw = UNIT[DTYPES[spec.w_dtype]]
+        grad_m = 2 * (M + 4) * U32 + u_op
+        dw_bound = 2 * u_dw * np.abs(_f64(dw_r)) + \
+            ((grad_m + 4 * row.max()) * A + own).T @ np.abs(H)
+        cmp("dW(entropy)", res[1], dw_r, dw_bound)
+
+
 def _limit_plan(native, stream, max_splits=0, round_blocks=0):
     """Caps the native path's vocabulary splits and blocks per launch round
     on `stream` (0: the plan's choice), where the native path has them (the
@@ -266,17 +354,21 @@ def _limit_plan(native, stream, max_splits=0, round_blocks=0):
         limit(max_splits, round_blocks, stream=stream)
 
 
-def self_check(spec, native, stream, problems=PROBLEMS):
+def self_check(spec, native, stream, problems=PROBLEMS, entropy=False):
     """Runs `problems` for `spec` on `native` (an object with the signature of
     flash_cce._ext's forward and backward, and optionally its
-    metal_plan_limits) on `stream`. Never raises: an error of the native path
-    is a failed check."""
+    metal_plan_limits and supports_stats) on `stream`; with `entropy`, their
+    entropy statistics and the entropy's gradient instead (_check_entropy).
+    Never raises: an error of the native path is a failed check."""
+    if entropy and not _supports_stats(native, stream):
+        return CheckResult(False, float("inf"), "the native kernels have no entropy statistics")
+    check = _check_entropy if entropy else _check_problem
     cmp = _Compare()
     try:
         for prob in problems:
             _limit_plan(native, stream, prob.max_splits, prob.round_blocks)
             try:
-                _check_problem(spec, native, stream, prob, cmp)
+                check(spec, native, stream, prob, cmp)
             finally:
                 _limit_plan(native, stream)
     except Exception as err:  # noqa: BLE001 - a failing kernel may raise anything

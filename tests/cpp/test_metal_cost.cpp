@@ -68,7 +68,7 @@ TEST(MetalCost, GemmFlopsOfEveryPass) {
   const auto c = plan_cost(d, plan);
   double dw = 0;
   for (size_t i = 0; i < c.size(); ++i)
-    if (std::string(plan.launches[i].kernel).rfind("fcce_dw_", 0) == 0) dw += c[i].flops;
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dw", 0) == 0) dw += c[i].flops;
   ASSERT_TRUE(near(dw, 2 * 2 * 128.0 * 1024 * 96));
 }
 
@@ -125,7 +125,7 @@ TEST(MetalCost, DhRegistersAtE4b) {
   for (size_t i = 0; i < bc.size(); ++i) {
     if (bc[i].flops == 0) continue;
     const Launch& l = bp.launches[i];
-    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4");
+    ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_hbf16_q4_g64");
     read += bc[i].bytes_read, written += bc[i].bytes_written, flops += bc[i].flops;
     parts += double(l.grid[0]) * l.grid[1];
     resumed += l.params.block_begin > 0 ? double(l.grid[0]) * l.grid[1] : 0.0;
@@ -158,7 +158,10 @@ TEST(MetalCost, RooflineAndLaunchFields) {
     ASSERT_EQ(costs[i].threads, int64_t(l.grid[0]) * l.grid[1] * l.threads[0]);
     ASSERT_LE(costs[i].threadgroup_bytes, 32768u);
   }
-  ASSERT_EQ(costs[0].threadgroup_bytes, head_threadgroup_bytes());
+  // bfloat16 h and scales: bfloat16 tiles (h and w 2,560 bytes each, not 4,608).
+  ASSERT_EQ(costs[0].threadgroup_bytes, head_threadgroup_bytes(DType::bf16));
+  ASSERT_EQ(head_threadgroup_bytes(DType::f32) - head_threadgroup_bytes(DType::bf16),
+            size_t(2 * (4608 - 2560)));
   const PassCost t = pass_cost(costs, m1);
   ASSERT_EQ(t.launches, costs.size());
   ASSERT_GE(t.seconds, t.longest_seconds);
@@ -176,7 +179,8 @@ TEST(MetalCost, MlxQuantizedMatmul) {
 TEST(MetalCost, DwRowsOncePerGroupOfMTiles) {
   // Nine m tiles in one launch: the float32 dW rows are written once per group
   // of FCCE_GROUP_BLOCKS m tiles (3 groups) and read by all but the first.
-  const Problem p = dense_dw(280, 64, 100);
+  Problem p = dense_dw(280, 64, 100);
+  p.acc_registers = -1; // the grouped kernel
   const Plan plan = make_plan(p);
   const auto c = plan_cost(p, plan);
   double read = 0, written = 0;
@@ -187,4 +191,24 @@ TEST(MetalCost, DwRowsOncePerGroupOfMTiles) {
   ASSERT_TRUE(near(written, tgs * groups * rows));
   const double tiles = tgs * 9 * (2 * 32.0 * 64 * 4 + 32.0 * 64 * 4 + 32 * 16);
   ASSERT_TRUE(near(read, tiles + tgs * (groups - 1) * rows));
+}
+
+TEST(MetalCost, DwRowsOncePerLaunchInRegisters) {
+  // dW's register kernel at H = 300 (two chunks): nine m tiles in launches of
+  // four; per (threadgroup, m tile) h's tile twice and W's rows once, the dS
+  // tile (4 KB) written once and read by the second chunk; the float32 rows
+  // written once per launch and read by the launches that continue them.
+  Problem p = dense_dw(280, 300, 100);
+  p.round_m_tiles = 4;
+  const Plan plan = make_plan(p);
+  const auto c = plan_cost(p, plan);
+  double read = 0, written = 0, launches = 0;
+  for (size_t i = 0; i < c.size(); ++i)
+    if (std::string(plan.launches[i].kernel).rfind("fcce_dwreg_", 0) == 0)
+      read += c[i].bytes_read, written += c[i].bytes_written, ++launches;
+  ASSERT_EQ(launches, 3);
+  const double tgs = 4, rows = 32.0 * 300 * 4, ds = 32.0 * 32 * 4;
+  ASSERT_TRUE(near(written, tgs * (3 * rows + 9 * ds)));
+  const double tiles = tgs * 9 * (2 * 32.0 * 300 * 4 + 32.0 * 300 * 4 + 32 * 16 + ds);
+  ASSERT_TRUE(near(read, tiles + tgs * 2 * rows));
 }

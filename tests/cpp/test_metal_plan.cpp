@@ -71,7 +71,7 @@ bool is_head(const Launch& l) {
 }
 
 bool is_dw(const Launch& l) {
-  return std::string(l.kernel).rfind("fcce_dw_", 0) == 0;
+  return std::string(l.kernel).rfind("fcce_dw", 0) == 0;
 }
 
 // The head kernel's launches: the splits cover the vocabulary's BN-row blocks
@@ -189,7 +189,10 @@ Problem problem(Pass pass, int64_t M, int64_t H, int64_t V) {
 TEST(MetalPlan, KernelNamesAreUnique) {
   const auto& n = kernel_names();
   ASSERT_EQ(std::set<std::string>(n.begin(), n.end()).size(), n.size());
-  ASSERT_EQ(n.size(), 163u); // 109 + 2 x 27 register kernels (9 dense, 18 quantized each)
+  // 5 passes x 9 dense (h, w) pairs, 5 x 3 tile types x 6 bit widths x 3 group sizes
+  // quantized, 2 x 9 dW, combine, 3 reduce_dh, reduce_gsum, 2 casts, 2 widens, 12 fused dh;
+  // the entropy variants: 2 x 9 dense (forward, dh), 2 x 54 quantized, 9 dW, the combine.
+  ASSERT_EQ(n.size(), 45u + 270 + 2 * 9 + 1 + 3 + 1 + 2 + 2 + 12 + 18 + 108 + 9 + 1);
 }
 
 TEST(MetalPlan, ForwardShapes) {
@@ -244,17 +247,35 @@ TEST(MetalPlan, QuantizedKernelsAndParams) {
         p.sb = DType::bf16;
         const Plan plan = make_plan(p);
         check_plan(p, plan);
-        const Launch& l = plan.launches[0];
+        // The tile type is h's where the scales agree (bfloat16), else float32:
+        // the float16 h, the scales of a non-bfloat16 h and their biases are
+        // widened first, and the head kernel reads those copies.
+        const bool same = h == DType::bf16;
+        ASSERT_EQ(tile_dtype(p), same ? DType::bf16 : DType::f32);
+        std::vector<std::string> widened;
+        size_t head = 0;
+        while (std::string(plan.launches[head].kernel).rfind("fcce_widen_", 0) == 0) {
+          widened.push_back(plan.launches[head++].kernel);
+        }
+        std::vector<std::string> want;
+        if (h == DType::f16) want.push_back("fcce_widen_f16");
+        if (!same) want.insert(want.end(), {"fcce_widen_bf16", "fcce_widen_bf16"});
+        ASSERT_EQ(widened, want);
+        const Launch& l = plan.launches[head];
         const std::string hn = h == DType::f32 ? "f32" : h == DType::f16 ? "f16" : "bf16";
+        const std::string tn = same ? "bf16" : "f32";
         ASSERT_TRUE(acc_in_registers(p));
-        ASSERT_EQ(std::string(l.kernel), "fcce_dhreg_h" + hn + "_q" + std::to_string(b));
+        ASSERT_EQ(std::string(l.kernel),
+                  "fcce_dhreg_h" + tn + "_q" + std::to_string(b) + "_g" + std::to_string(gs));
         ASSERT_EQ(l.params.row_bytes, 256 * b / 8);
         ASSERT_EQ(l.params.groups, 256 / gs);
         ASSERT_EQ(l.params.sb_dtype, 2);
         ASSERT_EQ(std::string(plan.launches.back().kernel), "fcce_reduce_dh_" + hn);
-        bool binds_scales = false;
-        for (const auto& bd : l.buffers) binds_scales |= bd.role == Role::scales;
-        ASSERT_TRUE(binds_scales);
+        std::set<Role> bound;
+        for (const auto& bd : l.buffers) bound.insert(bd.role);
+        ASSERT_EQ(bound.count(same ? Role::scales : Role::scales_tile), 1u);
+        ASSERT_EQ(bound.count(same ? Role::biases : Role::biases_tile), 1u);
+        ASSERT_EQ(bound.count(h == DType::f16 ? Role::h_tile : Role::h), 1u);
       }
 }
 
@@ -283,6 +304,30 @@ TEST(MetalPlan, DwSlabsTileTheVocabulary) {
 // rows, nor dW more than 8192 rows of h, in one launch; no launch beyond
 // kLaunchFlops), over the shapes the CPU backend accepts up to Gemma's heads
 // and awkward ones, every pass, dense and 4-bit.
+// The head launches' grid: x over m tiles (dispatched fastest), y over
+// splits, so that threadgroups in flight are one split's m tiles walking the
+// same W blocks. At e4b M = 512 every launch of each pass carries all 16 m
+// tiles of its splits.
+TEST(MetalPlan, GridOrderSharesWTiles) {
+  for (int pass = 0; pass < 3; ++pass) {
+    Problem p = problem(pass == 2 ? Pass::backward : Pass::forward, 512, 2560, 262144);
+    p.fused = pass == 1;
+    p.quantized = true;
+    p.h = p.sb = DType::bf16;
+    const Plan plan = make_plan(p);
+    int head = 0;
+    for (const auto& l : plan.launches) {
+      if (!is_head(l)) continue;
+      ++head;
+      ASSERT_EQ(l.grid[0], 16u) << l.kernel; // m tiles: 32 splits x 16 in the forward
+      ASSERT_EQ(l.params.m_tile_begin, 0);
+      ASSERT_LE(l.params.split_begin + int(l.grid[1]), l.params.splits) << l.kernel;
+      ASSERT_GT(l.grid[1], 1u) << l.kernel;
+    }
+    ASSERT_GT(head, 0);
+  }
+}
+
 TEST(MetalPlan, LaunchesAreBounded) {
   const int64_t shapes[][3] = {
       {512, 2560, 262144}, {8192, 2560, 262144}, {32768, 2560, 262144},
@@ -293,16 +338,18 @@ TEST(MetalPlan, LaunchesAreBounded) {
       {40000, 64, 100}, {20000, 32, 4000}};
   for (const auto& s : shapes)
     for (bool quantized : {false, true})
-      for (int pass = 0; pass < 4; ++pass) {
+      for (int pass = 0; pass < 6; ++pass) {
         Problem p = problem(Pass::forward, s[0], s[1], s[2]);
-        // pass 3: the backward with dh's accumulator in registers at every H.
+        // pass 3: the backward with dh's accumulator in registers at every H;
+        // 4 and 5: the forward and backward with the entropy statistics.
         if (pass == 3) p.acc_registers = 1;
+        p.stats = pass >= 4;
         p.quantized = quantized;
         p.group_size = 32;
         p.w = DType::bf16;
         p.h = DType::bf16;
         if (pass == 1) p.fused = true;
-        if (pass >= 2) {
+        if (pass >= 2 && pass != 4) {
           p.pass = Pass::backward;
           p.compute_dw = !quantized;
         }

@@ -21,14 +21,14 @@ namespace mx = mlx::core;
 namespace {
 
 // Inputs and outputs of each primitive (flash_cce.h).
-int inputs_of(Pass pass, bool quantized) {
+int inputs_of(Pass pass, bool quantized, bool stats) {
   const int base = pass == Pass::forward ? 3 : pass == Pass::backward ? 6 : 7;
-  return base + (quantized ? 2 : 0);
+  return base + (quantized ? 2 : 0) + (stats && pass == Pass::backward ? 2 : 0);
 }
 
 int outputs_of(const Problem& p) {
   if (p.pass == Pass::forward) {
-    return p.fused ? 3 : 2;
+    return p.stats ? 5 : p.fused ? 3 : 2;
   }
   return p.pass == Pass::backward && p.compute_dw ? 2 : 1;
 }
@@ -48,6 +48,10 @@ std::vector<Problem> problems() {
           p.fused = pass == Pass::forward && flag;
           p.compute_dw = pass == Pass::backward && flag && !quantized;
           out.push_back(p);
+          if (pass != Pass::fused_dh && !p.fused) { // the entropy statistics
+            p.stats = true;
+            out.push_back(p);
+          }
         }
       }
     }
@@ -65,11 +69,11 @@ TEST(MetalRoles, EveryBoundRoleResolves) {
     std::set<int> written;
     for (const Launch& l : plan.launches) {
       for (const Binding& b : l.buffers) {
-        const Slot slot = role_slot(p.pass, b.role);
+        const Slot slot = role_slot(p.pass, b.role, p.stats);
         const std::string where = std::string(l.kernel) + " binds " + role_name(b.role);
         switch (slot.kind) {
           case Slot::input:
-            EXPECT_LT(slot.index, inputs_of(p.pass, p.quantized)) << where;
+            EXPECT_LT(slot.index, inputs_of(p.pass, p.quantized, p.stats)) << where;
             break;
           case Slot::output:
             EXPECT_LT(slot.index, outputs_of(p)) << where;
@@ -122,8 +126,8 @@ Head quantized_head(int M, int H, int V) {
   return {h, q[0], y, scales, biases};
 }
 
-void expect_role(const mx::array& prim, Pass pass, Role role, float value) {
-  const Slot s = role_slot(pass, role);
+void expect_role(const mx::array& prim, Pass pass, Role role, float value, bool stats = false) {
+  const Slot s = role_slot(pass, role, stats);
   ASSERT_EQ(s.kind, Slot::input) << role_name(role);
   EXPECT_TRUE(all_equal(prim.inputs().at(s.index), value)) << role_name(role);
 }
@@ -159,6 +163,35 @@ TEST(MetalRoles, InputPositionsMatchThePrimitives) {
   expect_role(pb, Pass::backward, Role::g_lse, 3.0f);
   expect_role(pb, Pass::backward, Role::scales, 0.5f);
   expect_role(pb, Pass::backward, Role::biases, -0.25f);
+
+  // With the entropy: h, w, targets, lse, g, g_lse, entropy, g_ent, scales,
+  // biases -> dh; the forward's outputs logp, lse, entropy, is_top1, mean_logit.
+  auto ent = mx::full({M}, 4.0f);
+  auto g_ent = mx::full({M}, 5.0f);
+  auto bwd_ent = fc::flash_cce_backward(k.h, k.w, k.targets, lse, g, g_lse, k.scales,
+                                        k.biases, 64, 4, std::nullopt, -100, false, {}, {},
+                                        ent, g_ent);
+  auto pe = find_primitive(bwd_ent[0], "FlashCCEBackward");
+  const std::pair<Role, float> roles[] = {
+      {Role::lse, 1.0f}, {Role::g, 2.0f}, {Role::g_lse, 3.0f}, {Role::entropy, 4.0f},
+      {Role::g_ent, 5.0f}, {Role::scales, 0.5f}, {Role::biases, -0.25f}};
+  for (auto [role, value] : roles) {
+    expect_role(pe, Pass::backward, role, value, true);
+  }
+  auto fwd_ent = fc::flash_cce_forward(k.h, k.w, k.targets, k.scales, k.biases, 64, 4,
+                                       std::nullopt, -100, false, {}, {}, true);
+  ASSERT_EQ(fwd_ent.size(), 5u);
+  EXPECT_EQ(role_slot(Pass::forward, Role::is_top1, true).index, 3);
+  EXPECT_EQ(fwd_ent[3].dtype(), mx::bool_);
+  EXPECT_EQ(role_slot(Pass::forward, Role::entropy, true).index, 2);
+  EXPECT_EQ(role_slot(Pass::forward, Role::mean_logit, true).index, 4);
+  // The outputs in that order: the entropy and mean logit of the logits.
+  auto wd = mx::dequantize(k.w, k.scales, k.biases, 64, 4);
+  auto s = mx::matmul(mx::astype(k.h, mx::float32), mx::transpose(mx::astype(wd, mx::float32)));
+  auto p = mx::softmax(s, -1);
+  auto want_ent = mx::subtract(mx::logsumexp(s, -1), mx::sum(mx::multiply(p, s), -1));
+  EXPECT_TRUE(mx::allclose(fwd_ent[2], want_ent, 1e-3, 1e-3).item<bool>());
+  EXPECT_TRUE(mx::allclose(fwd_ent[4], mx::mean(s, -1), 1e-3, 1e-3).item<bool>());
 
   // Fused dh, from the forward's VJP: gsum, w, targets, logp, lse, g, g_lse, scales, biases.
   auto f = [&](const std::vector<mx::array>& x) {

@@ -363,24 +363,36 @@ def test_bad_entropy_arguments():
         fc.linear_cross_entropy(h, w, y, entropy=True)
 
 
-def test_metal_gpu_routes_entropy_to_the_fallback(monkeypatch):
+def test_metal_gpu_runs_entropy_natively_where_the_gate_allows(monkeypatch):
     """On a Metal GPU (a gated device, injected here as the CPU) calls that
-    request the entropy run the fallback; temperature alone keeps the kernels,
-    whose inputs it only rescales."""
+    request the entropy run the native kernels where the configuration passed
+    its self-check (which covers the entropy path), else the fallback; a
+    device whose kernels lack the statistics (CUDA's) runs the fallback."""
     monkeypatch.setattr(metal, "gated", lambda device: device.type == mx.cpu)
-    monkeypatch.setattr(metal.GATE, "allows", lambda spec: True)
+    allowed, asked = [], []
+    monkeypatch.setattr(metal.GATE, "allows",
+                        lambda spec, entropy=False: asked.append(entropy) or allowed[-1])
     calls = []
     real = ops.fallback.forward
     monkeypatch.setattr(ops.fallback, "forward",
                         lambda *a, **k: calls.append(k.get("stats")) or real(*a, **k))
     h, w, y = make_inputs(4, 16, 30)
-    st = fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)
-    assert calls == [True] and not ops.native_stats(mx.cpu)
-    fc.flash_cce_forward(h, w, y, temperature=0.5, stream=mx.cpu)
-    assert calls == [True]
-    monkeypatch.undo()
     want = fc.flash_cce_forward(h, w, y, entropy=True, backend="fallback")
-    assert np.array_equal(np.array(st.entropy), np.array(want.entropy))
+    assert calls == [True]
+    allowed.append(True)
+    st = fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)
+    assert calls == [True] and ops.native_stats(mx.cpu)
+    assert asked == [True]  # the gate's entropy check, not only the logp one
+    fc.flash_cce_forward(h, w, y, stream=mx.cpu)
+    assert asked == [True, False]
+    np.testing.assert_allclose(np.array(st.entropy), np.array(want.entropy), rtol=1e-5, atol=1e-5)
+    allowed.append(False)
+    fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)
+    assert calls == [True, True]
+    allowed.append(True)
+    monkeypatch.setattr(ops._ext, "supports_stats", lambda device: False)
+    fc.flash_cce_forward(h, w, y, entropy=True, stream=mx.cpu)
+    assert calls == [True, True, True]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -46,6 +46,10 @@ class Native:
     def _on(self, scales):
         return self.defect and not (self.only_quantized and scales is None)
 
+    @staticmethod
+    def supports_stats(device):
+        return _ext.supports_stats(device)
+
     def forward(self, h, w, targets, scales=None, biases=None, **kw):
         self.calls += 1
         if self._on(scales) and self.defect == "raise":
@@ -207,10 +211,13 @@ def test_metal_status_reports_checks_and_errors(monkeypatch):
     st = metal.metal_status(gate=g)
     assert st["metal_available"] and st["kernels_built"]
     assert st["library_source"] == "source"
-    assert set(st["configs"]) == {s.key for s in metal.COMMON_SPECS}
+    # Each configuration and its entropy check (run where the logp check passed).
+    dense = {s.key for s in metal.COMMON_SPECS if s.bits is None}
+    ent = {k + ", entropy" for k in dense}
+    assert set(st["configs"]) == {s.key for s in metal.COMMON_SPECS} | ent
     passed = {k for k, c in st["configs"].items() if c["passed"]}
-    assert passed == {s.key for s in metal.COMMON_SPECS if s.bits is None}
-    assert st["active"] == f"native for {len(passed)} of {len(metal.COMMON_SPECS)} checked configurations"
+    assert passed == dense | ent
+    assert st["active"] == f"native for {len(passed)} of {len(st['configs'])} checked configurations"
     assert "-bit/64 (bfloat16 scales): dh(" in st["last_error"]
     text = str(st)
     assert "configs:" in text and ": fallback (" in text and ": native (" in text
@@ -292,3 +299,46 @@ def test_the_shipped_problems_cover_what_the_check_must_see():
     assert any(0 <= p.ignore_index < p.V and p.ignored for p in PROBLEMS)
     assert any(p.max_splits == 1 and -(-p.V // 32) >= 64 and 0 < p.round_blocks < 64
                for p in PROBLEMS)
+
+
+class EntropyNative(Native):
+    """The CPU kernels with their entropy statistics, the entropy optionally
+    off by `shift` (a defect)."""
+
+    def __init__(self, shift=0.0):
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, *args, stats=False, **kw):
+        out = super().forward(*args, stats=stats, **kw)
+        if stats and self.shift:
+            out = [out[0], out[1], out[2] + self.shift, *out[3:]]
+        return out
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[1], SPECS[2], SPECS[4], SPECS[5]],
+                         ids=lambda s: s.key)
+def test_entropy_check_passes_the_cpu_kernels(spec):
+    result = self_check(spec, EntropyNative(), mx.cpu, SMALL, entropy=True)
+    assert result.passed, result.detail
+    assert 0 < result.worst <= 1
+
+
+def test_entropy_check_passes_the_cpu_kernels_on_the_shipped_problems():
+    result = self_check(SPECS[1], EntropyNative(), mx.cpu, entropy=True)
+    assert result.passed, result.detail
+
+
+def test_entropy_check_refuses_a_wrong_entropy_apart_from_logp():
+    g, log = gate(EntropyNative(shift=0.05))
+    assert g.allows(SPECS[0])  # calls without the entropy keep the kernels
+    assert not log
+    assert not g.allows(SPECS[0], entropy=True)
+    result = g.checks[SPECS[0].key + ", entropy"]
+    assert result.worst > 1 and result.detail.startswith("entropy")
+    assert len(log) == 1 and "entropy" in log[0]
+    # A native path without the statistics fails the entropy's check, saying so.
+    plain = Native()
+    plain.supports_stats = lambda device: False
+    result = self_check(SPECS[0], plain, mx.cpu, SMALL, entropy=True)
+    assert not result.passed and "no entropy statistics" in result.detail

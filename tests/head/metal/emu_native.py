@@ -37,6 +37,11 @@ class EmuNative:
         self.program, self.seed = program, seed
         self.limits = {"max_splits": 0, "round_blocks": 0}
         self.launches = 0  # kernels run so far
+        self.kernels = set()  # their names
+
+    @staticmethod
+    def supports_stats(device):
+        return True  # the emulated kernels have the entropy variants
 
     def metal_plan_limits(self, max_splits=0, round_blocks=0, stream=None):
         self.limits = {"max_splits": max_splits, "round_blocks": round_blocks}
@@ -54,6 +59,7 @@ class EmuNative:
 
     def _run(self, plan, arrays):
         self.launches += len(plan["launches"])
+        self.kernels |= he.plan_kernels(plan)
         he.run_plan(self.program, plan, arrays, seed=self.seed)
         return arrays
 
@@ -75,8 +81,16 @@ class EmuNative:
         return self._run(self._plan("forward", h, w, scales, fused=fused, **q), a)
 
     def forward(self, h, w, targets, scales=None, biases=None, *, group_size=64, bits=None,
-                softcap=None, ignore_index=-100, fused_backward=False, stream=None):
+                softcap=None, ignore_index=-100, fused_backward=False, stream=None, stats=False):
         q = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
+        if stats:
+            # As the Metal host: the plain forward with the statistics (never fused).
+            M = h.shape[0]
+            a = self._operands(h, w, targets, scales, biases)
+            a.update({k: np.zeros(M, np.float32) for k in ("logp", "lse", "entropy", "mean_logit")})
+            a["is_top1"] = np.zeros(M, np.bool_)
+            self._run(self._plan("forward", h, w, scales, stats=True, **q), a)
+            return [mx.array(a[k]) for k in ("logp", "lse", "entropy", "is_top1", "mean_logit")]
         if not fused_backward:
             a = self._forward(h, w, targets, scales, biases, False, q)
             return [mx.array(a["logp"]), mx.array(a["lse"])]
@@ -104,7 +118,7 @@ class EmuNative:
 
     def backward(self, h, w, targets, lse, g, g_lse=None, scales=None, biases=None, *,
                  group_size=64, bits=None, softcap=None, ignore_index=-100, compute_dw=False,
-                 stream=None):
+                 stream=None, entropy=None, g_entropy=None):
         q = dict(group_size=group_size, bits=bits, softcap=softcap, ignore_index=ignore_index)
         dt = DTYPE_NAMES[h.dtype]
         a = self._operands(h, w, targets, scales, biases)
@@ -114,7 +128,12 @@ class EmuNative:
                  g_lse=np.array(g_lse.astype(mx.float32)), dh=np.zeros(h.shape, he.STORAGE[dt]))
         if compute_dw:
             a["dw"] = np.zeros(w.shape, he.STORAGE[DTYPE_NAMES[w.dtype]])
-        self._run(self._plan("backward", h, w, scales, compute_dw=compute_dw, **q), a)
+        stats = g_entropy is not None
+        if stats:
+            a.update(entropy=np.array(entropy.astype(mx.float32)),
+                     g_ent=np.array(g_entropy.astype(mx.float32)))
+        self._run(self._plan("backward", h, w, scales, compute_dw=compute_dw, stats=stats, **q),
+                  a)
         out = [from_host(a["dh"], dt)]
         if compute_dw:
             out.append(from_host(a["dw"], DTYPE_NAMES[w.dtype]))

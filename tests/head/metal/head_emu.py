@@ -54,10 +54,10 @@ def _plan_tool() -> Path:
 def plan(pass_: str, M: int, H: int, V: int, *, h="f32", w="f32", sb="f32", out="f32",
          quantized=False, bits=4, group_size=64, softcap=0.0, ignore_index=-100,
          fused=False, compute_dw=False, max_splits=0, dw_slab_rows=0, round_blocks=0,
-         round_m_tiles=0, acc_registers=0) -> dict:
+         round_m_tiles=0, acc_registers=0, stats=False) -> dict:
     args = [pass_, M, H, V, h, w, sb, out, int(quantized), bits, group_size, softcap,
             ignore_index, int(fused), int(compute_dw), max_splits, dw_slab_rows, round_blocks,
-            round_m_tiles, acc_registers]
+            round_m_tiles, acc_registers, int(stats)]
     proc = subprocess.run([str(_plan_tool()), *map(str, args)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise ValueError(proc.stderr.strip())

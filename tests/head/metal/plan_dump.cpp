@@ -1,7 +1,7 @@
 // Prints csrc/metal/plan.h's launch plan as JSON, so that the Python emulation
 // tests run exactly the launches the Metal host encodes.
 //   plan_dump pass M H V h w sb out quantized bits group_size softcap ignore_index fused compute_dw
-//             max_splits dw_slab_rows round_blocks round_m_tiles acc_registers
+//             max_splits dw_slab_rows round_blocks round_m_tiles acc_registers stats
 //   plan_dump --names
 //   plan_dump --select SOURCE NAME...   (csrc/metal/kernel_source.h: SOURCE cut
 //                                        down to the kernels NAME..., to stdout)
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
       std::fputs(select_kernels(text.str(), names).c_str(), stdout);
       return 0;
     }
-    if (argc != 21) {
+    if (argc != 22) {
       std::fprintf(stderr, "usage: see the header of plan_dump.cpp\n");
       return 2;
     }
@@ -114,6 +114,7 @@ int main(int argc, char** argv) {
     p.round_blocks = std::atoi(argv[18]);
     p.round_m_tiles = std::atoi(argv[19]);
     p.acc_registers = std::atoi(argv[20]);
+    p.stats = std::atoi(argv[21]) != 0;
     print_plan(make_plan(p));
     return 0;
   } catch (const std::exception& e) {

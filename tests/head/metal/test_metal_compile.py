@@ -63,3 +63,20 @@ def test_a_configuration_compiles_and_runs_only_its_kernels(shipped, config):
 def test_a_kernel_missing_from_the_source_is_named(shipped):
     with pytest.raises(ValueError, match="no kernel fcce_fwd_hf64_wf64"):
         he.select_kernels(shipped, {"fcce_fwd_hf32_wf32", "fcce_fwd_hf64_wf64"})
+
+
+def test_the_entropy_variants_compile_only_when_asked(shipped):
+    # A configuration's logp plans cut no entropy kernel; its entropy plans
+    # cut exactly theirs (combine_ent is a template: not kept like a plain
+    # kernel), which compile and run against float64.
+    from test_metal_entropy import check_backward, check_forward, ent_plans, g_ent_of
+
+    p, cap = CONFIGS["bf16-4bit"]
+    plain = he.plan_kernels(*plans_for(p, cap, max_splits=2))
+    assert not any("_ent" in k for k in instantiated(he.select_kernels(shipped, plain)))
+    kernels = he.plan_kernels(*ent_plans(p, cap, compute_dw=False, max_splits=2))
+    text = he.select_kernels(shipped, kernels)
+    assert instantiated(text) == kernels
+    prog = he.build(source=text)
+    check_forward(prog, p, cap, max_splits=2)
+    check_backward(prog, p, cap, g_ent_of(p, 6), max_splits=2)

@@ -139,3 +139,44 @@ def test_bench_prints_the_model_for_its_gpu():
     step = 1e3 * step_seconds(True)
     assert bench_metal.model_ms(512, 2560, 262144, "q4", "fwd_bwd", "Apple M1 Max") == \
         pytest.approx(step)
+
+
+@pytest.mark.parametrize("M", [512, 8192])
+def test_entropy_costs_rows_not_tiles(M):
+    # The entropy's forward and backward run the same GEMMs and tiles as the
+    # plain ones (the same flops) and add only per-row bytes: three more
+    # [splits, M] statistics in the forward, entropy and g_ent per row in the
+    # backward (under 0.1% at e4b). Its training step is the plain forward
+    # plus the backward pass, 3 GEMMs to the fused logp step's 2: 1.5x modelled.
+    def total(d):
+        return d["bytes_read"] + d["bytes_written"]
+
+    for pass_ in ("forward", "backward"):
+        plain = cost(pass_, M, **E4B, **Q4)
+        ent = cost(pass_, M, **E4B, **Q4, stats=True)
+        assert ent["flops"] == plain["flops"]
+        assert total(plain) < total(ent) < 1.001 * total(plain)
+    step = sum(cost(p, M, **E4B, **Q4, stats=True)["seconds"] for p in ("forward", "backward"))
+    fused = cost("forward", M, **E4B, **Q4, fused=True)["seconds"] + \
+        cost("fused_dh", M, **E4B, **Q4)["seconds"]
+    assert 1.4 < step / fused < 1.6
+
+
+@pytest.mark.parametrize("pass_,extra", [("forward", {}), ("forward", {"fused": True}),
+                                         ("backward", {})])
+def test_tiles_in_the_head_type(pass_, extra):
+    # At e4b (bfloat16 h and scales) the h and w tiles are bfloat16, as MLX's
+    # qmm_t tiles are: [32, 40] each, 5,120 bytes together, beside the float
+    # coefficient tiles [32, 36] (one in the register kernels, four in the
+    # grouped forward) and the row factors [32].
+    qmm = ext.metal_qmm_cost(512, E4B["V"], E4B["H"], x_bytes=2, bits=4, group_size=64,
+                             sb_bytes=2)["threadgroup_bytes"]
+    coef = 4 if pass_ == "forward" and not extra else 1
+    for l in cost(pass_, 512, **E4B, **Q4, **extra)["launches"]:
+        if l["flops"] > 0:
+            assert l["threadgroup_bytes"] == qmm + coef * 32 * 36 * 4 + 32 * 4 == \
+                (23680 if coef == 4 else 9856), l
+    # A float32 h with bfloat16 scales: float32 tiles, the scales widened first.
+    f32 = cost(pass_, 512, **E4B, **{**Q4, "h": "float32"}, **extra)["launches"]
+    assert [l["kernel"] for l in f32[:2]] == ["fcce_widen_bf16"] * 2
+    assert all(l["threadgroup_bytes"] in (13952, 27776) for l in f32 if l["flops"] > 0)

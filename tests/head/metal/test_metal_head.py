@@ -5,15 +5,22 @@ Tolerances, as in tests/head/test_head.py: inputs are rounded to their dtype fir
 and the reference uses the rounded values, so the differences are the
 kernels' float32 arithmetic and the rounding of outputs. With u = 2^-24 and
 B = |h| @ |W|^T:
-  - a logit is a length-H fp32 dot product: |ds| <= (H + 2) u B, plus, for a
-    quantized head, the dequantization's u (|scale q| + |bias|) per weight;
+  - a logit is a length-H fp32 dot product of the operands as the kernels'
+    tiles hold them: |ds| <= (H + 2) u B, plus, for a quantized head, the
+    dequantization's error per weight. MLX's QuantizedBlockLoader computes
+    scale q + bias in the tile type T (the common type of h and the scales:
+    bfloat16 for a bfloat16 h with bfloat16 scales), two roundings of unit
+    u_T: |w~ - w| <= u_T |scale q| + u_T |scale q + bias| (1 + u_T)
+    <= (2 + u_T) u_T (|scale q| + |bias|) =: u_deq Wabs. A dense head's tiles
+    hold its inputs exactly (T is their dtype, or float32);
   - lse and logp add V u relative from the sums of V exponentials and a few u
     from exp/log: |dlse| <= 2 ds + (V + 16) u (1 + |lse|);
   - dh, dW and gsum sum V (or M) products of factors with relative error
     <= 4 ds (+ the error of the lse they were given) plus fp32 accumulation,
     then round once to the output dtype (half its subnormal spacing more
     where the result is subnormal there):
-    |d dh| <= u_out |dh| + tiny_out + ((V + 4) u + 4 ds + e_lse) (|dS| @ |W|);
+    |d dh| <= u_out |dh| + tiny_out + ((V + 4) u + 4 ds + e_lse) (|dS| @ |W|),
+    plus u_deq (|dS| @ Wabs) for the dequantized weights' own error;
   - the fused dh, (g_lse - g) gsum + g dcap_y W_y, carries gsum's error times
     |g_lse - g|, and with a softcap dcap_y = 1 - t^2 from t = (logp + lse) / cap
     moves by at most 2 e_sy / cap, e_sy the error of logp + lse.
@@ -69,11 +76,16 @@ class Head:
             self.W64 = dequantize(q, s, b, gs)
             # |scale q| + |bias| per weight: the dequantization's rounding scale.
             self.Wabs = dequantize(q, mx.abs(s), mx.abs(b), gs)
+            # The kernels' tile type and the dequantization's error per unit
+            # of Wabs (module docstring).
+            u_tile = UNIT[dtype if dtype == sb_dtype else "f32"]
+            self.u_deq = (2 + u_tile) * u_tile
         else:
             self.w_dtype = w_dtype or dtype
             self.w = he.to_storage(w, self.w_dtype)
             self.W64 = he.to_f64(self.w, self.w_dtype)
             self.Wabs = np.abs(self.W64)
+            self.u_deq = 0.0
         self.y = rng.integers(0, V, M).astype(np.int32)
         for i in ignore:
             self.y[i] = ignore_index
@@ -102,7 +114,7 @@ class Head:
         """Worst-case error of one logit."""
         B = np.abs(self.H64) @ np.abs(self.W64).T
         Bq = np.abs(self.H64) @ self.Wabs.T if self.quant else 0.0
-        return (self.H + 2) * U32 * B.max() + 2 * U32 * np.max(Bq)
+        return (self.H + 2) * U32 * B.max() + self.u_deq * np.max(Bq)
 
 
 def reference(p: Head, softcap, g=None, g_lse=None):
@@ -112,13 +124,17 @@ def reference(p: Head, softcap, g=None, g_lse=None):
     return forward_backward(p.H64, p.W64, y_ref, g, g_lse, softcap, p.ignore_index)
 
 
-def ref_ds(p: Head, softcap, g, g_lse, lse):
+def ref_logits(p: Head, softcap):
+    """float64 final logits s and the softcap's derivative dcap."""
     raw = p.H64 @ p.W64.T
     if softcap:
         t = np.tanh(raw / softcap)
-        s, dcap = softcap * t, 1 - t * t
-    else:
-        s, dcap = raw, np.ones_like(raw)
+        return softcap * t, 1 - t * t
+    return raw, np.ones_like(raw)
+
+
+def ref_ds(p: Head, softcap, g, g_lse, lse):
+    s, dcap = ref_logits(p, softcap)
     keep = (p.y != p.ignore_index) & (p.y >= 0) & (p.y < p.V)
     gm = np.where(keep, g, 0.0)
     P = np.exp(s - lse[:, None])
@@ -188,7 +204,8 @@ def check_backward(prog, p: Head, softcap, ref_lse, compute_dw=False, seed=0, **
     bw = run_backward(prog, p, softcap, lse32, compute_dw, seed=seed, **plan_kw)
     dh = he.to_f64(bw["dh"], p.dtype)
     tol_dh = UNIT[p.dtype] * np.abs(ref_dh) + TINY[p.dtype] + \
-        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64))
+        ((p.V + 4) * U32 + 4 * ds + e_lse) * (np.abs(dS) @ np.abs(p.W64)) + \
+        p.u_deq * (np.abs(dS) @ p.Wabs)
     np.testing.assert_array_less(np.abs(dh - ref_dh), tol_dh + 1e-30)
     if compute_dw:
         ref_dw = dS.T @ p.H64
@@ -218,7 +235,8 @@ def check_all(prog, p: Head, softcap, compute_dw=False, seed=0, **plan_kw):
     # gsum = sum_v p_v dcap_v W_v: the gradient with g = 0, g_lse = 1.
     P_dcap, _, _ = ref_ds(p, cap, np.zeros(p.M), np.ones(p.M), ref_lse)
     ref_gsum = P_dcap @ p.W64
-    tol_gsum = ((p.V + 4) * U32 + 4 * ds + tol_lse) * (np.abs(P_dcap) @ np.abs(p.W64))
+    tol_gsum = ((p.V + 4) * U32 + 4 * ds + tol_lse) * (np.abs(P_dcap) @ np.abs(p.W64)) + \
+        p.u_deq * (np.abs(P_dcap) @ p.Wabs)
     np.testing.assert_array_less(np.abs(fused["gsum"] - ref_gsum), tol_gsum + 1e-30)
 
     check_backward(prog, p, softcap, ref_lse, compute_dw, seed + 2, **plan_kw)
@@ -269,12 +287,18 @@ def dense_kernels():
 
 
 def quant_kernels(bits_list, dtypes):
+    # Kernels are per (tile type, bits, group size); scales of another dtype
+    # than h's add the widening kernels.
     names = set()
     for bits in bits_list:
         for dt in dtypes:
-            p = Head(2, 32, 40, dt, quant=(bits, 32))
-            for plan in plans_for(p, 0.0):
-                names |= he.plan_kernels(plan)
+            for gs in (32, 64, 128):
+                p = Head(2, gs, 40, dt, quant=(bits, gs))
+                for plan in plans_for(p, 0.0):
+                    names |= he.plan_kernels(plan)
+    for sb in ("f16", "bf16"):
+        names |= he.plan_kernels(he.plan("forward", 2, 32, 40, quantized=True, group_size=32,
+                                          sb=sb))
     return names
 
 
@@ -376,6 +400,22 @@ def test_quantized_half_scales(quant, sb_dtype):
     check_all(quant, p, None)
 
 
+@pytest.mark.parametrize("dtype,sb_dtype", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+def test_quantized_tile_types(dtype, sb_dtype):
+    # Every pass of a 4-bit head (group 64) with float16 and bfloat16 tiles
+    # (h and scales of one dtype: MLX's loaders and dequantization in that
+    # dtype, bounded by u_deq), and with float32 tiles behind the widening of
+    # both a float16 h and bfloat16 scales.
+    p = Head(9, 128, 150, dtype, quant=(4, 64), sb_dtype=sb_dtype, ignore=(2,), seed=41)
+    kernels = set()
+    for plan in plans_for(p, 30.0):
+        kernels |= he.plan_kernels(plan)
+    tile = dtype if dtype == sb_dtype else "f32"
+    assert f"fcce_fwd_h{tile}_q4_g64" in kernels
+    assert ("fcce_widen_f16" in kernels) == (dtype != sb_dtype)
+    check_all(program(kernels), p, 30.0, max_splits=2)
+
+
 # --- dh with its accumulator in registers ------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -385,11 +425,13 @@ def test_acc_registers_dense(dense, dtype, softcap):
     # second of 44 columns (its last BK piece partial, the rest of its pieces
     # past H); 11 blocks in 2 splits in rounds of 2 (each launch resumes the
     # register accumulator from the partial its predecessor wrote), one m tile
-    # per launch (the second partial).
+    # per launch (the second partial). dW likewise in registers: two slabs, each
+    # m tile in its own launch (the second continues the float32 rows the
+    # first wrote), the second chunk from each m tile's staged dS tile.
     p = Head(37, 300, 333, dtype, ignore=(0, 5), seed=31 + len(dtype))
     ref_lse = reference(p, softcap)[1]
-    check_backward(dense, p, softcap, ref_lse, seed=1, max_splits=2, round_blocks=2,
-                   round_m_tiles=1, acc_registers=1)
+    check_backward(dense, p, softcap, ref_lse, compute_dw=True, seed=1, max_splits=2,
+                   round_blocks=2, round_m_tiles=1, acc_registers=1, dw_slab_rows=192)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
@@ -423,8 +465,11 @@ def test_acc_registers_quantized(dh_regs_quant, dtype):
 
 @pytest.fixture(scope="module")
 def dh_regs_quant():
-    return program({f"fcce_dhreg_h{dt}_q4" for dt in ("f32", "bf16")} |
-                   {"fcce_reduce_dh_f32", "fcce_reduce_dh_bf16"})
+    # 4-bit, group 64, bfloat16 scales: the float32 h's kernel reads them
+    # widened to float32 (fcce_widen_bf16), the bfloat16 h's in bfloat16.
+    return program(he.plan_kernels(*(
+        he.plan("backward", 2, 64, 40, h=dt, quantized=True, bits=4, group_size=64, sb="bf16")
+        for dt in ("f32", "bf16"))))
 
 
 def test_every_plan_kernel_is_in_the_source():

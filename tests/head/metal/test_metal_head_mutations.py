@@ -90,8 +90,9 @@ def test_every_pass_clean_under_asan():
 # and multiplying (one multiplies a tile others have not finished loading), and
 # between storing the logits and the row epilogue (rows read before written).
 BARRIERS = {
-    "before_load": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    load_dense_tile(h,",
-                    "    load_dense_tile(h,"),
+    "before_load": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                    "    DenseTile<HT, T>::load(h, p.M, p.H, m0,",
+                    "    DenseTile<HT, T>::load(h, p.M, p.H, m0,"),
     "before_mma": ("threadgroup_barrier(mem_flags::mem_threadgroup);\n    mma.mma(sm.hs, sm.ws);",
                    "mma.mma(sm.hs, sm.ws);"),
     "before_epilogue": ("      cs + mma.sm * kLdC + mma.sn);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
@@ -113,13 +114,33 @@ def test_threadgroup_memory_one_float_short_is_caught(small, regs):
     src = source_for()
     size, kernel = ("FCCE_REG_SMEM_FLOATS", "head_fwd_fused_regs(") if regs > 0 else \
         ("FCCE_SMEM_FLOATS", "head_fwd_fused(")
-    decl = f"threadgroup float smem[{size}];"
+    decl = f"threadgroup float smem[{size}(sizeof(T))];"
     at = src[: src.index(f"void {kernel}")].count(decl)  # that kernel's own
-    src = metal_emu.mutate(src, decl, f"threadgroup float smem[{size} - 1];", occurrence=at)
+    src = metal_emu.mutate(src, decl, f"threadgroup float smem[{size}(sizeof(T)) - 1];",
+                           occurrence=at)
     prog = he.build(source=src, mode="asan")
     assert forward_error(he.build(source=source_for(), mode="asan"), small, True, regs=regs) <= 1
     with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
         forward_error(prog, small, True, regs=regs)
+
+
+# The loaders' fast path (metal/loaders.h): steel's unpredicated load_unsafe
+# only for tiles wholly inside the operand. Taken for every tile, the last m
+# tile, the last columns of H and the last vocabulary block read past their
+# buffers (dense); the last vocabulary block past the packed rows (quantized).
+FAST_PATH = {
+    "dense": ("if (r0 + FCCE_BM <= rows && c0 + FCCE_BK <= cols) {", "if (true) {"),
+    "quantized": ("if (v0 + FCCE_BN <= p.V) {", "if (true) {"),
+}
+
+
+@pytest.mark.parametrize("loader", sorted(FAST_PATH))
+def test_loader_fast_path_at_an_edge_is_caught(small, loader):
+    p = small if loader == "dense" else Head(5, 64, 45, quant=(4, 32), seed=4)
+    src = he.kernel_source(he.plan_kernels(forward_plan(p, False)))
+    prog = he.build(source=metal_emu.mutate(src, *FAST_PATH[loader]), mode="asan")
+    with pytest.raises(metal_emu.EmulationError, match="AddressSanitizer|out of bounds"):
+        forward_error(prog, p, False)
 
 
 def test_scratch_buffer_one_float_short_is_caught(small):
@@ -155,11 +176,11 @@ def test_address_spaces_type_check():
 # under any schedule.
 GROUP_BARRIERS = {
     "before_w_load": ("      threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);",
-                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
-    "before_acc_mma": ("      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);\n"
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);",
+                      "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);"),
+    "before_acc_mma": ("      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);\n"
                        "      threadgroup_barrier(mem_flags::mem_threadgroup);",
-                       "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, tid);"),
+                       "      w.load(p, (vb + b) * FCCE_BN, i0, sm.ws, sgid, lane);"),
 }
 
 
@@ -183,15 +204,21 @@ def run_fused_passes(prog):
     he.run_plan(prog, bwd, b)
 
 
+def race_is_reported(source, edit, check):
+    """`check` run on the `tsan` build of `source` with `edit` (a barrier
+    removed) reports a data race."""
+    src = metal_emu.mutate(source, *edit)
+    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
+        check(he.build(source=src, mode="tsan"))
+
+
 def test_group_accumulation_clean_under_tsan():
     run_fused_passes(he.build(source=group_source(), mode="tsan"))
 
 
 @pytest.mark.parametrize("barrier", sorted(GROUP_BARRIERS))
 def test_group_barrier_removed_is_caught_under_tsan(barrier):
-    src = metal_emu.mutate(group_source(), *GROUP_BARRIERS[barrier])
-    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
-        run_fused_passes(he.build(source=src, mode="tsan"))
+    race_is_reported(group_source(), GROUP_BARRIERS[barrier], run_fused_passes)
 
 
 # dh with the accumulator in registers (metal/regs.h): the barriers around
@@ -202,11 +229,11 @@ def test_group_barrier_removed_is_caught_under_tsan(barrier):
 # at its own place in the stage.
 REG_BARRIERS = {
     "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
-                          "          w.load(p, v0, i0, sm.ws, tid);",
-                          "          w.load(p, v0, i0, sm.ws, tid);"),
-    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, tid);\n"
+                          "          w.load(p, v0, i0, sm.ws, sgid, lane);",
+                          "          w.load(p, v0, i0, sm.ws, sgid, lane);"),
+    "before_piece_mma": ("          w.load(p, v0, i0, sm.ws, sgid, lane);\n"
                          "          threadgroup_barrier(mem_flags::mem_threadgroup);",
-                         "          w.load(p, v0, i0, sm.ws, tid);"),
+                         "          w.load(p, v0, i0, sm.ws, sgid, lane);"),
     "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
                          "        for (int k = 0; k < 8; ++k) {\n"
                          "          crow[k] = st[er * FCCE_BN + ec + k];",
@@ -234,20 +261,19 @@ def test_acc_registers_clean_under_tsan():
 
 @pytest.mark.parametrize("barrier", sorted(REG_BARRIERS))
 def test_acc_registers_barrier_removed_is_caught_under_tsan(barrier):
-    src = metal_emu.mutate(regs_source(), *REG_BARRIERS[barrier])
-    with pytest.raises(metal_emu.EmulationError, match="ThreadSanitizer: data race"):
-        check_regs(he.build(source=src, mode="tsan"))
+    race_is_reported(regs_source(), REG_BARRIERS[barrier], check_regs)
 
 
 REG_EDITS = {
     # a piece's accumulator stored to another piece's columns
-    "stored_to_other_columns": ("        mma.Ctile = acc[j];\n        mma.store_result_safe",
-                                "        mma.Ctile = acc[j ^ 1];\n        mma.store_result_safe"),
+    "stored_to_other_columns": ("      mma.Ctile = acc[j];\n      mma.store_result_safe",
+                                "      mma.Ctile = acc[j ^ 1];\n      mma.store_result_safe"),
     # a block's W piece multiplied into the next piece's accumulator
     "wrong_accumulator": ("          acc[j] = mma.Ctile;",
                           "          acc[(j + 1) % FCCE_REG_PIECES] = mma.Ctile;"),
     # a resumed round starting from zero, not from its predecessor's partial
-    "resume_dropped": ("      if (p.block_begin > 0 && dims.x > 0) {", "      if (false) {"),
+    "resume_dropped": ("start_chunk(acc, mma, part, p.H, c0, rows, p.block_begin > 0);",
+                       "start_chunk(acc, mma, part, p.H, c0, rows, false);"),
     # a later chunk reading another block's staged dS tile
     "wrong_stage_tile": ("          crow[k] = st[er * FCCE_BN + ec + k];",
                          "          crow[k] = (vb > vb0 ? st - FCCE_STAGE_FLOATS : st)"
@@ -264,6 +290,63 @@ def test_acc_registers_wrong_fragment_is_caught(edit):
     prog = he.build(source=metal_emu.mutate(regs_source(), *REG_EDITS[edit]))
     with pytest.raises(AssertionError, match="Mismatched elements"):
         check_regs(prog)
+
+
+# dW with its accumulator in registers (metal/dw.h, dw_regs_tiles): two chunks
+# of H (the second partial), three m tiles in one launch and, in the second
+# plan, one per launch (each continuing the float32 rows). ThreadSanitizer
+# reports the barriers before staging an h piece and before a later chunk
+# reloads an m tile's dS tile removed; the float64 dW comparison catches a
+# launch that restarts the rows from zero and a later chunk reading the
+# previous m tile's staged dS (its chunks start and end in regs.h's
+# start_chunk and store_chunk, whose edits REG_EDITS covers).
+DW_PROBLEM = dict(M=70, H=264, V=40)
+DW_PLANS = [dict(), dict(round_m_tiles=1)]
+DW_BARRIERS = {
+    "before_piece_load": ("          threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "          DenseTile<HT, T>::load(h, p.M, p.H, m0, i0,",
+                          "          DenseTile<HT, T>::load(h, p.M, p.H, m0, i0,"),
+    "before_ds_reload": ("        threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          ds_row[k] =",
+                         "        for (int k = 0; k < 8; ++k) {\n"
+                         "          ds_row[k] ="),
+}
+DW_EDITS = {
+    "rows_not_continued": ("start_chunk(rows_sum, mma, out, p.H, c0, rw.rows, p.m_tile_begin > 0);",
+                           "start_chunk(rows_sum, mma, out, p.H, c0, rw.rows, false);"),
+    "wrong_stage_tile": ("          ds_row[k] = ds_stage[er * FCCE_BN + ec + k];",
+                         "          ds_row[k] = (mt > p.m_tile_begin ? ds_stage - FCCE_BM * FCCE_BN"
+                         " : ds_stage)[er * FCCE_BN + ec + k];"),
+}
+
+
+def dw_source():
+    return he.kernel_source({"fcce_dhreg_hf32_wf32", "fcce_reduce_dh_f32",
+                             "fcce_dwreg_hf32_wf32"})
+
+
+def check_dw(prog, seed=0):
+    p = Head(**DW_PROBLEM, ignore=(3,), seed=14)
+    for plan in DW_PLANS:
+        check_backward(prog, p, 3.0, reference(p, 3.0)[1], compute_dw=True, seed=seed, **plan)
+
+
+def test_dw_registers_clean_under_tsan():
+    check_dw(he.build(source=dw_source(), mode="tsan"))
+
+
+@pytest.mark.parametrize("barrier", sorted(DW_BARRIERS))
+def test_dw_registers_barrier_removed_is_caught_under_tsan(barrier):
+    race_is_reported(dw_source(), DW_BARRIERS[barrier], check_dw)
+
+
+@pytest.mark.parametrize("edit", sorted(DW_EDITS))
+def test_dw_registers_wrong_rows_are_caught(edit):
+    prog = he.build(source=metal_emu.mutate(dw_source(), *DW_EDITS[edit]))
+    check_dw(he.build(source=dw_source()))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        check_dw(prog)
 
 
 # The fused forward with its accumulator in registers: the online-softmax

@@ -27,7 +27,7 @@ SLAB = 2**25  # two slabs: [0, 2^25) and the 32 rows from 2^25
 def last_slab_plan():
     plan = he.plan("backward", M, H, V, h="bf16", w="bf16", compute_dw=True, dw_slab_rows=SLAB)
     last = plan["launches"][-2:]
-    assert [l["kernel"] for l in last] == ["fcce_dw_hbf16_wbf16", "fcce_cast_bf16"]
+    assert [l["kernel"] for l in last] == ["fcce_dwreg_hbf16_wbf16", "fcce_cast_bf16"]
     assert all(l["params"]["v_begin"] == ROW0 for l in last)
     return dict(plan, launches=last)
 
@@ -71,7 +71,10 @@ def test_dw_rows_past_two_to_the_31_elements(source):
 
 
 def test_a_32_bit_row_offset_is_caught(source):
-    narrow = metal_emu.mutate(source, "src + size_t(r0 + r) * size_t(cols);", "src + (r0 + r) * cols;")
+    # The offset of steel's BlockLoader tile (metal/loaders.h, steel_tile), which
+    # a bfloat16 head's tiles take, formed in 32 bits.
+    narrow = metal_emu.mutate(source, "src + size_t(r0) * size_t(cols) + c0,",
+                              "src + r0 * cols + c0,")
     try:
         err, tol = run(he.build(source=narrow))
     except metal_emu.EmulationError:

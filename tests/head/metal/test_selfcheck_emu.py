@@ -48,6 +48,10 @@ def spec_kernels(spec):
     plans.append(he.plan("backward", 2, H, 40, compute_dw=dense, dw_slab_rows=32 if dense else 0,
                          **kw))
     plans.append(he.plan("fused_dh", 2, H, 40, out=kw["h"], **kw))
+    # The entropy variants (the check runs them where the native path has them).
+    plans.append(he.plan("forward", 2, H, 40, stats=True, **kw))
+    plans.append(he.plan("backward", 2, H, 40, compute_dw=dense, dw_slab_rows=32 if dense else 0,
+                         stats=True, **kw))
     return he.plan_kernels(*plans)
 
 
@@ -61,12 +65,19 @@ def gate(source, problems=PROBLEMS):
 # name -> (what it does, [(pattern, replacement)]) on the kernel source. A
 # pattern must match exactly once.
 DEFECTS = {
+    # The dense operands' path: steel's BlockLoader (metal/loaders.h,
+    # steel_tile), which the float32 head takes for h and w. The rounding is
+    # planted after the load, in the tile the GEMM reads.
     "bf16_loader": (
         "the dense tile loader rounds its float32 operands to bfloat16",
-        [(r"\? float\(row\[col\]\) :", "? float(bfloat(float(row[col]))) :")]),
+        [(r"(ld\.load_safe\(short2\(short\(min\(FCCE_BK, cols - c0\)\), "
+          r"short\(min\(FCCE_BM, rows - r0\)\)\)\);\n  \})",
+          r"\1\n  for (short j = 0; j < 8; ++j) {"
+          r" ld.dst[j] = T(float(bfloat(float(ld.dst[j])))); }")]),
     "no_h_tail_guard": (
-        "the dense tile loader reads columns past H (its tail guard removed)",
-        [(r"dst\[j\] = col < cols \? float\(row\[col\]\) : 0\.0f;", "dst[j] = float(row[col]);")]),
+        "the dense tile loader reads columns past H (its tail guard removed: the edge "
+        "tiles' column count is always BK)",
+        [(r"short\(min\(FCCE_BK, cols - c0\)\)", "short(FCCE_BK)")]),
     "ignore_index_constant": (
         "the tile loop's row targets compare with -100 instead of p.ignore_index",
         [(r"t\.y != p\.ignore_index", "t.y != -100")]),
@@ -79,10 +90,21 @@ DEFECTS = {
     "no_partial_rescale": (
         "the fused forward's partial gsum is not rescaled when the row maximum moves",
         [(r"mma\.Ctile\.frag_at\(a, b\) \*= f;", "(void)f;")]),
+    "no_entropy_rescale": (
+        "the entropy's running sum r is not moved to the new row maximum",
+        [(r"ent\.r = f \* \(ent\.r \+ \(run_max - new_max\) \* run_sum\) \+",
+          "ent.r = ent.r +")]),
+    "no_entropy_share": (
+        "the backward's dS drops the entropy's share -g_ent p (s - zbar)",
+        [(r"c -= r\.ge \* \(s\[j\] - r\.zbar\);", "(void)c;")]),
     "no_round_resume": (
         "a launch round after the first restarts the split's running maximum and sum",
         [(r"if \(MODE != FCCE_MODE_DH && p\.block_begin > 0 && t\.ok\)", "if (false)")]),
 }
+
+
+ENTROPY_DEFECTS = {"no_entropy_rescale", "no_entropy_share"}
+ENT = F32.key + ", entropy"  # the gate's key of F32's entropy check
 
 
 def plant(source, name):
@@ -111,14 +133,20 @@ def test_unmodified_kernels_pass_the_shipped_self_check(f32_source, problem):
                    warn=pytest.fail, problems=[problem])
     assert g.allows(F32), g.checks[F32.key].detail
     assert 0 < g.checks[F32.key].worst <= 1
-    # The native path ran: forward twice, backward, the fused dh.
+    # The native path ran: forward twice, backward, the fused dh; no entropy
+    # kernel until a call asks for the entropy.
     assert native.launches >= 4
+    assert not any("_ent" in k for k in native.kernels)
+    assert g.allows(F32, entropy=True), g.checks[ENT].detail
+    assert 0 < g.checks[ENT].worst <= 1
+    assert {"fcce_fwd_ent_hf32_wf32", "fcce_dhreg_ent_hf32_wf32"} <= native.kernels
 
 
 def test_unmodified_quantized_kernels_pass_the_long_split():
     src = he.kernel_source(spec_kernels(Q4))
-    result = self_check(Q4, EmuNative(he.build(source=src)), mx.cpu, OFF_GRID)
-    assert result.passed, result.detail
+    for entropy in (False, True):
+        result = self_check(Q4, EmuNative(he.build(source=src)), mx.cpu, OFF_GRID, entropy=entropy)
+        assert result.passed, result.detail
 
 
 def test_the_long_split_problem_runs_one_split_of_65_blocks_in_rounds():
@@ -134,7 +162,12 @@ def test_the_long_split_problem_runs_one_split_of_65_blocks_in_rounds():
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_refused(f32_source, defect):
     g, log = gate(plant(f32_source, defect), OFF_GRID)
-    assert not g.allows(F32)
-    result = g.checks[F32.key]
+    # A defect of the entropy variants is refused by the entropy's check only:
+    # calls without the entropy keep the (unaffected) kernels.
+    entropy = defect in ENTROPY_DEFECTS
+    assert g.allows(F32) == entropy
+    assert not g.allows(F32, entropy=True)
+    key = ENT if entropy else F32.key
+    result = g.checks[key]
     print(f"{defect}: refused at {result.worst:.3g} x the bound ({result.detail})")
-    assert result.worst > 1 and len(log) == 1 and F32.key in log[0]
+    assert result.worst > 1 and len(log) == 1 and key in log[0]
