@@ -303,7 +303,10 @@ std::vector<mx::array> flash_cce_forward(
     }
     return out;
   }
-  cfg.fused = fused_backward && supports_fused(stream, h.dtype());
+  // The CUDA kernels' entropy statistics come with the plain forward only:
+  // the backward recomputes the logits (no gsum_ent state).
+  const bool gpu_stats = stats && stream.device != mx::Device::cpu;
+  cfg.fused = fused_backward && !gpu_stats && supports_fused(stream, h.dtype());
   auto out = forward_outputs(h, w, targets, scales, biases, cfg, stream);
   out.erase(out.begin() + fused_at(cfg), out.end());
   return out;
@@ -687,9 +690,14 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                });
 }
 
-// The entropy statistics have CPU kernels only so far.
+// The entropy statistics have CPU and CUDA kernels (every head and dtype
+// those run); Metal calls take the fallback.
 bool supports_stats(const mx::Device& d) {
+#if defined(FLASH_CCE_CUDA)
+  return true;
+#else
   return d == mx::Device::cpu;
+#endif
 }
 
 // Whether the forward on this stream can also emit the gradient state (third

@@ -784,8 +784,9 @@ __device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
 
 // dS (or the fused forward's P) of one 128 x 256 tile from its logits.
 // FWD_P: the fused forward's P (one kernel per epilogue keeps each within the
-// register budget; sharing one kernel spilled).
-template <class T, bool FWD_P>
+// register budget; sharing one kernel spilled). ENT: dS with the entropy's
+// share (ds_value).
+template <class T, bool FWD_P, bool ENT = false>
 __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& pipe,
                                                float (&acc)[128], int m0, int vt,
                                                int vt_local) {
@@ -805,14 +806,14 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
       if (gm >= p.M) {
         continue;
       }
-      const DsRow r = ds_row(p, gm);
+      const DsRow r = ds_row<ENT>(p, gm);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         float d[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), r.y, p.V, r.g, r.coef,
-                          r.lse, p.cap, inv_cap);
+          d[e] = ds_value<ENT>(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), r, p.V, p.cap,
+                               inv_cap);
         }
         const int64_t c = v0 - p.v0 + pipe.col(j, 0);
         if (c < p.width) {
@@ -824,7 +825,7 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
 }
 #endif
 
-template <class T, bool FWD_P, int QB>
+template <class T, bool FWD_P, int QB, bool ENT = false>
 __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -856,7 +857,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int mt = t / v_tiles, vl = t % v_tiles;
     wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
-    ds_wg_epilogue<T, FWD_P>(p, pipe, acc, mt * WBM, vt0 + vl, vl);
+    ds_wg_epilogue<T, FWD_P, ENT>(p, pipe, acc, mt * WBM, vt0 + vl, vl);
   }
 #endif
 }
