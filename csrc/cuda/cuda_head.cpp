@@ -112,12 +112,6 @@ int64_t backward_chunk(const LaunchPlan& plan, int64_t M, int64_t V) {
   return vocab_chunk(plan, M, V, kWgTileN);
 }
 
-// The plain forward's kernel family: the entropy statistics (cfg.stats) have
-// an epilogue in the portable kernels only, so they take those on Hopper too.
-bool fwd_wgmma(mx::Stream s, const HeadProblem& p) {
-  return !p.cfg.stats && use_wgmma(s, p);
-}
-
 // target_logit[m] = the (softcapped) logit of row m's target, for p's rows;
 // `out` is the array that holds target_logit.
 void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProblem& p,
@@ -148,7 +142,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
                                              int64_t V_used) {
   auto& enc = mx::cu::get_command_encoder(s);
   const auto ct = compute_dtype(p);
-  const bool wg = fwd_wgmma(s, p);
+  const bool wg = use_wgmma(s, p);
   const int tile_n = wg ? kWgTileN : kTileN;
   FwdParams fp{};
   fp.h = dense(p.h, p.h_dtype, p.M, p.H, p.H, ct);
@@ -157,7 +151,9 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.M = p.M;
   fp.V = V_used;
   fp.H = p.H;
-  const bool rs = wg && use_rs(p);
+  // The entropy statistics have no register-operand epilogue: 4/8-bit heads
+  // take the dequantizing producer for them.
+  const bool rs = wg && use_rs(p) && !p.cfg.stats;
   const int tile_rows = rs ? kRsTileM : kTileM;
   fp.m_tiles = static_cast<int>(cdiv(p.M, tile_rows));
   fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
@@ -204,7 +200,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
       wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     }
     wp.p = kp;
-    launch(kernel_name("fwd_wg", wg_variant(p)),
+    launch(kernel_name(p.cfg.stats ? "fwd_ent_wg" : "fwd_wg", wg_variant(p)),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
     launch(kernel_name(p.cfg.stats ? "fwd_ent" : "fwd", variant(p)),
@@ -523,7 +519,7 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   }
   auto [parts, fp] = lse_partials(s, p, inputs, p.V);
   Launch launch{enc, s.device.index};
-  if (gathers_targets(fwd_wgmma(s, p), p)) {
+  if (gathers_targets(s, p)) {
     gather_targets(enc, launch, p, inputs, parts, fp.target_logit);
   }
 

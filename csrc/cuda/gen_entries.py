@@ -41,6 +41,7 @@ def hopper(tname, t):
     for q, qb in HOPPER_WEIGHTS:
         v = f"{tname}_{q}"
         out += [hopper_kernel("fwd_wg", v, "WgFwdParams", f"fwd_wg_body<{t}, {qb}>"),
+                hopper_kernel("fwd_ent_wg", v, "WgFwdParams", f"fwd_wg_body<{t}, {qb}, true>"),
                 hopper_kernel("ds_wg", v, "WgDsParams", f"ds_wg_body<{t}, false, {qb}>"),
                 hopper_kernel("p_wg", v, "WgDsParams", f"ds_wg_body<{t}, true, {qb}>"),
                 hopper_kernel("ds_ent_wg", v, "WgDsParams", f"ds_wg_body<{t}, false, {qb}, true>"),
