@@ -7,9 +7,9 @@ Modes: "fwd" (loss only), "fwd_bwd" (gradient for h, frozen head) and "fwd_bwd_d
 but no backward (what a reference or evaluation call costs when it does not
 turn it off; compare with "fwd"); "ent_fwd" and "ent_fwd_bwd" add the per-token
 entropy at temperature --temperature (loss mean(-logp - 0.01 entropy)), beside
-Liger's fused linear scaled cross-entropy (no softcap: it runs at cap=None only)
-and TRL's chunked log-prob kernel, where installed (else their rows carry the
-import error). Prints a table of milliseconds (median of --reps timed runs after
+Liger's fused linear scaled cross-entropy (no softcap: the entropy modes always
+run a cap=None row too, where it runs) and TRL's chunked log-prob kernel, where
+installed (else their rows carry the import error). Prints a table of milliseconds (median of --reps timed runs after
 warm-up) and extra device memory over the inputs, the ratios ent_fwd_bwd /
 fwd_bwd and fwd_fused / fwd per shape, and writes everything to --json.
 
@@ -38,6 +38,11 @@ MODES = ("fwd", "fwd_bwd", "fwd_bwd_dw", "fwd_fused", "ent_fwd", "ent_fwd_bwd")
 FORWARD_ONLY = ("fwd", "fwd_fused", "ent_fwd")
 ENTROPY_WEIGHT = 0.01
 GB = 1e9
+# TRL's trainer calls ChunkedLogProbFunction with 32768-column chunks
+# (_CHUNKED_LOGPROB_CHUNK_SIZE in trl/trainer/utils.py); of its optional outputs
+# it is asked for those ours returns.
+TRL_CHUNK = 32768
+TRL_OUTPUTS = ("entropy", "mean_logits", "is_top1")
 
 
 def parse_shape(s):
@@ -233,7 +238,8 @@ def torch_entropy_case(provider, m, h, v, cap, mode, temperature):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction as F
 
         def loss():
-            logp, ent, _, _ = F.apply(hid, w, None, y, temperature, cap)
+            logp, ent, _, _, _ = F.apply(hid, w, None, y, temperature, TRL_CHUNK, cap, 1.0,
+                                         TRL_OUTPUTS)
             return (-logp - ENTROPY_WEIGHT * ent).mean()
 
     def run():
@@ -280,6 +286,8 @@ def run(args):
     results = []
     shapes = [parse_shape(s) for s in args.shapes] if args.shapes else SHAPES
     caps = [None, 30.0] if args.softcap == "both" else [None if args.softcap == "off" else 30.0]
+    # The entropy modes run without a softcap too: Liger's scaled cross-entropy has none.
+    all_caps = caps if None in caps else [None] + caps
     rate = matmul_rate(args.warmup, args.reps)
     print(f"bf16 matmul 8192^3 (MLX/cuBLAS): {rate:.0f} TFLOP/s", flush=True)
 
@@ -302,8 +310,10 @@ def run(args):
         ms, extra = time_mlx(lambda: hid @ w.T, args.warmup, args.reps)
         record(**base, provider="cublas_gemm", variant="bf16", mode="gemm", softcap=None,
                ms=ms, extra_gb=extra / GB)
-        for cap in caps:
+        for cap in all_caps:
             for mode in args.modes:
+                if cap not in caps and not mode.startswith("ent_"):
+                    continue
                 for name, (hid, w, y, q) in inputs.items():
                     if mode == "fwd_bwd_dw" and q is not None:
                         continue

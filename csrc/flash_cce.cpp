@@ -687,9 +687,10 @@ void FlashCCEBackward::eval_cpu(const std::vector<mx::array>& inputs,
                });
 }
 
-// The entropy statistics have CPU and Metal kernels (not CUDA's yet).
+// The entropy statistics have CPU, CUDA and Metal kernels (every head and
+// dtype those run).
 bool supports_stats(const mx::Device& d) {
-#if defined(FLASH_CCE_METAL)
+#if defined(FLASH_CCE_CUDA) || defined(FLASH_CCE_METAL)
   return true;
 #else
   return d == mx::Device::cpu;
@@ -706,8 +707,9 @@ bool supports_fused(const mx::Stream& s, mx::Dtype h_dtype, bool stats) {
     return true;
   }
 #if defined(FLASH_CCE_CUDA)
-  (void)stats;
-  return h_dtype != mx::float16;
+  // The CUDA kernels' entropy statistics come with the plain forward only:
+  // the backward recomputes the logits (no gsum_ent state).
+  return h_dtype != mx::float16 && !stats;
 #elif defined(FLASH_CCE_METAL)
   return metal::supports_fused(h_dtype, stats);
 #else

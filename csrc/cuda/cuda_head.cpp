@@ -135,7 +135,8 @@ void gather_targets(mx::cu::CommandEncoder& enc, Launch& launch, const HeadProbl
 
 // The forward GEMM over the vocabulary [0, V_used): per-split row partials
 // (max, sum of exp) and, unless gathers_targets, the target logits, in
-// parts[2 * splits + 1, M].
+// parts[2 * splits + 1, M]; with cfg.stats then the entropy partials (r,
+// sum of logits, arg-max: 3 splits more rows).
 std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
                                              const std::vector<mx::array>& inputs,
                                              int64_t V_used) {
@@ -150,7 +151,9 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.M = p.M;
   fp.V = V_used;
   fp.H = p.H;
-  const bool rs = wg && use_rs(p);
+  // The entropy statistics have no register-operand epilogue: 4/8-bit heads
+  // take the dequantizing producer for them.
+  const bool rs = wg && use_rs(p) && !p.cfg.stats;
   const int tile_rows = rs ? kRsTileM : kTileM;
   fp.m_tiles = static_cast<int>(cdiv(p.M, tile_rows));
   fp.v_tiles = static_cast<int>(cdiv(V_used, rs ? kRsTileV : tile_n));
@@ -161,10 +164,17 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   fp.m_group = forward_group(plan, fp.m_tiles, tile_rows, p.H, mx::size_of(p.h_dtype));
   fp.cap = p.cfg.softcap;
 
-  auto parts = scratch(enc, {2 * fp.splits + 1, static_cast<int>(p.M)}, mx::float32);
+  const int stats_rows = p.cfg.stats ? 3 * fp.splits : 0;
+  auto parts =
+      scratch(enc, {2 * fp.splits + 1 + stats_rows, static_cast<int>(p.M)}, mx::float32);
   fp.part_max = mx::gpu_ptr<float>(parts);
   fp.part_sum = fp.part_max + int64_t(fp.splits) * p.M;
   fp.target_logit = fp.part_sum + int64_t(fp.splits) * p.M;
+  if (p.cfg.stats) {
+    fp.part_r = fp.target_logit + p.M;
+    fp.part_tot = fp.part_r + int64_t(fp.splits) * p.M;
+    fp.part_arg = reinterpret_cast<int32_t*>(fp.part_tot + int64_t(fp.splits) * p.M);
+  }
 
   Launch launch{enc, s.device.index};
   for (auto& a : inputs) {
@@ -173,7 +183,7 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
   enc.set_output_array(parts);
   // Kernels whose targets come from gather_targets (forward) find none here.
   FwdParams kp = fp;
-  if (gathers_targets(s, p)) {
+  if (gathers_targets(wg, p)) {
     kp.target_logit = nullptr;
   }
   if (rs) {
@@ -190,10 +200,11 @@ std::pair<mx::array, FwdParams> lse_partials(mx::Stream s, const HeadProblem& p,
       wp.w_map = tensor_map(p.w, p.w_dtype, p.V, p.H, kWgTileN);
     }
     wp.p = kp;
-    launch(kernel_name("fwd_wg", wg_variant(p)),
+    launch(kernel_name(p.cfg.stats ? "fwd_ent_wg" : "fwd_wg", wg_variant(p)),
            int64_t(fp.m_tiles) * fp.splits, kWgSmemBytes, wp, kWgThreads);
   } else {
-    launch(kernel_name("fwd", variant(p)), int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
+    launch(kernel_name(p.cfg.stats ? "fwd_ent" : "fwd", variant(p)),
+           int64_t(fp.m_tiles) * fp.splits, kSmemBytes, fp);
   }
   return {parts, fp};
 }
@@ -300,10 +311,12 @@ class ChunkPasses {
               rs_p_, kWgThreads);
     } else if (wg_) {
       wg_ds_.p = ds_;
-      launch_(kernel_name(ds_.part_sum ? "p_wg" : "ds_wg", wg_variant(p_)), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
+      const char* family = ds_.part_sum ? "p_wg" : ds_.g_ent ? "ds_ent_wg" : "ds_wg";
+      launch_(kernel_name(family, wg_variant(p_)), std::min<int64_t>(m_tiles_ * tiles(width), sms_),
               kWgSmemBytes, wg_ds_, kWgThreads);
     } else {
-      launch_(kernel_name("ds", variant(p_)), m_tiles_ * tiles(width), kSmemBytes, ds_);
+      launch_(kernel_name(ds_.g_ent ? "ds_ent" : "ds", variant(p_)), m_tiles_ * tiles(width),
+              kSmemBytes, ds_);
     }
   }
 
@@ -500,7 +513,7 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
              std::vector<mx::array>& outputs) {
   HeadProblem p = prob;
   auto& enc = begin(s, p, inputs, outputs, 3);
-  if (outputs.size() == 3) {
+  if (p.cfg.fused) {
     forward_fused(s, p, inputs, outputs);
     return;
   }
@@ -521,17 +534,26 @@ void forward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>
   cp.V = p.V;
   cp.splits = fp.splits;
   cp.ignore_index = p.cfg.ignore_index;
+  if (p.cfg.stats) {
+    cp.part_r = fp.part_r;
+    cp.part_tot = fp.part_tot;
+    cp.part_arg = fp.part_arg;
+    cp.entropy = mx::gpu_ptr<float>(outputs[2]);
+    cp.top1 = mx::gpu_ptr<bool>(outputs[3]);
+    cp.mean = mx::gpu_ptr<float>(outputs[4]);
+  }
   enc.set_input_array(parts);
   enc.set_input_array(inputs[2]);
-  enc.set_output_array(outputs[0]);
-  enc.set_output_array(outputs[1]);
+  for (auto& o : outputs) {
+    enc.set_output_array(o);
+  }
   launch("fcce_combine", cdiv(p.M, kThreads), 0, cp);
 }
 
 void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs) {
   HeadProblem p = prob;
-  auto& enc = begin(s, p, inputs, outputs, 6);
+  auto& enc = begin(s, p, inputs, outputs, p.cfg.stats ? 8 : 6);
   const bool want_dw = outputs.size() > 1;
   const auto ct = compute_dtype(p);
   const int64_t H = p.H, V = p.V;
@@ -555,6 +577,10 @@ void backward(mx::Stream s, const HeadProblem& prob, const std::vector<mx::array
     passes.ds().lse = mx::gpu_ptr<float>(inputs[3]) + r0;
     passes.ds().g = mx::gpu_ptr<float>(inputs[4]) + r0;
     passes.ds().g_lse = mx::gpu_ptr<float>(inputs[5]) + r0;
+    if (p.cfg.stats) {
+      passes.ds().entropy = mx::gpu_ptr<float>(inputs[6]) + r0;
+      passes.ds().g_ent = mx::gpu_ptr<float>(inputs[7]) + r0;
+    }
     passes.dh().out =
         static_cast<char*>(mx::gpu_ptr<void>(outputs[0])) + r0 * H * mx::size_of(p.h_dtype);
     passes.dh().out_kind = src_kind(p.h_dtype);

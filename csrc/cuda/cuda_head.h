@@ -10,11 +10,13 @@
 namespace flash_cce::cuda {
 
 // Inputs h, w, targets (+ scales, biases); outputs logp[M], lse[M] (float32),
-// and with three outputs also the gradient state gsum[M, H] (softcap only).
+// with cfg.stats entropy[M], is_top1[M] (bool), mean_logit[M], and with
+// cfg.fused (never with cfg.stats) the gradient state gsum[M, H].
 void forward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
              std::vector<mx::array>& outputs);
 
-// Inputs h, w, targets, lse, g, g_lse (+ scales, biases); outputs dh (+ dw).
+// Inputs h, w, targets, lse, g, g_lse (+ entropy, g_entropy with cfg.stats)
+// (+ scales, biases); outputs dh (+ dw).
 void backward(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
               std::vector<mx::array>& outputs);
 

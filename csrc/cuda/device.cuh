@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <float.h>
 #include <stdint.h>
 
 #include <type_traits>
@@ -465,6 +466,30 @@ __device__ __forceinline__ void merge(float& m, float& l, float om, float ol) {
   m = nm;
 }
 
+// The entropy statistics' online merge: (m, l) as in merge, r = sum of
+// e^(s - m) (s - m), which follows a new maximum nm as e^(m - nm) (r + (m - nm) l).
+__device__ __forceinline__ void merge_ent(float& m, float& l, float& r, float om, float ol,
+                                          float o_r) {
+  const float nm = fmaxf(m, om);
+  if (nm == -INFINITY) {
+    return;
+  }
+  const float a = exp_ftz(m - nm), b = exp_ftz(om - nm);
+  const float ra = m == -INFINITY ? 0.0f : a * fmaf(m - nm, l, r);
+  const float rb = om == -INFINITY ? 0.0f : b * fmaf(om - nm, ol, o_r);
+  r = ra + rb;
+  l = l * a + ol * b;
+  m = nm;
+}
+
+// The first arg-max of two parts with maxima m and om (ties: the smaller index,
+// as the CPU kernels take it); call before the maxima merge.
+__device__ __forceinline__ void merge_arg(int32_t& arg, float m, int32_t o_arg, float om) {
+  if (om > m || (om == m && o_arg < arg)) {
+    arg = o_arg;
+  }
+}
+
 // The factor that brings acc and run_sum of row gm from ref_prev to ref_cur:
 // exactly 1 when the reference stayed (ex2.approx need not give 1 at 0), which
 // lets dh_update add without reading.
@@ -551,32 +576,42 @@ __device__ __forceinline__ void add_row_sums(const DhParams& p, int64_t gm) {
 }
 
 // The per-row factors of dS: g (0 for ignored and out-of-range targets),
-// coef = g_lse - g, and lse.
+// coef = g_lse - g, and lse; with ENT the entropy's cotangent ge and the mean
+// logit under the softmax, zbar = lse - entropy (every row, ignored ones too,
+// as on the CPU).
 struct DsRow {
   int32_t y;
-  float g, coef, lse;
+  float g, coef, lse, ge, zbar;
 };
 
+template <bool ENT = false>
 __device__ __forceinline__ DsRow ds_row(const DsParams& p, int64_t gm) {
   const int32_t y = p.targets[gm];
   const bool ok = y != p.ignore_index && y >= 0 && y < p.V;
   const float g = ok ? p.g[gm] : 0.0f;
-  return {y, g, p.g_lse[gm] - g, p.lse[gm]};
+  const float lse = p.lse[gm];
+  if constexpr (ENT) {
+    return {y, g, p.g_lse[gm] - g, lse, p.g_ent[gm], lse - p.entropy[gm]};
+  }
+  return {y, g, p.g_lse[gm] - g, lse, 0.0f, 0.0f};
 }
 
 // One element of dS = (g onehot + (g_lse - g) softmax) dcap for raw logit s at
-// column v; coef = g_lse - g. Columns at or past V give 0.
-__device__ __forceinline__ float ds_value(float s, int64_t v, int32_t y, int64_t V, float g,
-                                          float coef, float lse, float cap, float inv_cap) {
+// column v; coef = g_lse - g. With ENT the softmax's coefficient also takes
+// the entropy's -ge (s - zbar). Columns at or past V give 0.
+template <bool ENT = false>
+__device__ __forceinline__ float ds_value(float s, int64_t v, const DsRow& r, int64_t V,
+                                          float cap, float inv_cap) {
   float dcap = 1.0f;
   if (cap > 0.0f) {
     const float t = tanh_fast(s * inv_cap);
     s = cap * t;
     dcap = 1.0f - t * t;
   }
-  float x = coef * exp_ftz(s - lse);
-  if (v == y) {
-    x += g;
+  const float coef = ENT ? fmaf(-r.ge, s - r.zbar, r.coef) : r.coef;
+  float x = coef * exp_ftz(s - r.lse);
+  if (v == r.y) {
+    x += r.g;
   }
   return v < V ? x * dcap : 0.0f;
 }

@@ -19,8 +19,9 @@ bool use_wgmma(const mx::Stream& s, const HeadProblem& p);
 // gathers_targets (rules.h) with use_wgmma.
 bool gathers_targets(const mx::Stream& s, const HeadProblem& p);
 
-// The GEMM kernel of `family` ("fwd", "ds", "dh", "dw", "fwd_wg", "ds_wg",
-// "p_wg", "dh_wg", "dw_wg", "fwd_rs", "p_rs", "dh_rs", "target") for `variant`
+// The GEMM kernel of `family` ("fwd", "ds", "dh", "dw", "fwd_ent", "ds_ent",
+// "fwd_wg", "ds_wg", "ds_ent_wg", "p_wg", "dh_wg", "dw_wg", "fwd_rs", "p_rs",
+// "dh_rs", "target") for `variant`
 // (variant() or wg_variant(); the compute type alone for dw and dw_wg), from
 // the table of entries.h.
 const char* kernel_name(std::string_view family, std::string_view variant);

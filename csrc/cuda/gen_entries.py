@@ -14,11 +14,15 @@ RS_WEIGHTS = [("q4", 4), ("q8", 8)]
 def portable(tname, t):
     out = []
     for q, qb in PORTABLE_WEIGHTS:
-        for fam, params, body in (("fwd", "FwdParams", "fwd_body"), ("ds", "DsParams", "ds_body"),
-                                  ("dh", "DhParams", "dh_body")):
+        # fwd_ent, ds_ent: with the entropy statistics (forward) and gradient (dS)
+        for fam, params, body, extra in (("fwd", "FwdParams", "fwd_body", ""),
+                                         ("ds", "DsParams", "ds_body", ""),
+                                         ("dh", "DhParams", "dh_body", ""),
+                                         ("fwd_ent", "FwdParams", "fwd_body", ", true"),
+                                         ("ds_ent", "DsParams", "ds_body", ", true")):
             out.append((fam, f"{tname}_{q}",
                         f'extern "C" __global__ void __launch_bounds__(kThreads, 1) '
-                        f"fcce_{fam}_{tname}_{q}({params} p) {{ {body}<{t}, {qb}>(p); }}"))
+                        f"fcce_{fam}_{tname}_{q}({params} p) {{ {body}<{t}, {qb}{extra}>(p); }}"))
     out.append(("dw", tname, f'extern "C" __global__ void __launch_bounds__(kThreads, 1) '
                              f"fcce_dw_{tname}(DwParams p) {{ dw_body<{t}>(p); }}"))
     return out
@@ -37,8 +41,10 @@ def hopper(tname, t):
     for q, qb in HOPPER_WEIGHTS:
         v = f"{tname}_{q}"
         out += [hopper_kernel("fwd_wg", v, "WgFwdParams", f"fwd_wg_body<{t}, {qb}>"),
+                hopper_kernel("fwd_ent_wg", v, "WgFwdParams", f"fwd_wg_body<{t}, {qb}, true>"),
                 hopper_kernel("ds_wg", v, "WgDsParams", f"ds_wg_body<{t}, false, {qb}>"),
                 hopper_kernel("p_wg", v, "WgDsParams", f"ds_wg_body<{t}, true, {qb}>"),
+                hopper_kernel("ds_ent_wg", v, "WgDsParams", f"ds_wg_body<{t}, false, {qb}, true>"),
                 hopper_kernel("dh_wg", v, "WgDhParams", f"dh_wg_body<{t}, {qb}>")]
     for q, qb in RS_WEIGHTS:
         v = f"{tname}_{q}"

@@ -4,7 +4,9 @@
 // One GEMM main loop, C[128 x 128] = A[128 x K] . B[128 x K]^T with A and B
 // each stored K-major or MN-major, feeds four epilogues:
 //   fwd  logits -> softcap -> per-row online (max, sum) and target logit
+//        (fwd_ent: also the entropy statistics' partials)
 //   ds   logits -> dS = (g onehot + (g_lse - g) softmax) dcap, stored
+//        (ds_ent: with the entropy's share)
 //   dh   dh (+)= dS @ W_chunk
 //   dw   dW_chunk = dS^T @ h
 // Quantized heads are dequantized by the B loader into shared memory.
@@ -18,10 +20,15 @@ namespace {
 
 // Forward ------------------------------------------------------------------------
 
-template <class T, int QB>
+// STATS (the fwd_ent kernels): also the entropy statistics' partials, each
+// tile's relative to its own maximum and merged into the running ones.
+template <class T, int QB, bool STATS = false>
 __device__ __forceinline__ void fwd_body(const FwdParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float red_max[4][BM], red_sum[4][BM];
+  // The entropy partials' reduction over the column warps (STATS only).
+  __shared__ float red_r[STATS ? 4 : 1][BM], red_tot[STATS ? 4 : 1][BM];
+  __shared__ int32_t red_arg[STATS ? 4 : 1][BM];
   T* smem = reinterpret_cast<T*>(smem_raw);
   const auto [mt, split] = fwd_block(p, blockIdx.x);
   const int64_t m0 = int64_t(mt) * BM;
@@ -31,12 +38,17 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
 
   int32_t y[8];
   float run_max[8], run_sum[8];
+  float run_r[8], run_tot[8];
+  int32_t run_arg[8];
 #pragma unroll
   for (int ri = 0; ri < 8; ++ri) {
     const int64_t gm = m0 + f.row(ri >> 1, (ri & 1) * 2);
     y[ri] = gm < p.M ? p.targets[gm] : -1;
     run_max[ri] = -INFINITY;
     run_sum[ri] = 0.0f;
+    run_r[ri] = 0.0f;
+    run_tot[ri] = 0.0f;
+    run_arg[ri] = INT32_MAX;
   }
 
   const float inv_cap = p.cap > 0.0f ? 1.0f / p.cap : 0.0f;
@@ -48,7 +60,8 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
     for (int ri = 0; ri < 8; ++ri) {
       const int mi = ri >> 1, e0 = (ri & 1) * 2;
       const int64_t gm = m0 + f.row(mi, e0);
-      float tmax = -INFINITY;
+      float tmax = -INFINITY, ttot = 0.0f;
+      int32_t targ = INT32_MAX;
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -64,9 +77,36 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
             p.target_logit[gm] = s;
           }
           acc[mi][ni][e0 + j] = s;
-          tmax = fmaxf(tmax, s);
+          if constexpr (STATS) {
+            // A thread's columns come in increasing order: > keeps the first.
+            if (s > tmax) {
+              tmax = s;
+              targ = static_cast<int32_t>(v);
+            }
+            ttot += v < p.V ? s : 0.0f;
+          } else {
+            tmax = fmaxf(tmax, s);
+          }
         }
       if (tmax == -INFINITY) {
+        continue;
+      }
+      if constexpr (STATS) {
+        // The tile's sums relative to its own maximum (masked columns give
+        // e = 0 against d = -inf: d is clamped so that the product is 0).
+        float sum = 0.0f, r = 0.0f;
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float d = acc[mi][ni][e0 + j] - tmax;
+            const float e = exp_ftz(d);
+            sum += e;
+            r = fmaf(e, fmaxf(d, -FLT_MAX), r);
+          }
+        merge_arg(run_arg[ri], run_max[ri], targ, tmax);
+        merge_ent(run_max[ri], run_sum[ri], run_r[ri], tmax, sum, r);
+        run_tot[ri] += ttot;
         continue;
       }
       const float nm = fmaxf(run_max[ri], tmax);
@@ -88,25 +128,51 @@ __device__ __forceinline__ void fwd_body(const FwdParams& p) {
     for (int off = 1; off < 4; off <<= 1) {
       const float om = __shfl_xor_sync(0xffffffff, run_max[ri], off);
       const float ol = __shfl_xor_sync(0xffffffff, run_sum[ri], off);
-      merge(run_max[ri], run_sum[ri], om, ol);
+      if constexpr (STATS) {
+        const float o_r = __shfl_xor_sync(0xffffffff, run_r[ri], off);
+        run_tot[ri] += __shfl_xor_sync(0xffffffff, run_tot[ri], off);
+        merge_arg(run_arg[ri], run_max[ri], __shfl_xor_sync(0xffffffff, run_arg[ri], off), om);
+        merge_ent(run_max[ri], run_sum[ri], run_r[ri], om, ol, o_r);
+      } else {
+        merge(run_max[ri], run_sum[ri], om, ol);
+      }
     }
     if ((f.lane & 3) == 0) {
       const int r = f.row(ri >> 1, (ri & 1) * 2);
       red_max[f.wn][r] = run_max[ri];
       red_sum[f.wn][r] = run_sum[ri];
+      if constexpr (STATS) {
+        red_r[f.wn][r] = run_r[ri];
+        red_tot[f.wn][r] = run_tot[ri];
+        red_arg[f.wn][r] = run_arg[ri];
+      }
     }
   }
   __syncthreads();
   if (threadIdx.x < BM) {
     const int r = threadIdx.x;
     float m = red_max[0][r], l = red_sum[0][r];
+    float rr = STATS ? red_r[0][r] : 0.0f, tot = STATS ? red_tot[0][r] : 0.0f;
+    int32_t arg = STATS ? red_arg[0][r] : 0;
     for (int w = 1; w < 4; ++w) {
-      merge(m, l, red_max[w][r], red_sum[w][r]);
+      if constexpr (STATS) {
+        merge_arg(arg, m, red_arg[w][r], red_max[w][r]);
+        merge_ent(m, l, rr, red_max[w][r], red_sum[w][r], red_r[w][r]);
+        tot += red_tot[w][r];
+      } else {
+        merge(m, l, red_max[w][r], red_sum[w][r]);
+      }
     }
     const int64_t gm = m0 + r;
     if (gm < p.M) {
-      p.part_max[int64_t(split) * p.M + gm] = m;
-      p.part_sum[int64_t(split) * p.M + gm] = l;
+      const int64_t i = int64_t(split) * p.M + gm;
+      p.part_max[i] = m;
+      p.part_sum[i] = l;
+      if constexpr (STATS) {
+        p.part_r[i] = rr;
+        p.part_tot[i] = tot;
+        p.part_arg[i] = arg;
+      }
     }
   }
 }
@@ -159,7 +225,8 @@ __device__ __forceinline__ void fwd_p_epilogue(const DsParams& p, float (&acc)[4
   }
 }
 
-template <class T, int QB>
+// ENT (the ds_ent kernels): dS with the entropy's share (ds_value).
+template <class T, int QB, bool ENT = false>
 __device__ __forceinline__ void ds_body(const DsParams& p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float red[2][4][BM];
@@ -186,14 +253,13 @@ __device__ __forceinline__ void ds_body(const DsParams& p) {
     if (gm >= p.M) {
       continue;
     }
-    const DsRow r = ds_row(p, gm);
+    const DsRow r = ds_row<ENT>(p, gm);
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni) {
       float d[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        d[j] = ds_value(acc[mi][ni][e0 + j], v0 + f.col(ni, j), r.y, p.V, r.g, r.coef, r.lse,
-                        p.cap, inv_cap);
+        d[j] = ds_value<ENT>(acc[mi][ni][e0 + j], v0 + f.col(ni, j), r, p.V, p.cap, inv_cap);
       }
       const int64_t c = v0 - p.v0 + f.col(ni, 0);
       if (c < p.width) {

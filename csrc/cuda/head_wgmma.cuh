@@ -584,21 +584,24 @@ __device__ __forceinline__ void softcap_all(float (&acc)[128], float cap) {
 // Epilogue steps shared by the forward and P kernels, on a warpgroup's 64 x
 // 256 logits (acc[j * 4 + ri * 2 + e]: row pipe.row(ri), column pipe.col(j, e)).
 // The softcap (a template branch: a runtime one costs a branch a logit), then
-// -inf in the columns past V, which only the last tile has.
-template <bool CAP>
+// -inf in the columns past V, which only the last tile has (-FLT_MAX with
+// STATS: its weight is 0 all the same, and 0 times it stays 0 in the entropy's
+// sum).
+template <bool CAP, bool STATS = false>
 __device__ __forceinline__ void cap_and_mask(float (&acc)[128], const WgPipe& pipe, float cap,
                                              int cols) {
   if constexpr (CAP) {
     softcap_all(acc, cap);
   }
   if (cols < WBN) {
+    const float masked = STATS ? -FLT_MAX : -INFINITY;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (pipe.col(j, e) >= cols) {
-          acc[j * 4 + e] = -INFINITY;
-          acc[j * 4 + 2 + e] = -INFINITY;
+          acc[j * 4 + e] = masked;
+          acc[j * 4 + 2 + e] = masked;
         }
   }
 }
@@ -618,16 +621,43 @@ __device__ __forceinline__ void store_target(const float (&acc)[128], const WgPi
   }
 }
 
+// The entropy statistics' running terms of a thread's two rows (fwd_ent_wg):
+// r = sum e^(s - max) (s - max), the sum of the logits, the first arg-max.
+struct WgStats {
+  float r[2] = {0.0f, 0.0f}, tot[2] = {0.0f, 0.0f};
+  int32_t arg[2] = {INT32_MAX, INT32_MAX};
+};
+
+// Row ri's sums of a tile against the new running maximum nm, as 4 chains
+// each: e^(s - nm), e^(s - nm) (s - nm) and s; MASK (the last tile) keeps the
+// masked columns (-FLT_MAX) out of the sum of the logits.
+template <bool MASK>
+__device__ __forceinline__ void stats_row(const float (&acc)[128], const WgPipe& pipe, int ri,
+                                          float nm, int cols, float (&sm)[4], float (&rs)[4],
+                                          float (&zs)[4]) {
+  const float nl = nm * kLog2e;
+#pragma unroll
+  for (int j = 0; j < 32; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float x = acc[j * 4 + ri * 2 + e];
+      const float ex = ex2_ftz(fmaf(x, kLog2e, -nl));
+      sm[j & 3] += ex;
+      rs[j & 3] = fmaf(ex, x - nm, rs[j & 3]);
+      zs[j & 3] += MASK && pipe.col(j, e) >= cols ? 0.0f : x;
+    }
+}
+
 // One tile's logits into this thread's running (max, sum of exp) of its two
-// rows. The epilogue is issue- and latency-bound (it does not overlap the
-// MMAs), so besides the two steps above, the max and sum run as 4 independent
-// chains each.
-template <bool CAP>
+// rows (and with STATS its WgStats). The epilogue is issue- and latency-bound
+// (it does not overlap the MMAs), so besides the two steps above, the max and
+// sum run as 4 independent chains each.
+template <bool CAP, bool STATS = false>
 __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pipe,
                                             float (&acc)[128], int64_t m0, int v0, int cols,
                                             const int32_t (&y)[2], float (&run_max)[2],
-                                            float (&run_sum)[2]) {
-  cap_and_mask<CAP>(acc, pipe, p.cap, cols);
+                                            float (&run_sum)[2], WgStats& st) {
+  cap_and_mask<CAP, STATS>(acc, pipe, p.cap, cols);
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     if (p.target_logit) { // else a gather pass has them
@@ -644,8 +674,37 @@ __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pi
       continue;
     }
     const float nm = fmaxf(run_max[ri], tmax);
-    const float nl = nm * kLog2e;
     float sm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if constexpr (STATS) {
+      if (tmax > run_max[ri]) {
+        // A new maximum (rare after the first tiles): its first column, the
+        // thread's columns increasing with j and e.
+        int first = INT32_MAX;
+#pragma unroll
+        for (int j = 31; j >= 0; --j)
+#pragma unroll
+          for (int e = 1; e >= 0; --e)
+            if (acc[j * 4 + ri * 2 + e] == tmax) {
+              first = pipe.col(j, e);
+            }
+        st.arg[ri] = v0 + first;
+      }
+      float rs[4] = {0.0f, 0.0f, 0.0f, 0.0f}, zs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (cols < WBN) {
+        stats_row<true>(acc, pipe, ri, nm, cols, sm, rs, zs);
+      } else {
+        stats_row<false>(acc, pipe, ri, nm, cols, sm, rs, zs);
+      }
+      const float scale = exp_ftz(run_max[ri] - nm);
+      const float r_old =
+          run_max[ri] == -INFINITY ? 0.0f : scale * fmaf(run_max[ri] - nm, run_sum[ri], st.r[ri]);
+      st.r[ri] = r_old + ((rs[0] + rs[1]) + (rs[2] + rs[3]));
+      st.tot[ri] += (zs[0] + zs[1]) + (zs[2] + zs[3]);
+      run_sum[ri] = run_sum[ri] * scale + ((sm[0] + sm[1]) + (sm[2] + sm[3]));
+      run_max[ri] = nm;
+      continue;
+    }
+    const float nl = nm * kLog2e;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
@@ -657,7 +716,8 @@ __device__ __forceinline__ void fwd_wg_tile(const FwdParams& p, const WgPipe& pi
 }
 #endif // FLASH_CCE_WGMMA
 
-template <class T, int QB>
+// STATS (the fwd_ent_wg kernels): also the entropy statistics' partials.
+template <class T, int QB, bool STATS = false>
 __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -688,6 +748,7 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     y[ri] = gm < p.M ? p.targets[gm] : INT32_MIN / 2;
   }
   float acc[128];
+  WgStats st;
   int s = 0, phase = 0;
   for (int vt = t_begin; vt < t_end; ++vt) {
     wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
@@ -695,9 +756,9 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     const int v0 = vt * WBN;
     const int cols = static_cast<int>(min(p.V - v0, int64_t(WBN)));
     if (p.cap > 0.0f) {
-      fwd_wg_tile<true>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum);
+      fwd_wg_tile<true, STATS>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum, st);
     } else {
-      fwd_wg_tile<false>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum);
+      fwd_wg_tile<false, STATS>(p, pipe, acc, m0, v0, cols, y, run_max, run_sum, st);
     }
   }
   // A warp holds whole rows: reduce over the 4 lanes that share one.
@@ -707,12 +768,25 @@ __device__ __forceinline__ void fwd_wg_body(const WgFwdParams& P) {
     for (int off = 1; off < 4; off <<= 1) {
       const float om = __shfl_xor_sync(0xffffffff, run_max[ri], off);
       const float ol = __shfl_xor_sync(0xffffffff, run_sum[ri], off);
-      merge(run_max[ri], run_sum[ri], om, ol);
+      if constexpr (STATS) {
+        const float o_r = __shfl_xor_sync(0xffffffff, st.r[ri], off);
+        st.tot[ri] += __shfl_xor_sync(0xffffffff, st.tot[ri], off);
+        merge_arg(st.arg[ri], run_max[ri], __shfl_xor_sync(0xffffffff, st.arg[ri], off), om);
+        merge_ent(run_max[ri], run_sum[ri], st.r[ri], om, ol, o_r);
+      } else {
+        merge(run_max[ri], run_sum[ri], om, ol);
+      }
     }
     const int64_t gm = m0 + pipe.row(ri);
     if ((pipe.tid & 3) == 0 && gm < p.M) {
-      p.part_max[int64_t(split) * p.M + gm] = run_max[ri];
-      p.part_sum[int64_t(split) * p.M + gm] = run_sum[ri];
+      const int64_t i = int64_t(split) * p.M + gm;
+      p.part_max[i] = run_max[ri];
+      p.part_sum[i] = run_sum[ri];
+      if constexpr (STATS) {
+        p.part_r[i] = st.r[ri];
+        p.part_tot[i] = st.tot[ri];
+        p.part_arg[i] = st.arg[ri];
+      }
     }
   }
 #endif
@@ -784,8 +858,9 @@ __device__ __forceinline__ void p_wg_tile(const DsParams& p, const WgPipe& pipe,
 
 // dS (or the fused forward's P) of one 128 x 256 tile from its logits.
 // FWD_P: the fused forward's P (one kernel per epilogue keeps each within the
-// register budget; sharing one kernel spilled).
-template <class T, bool FWD_P>
+// register budget; sharing one kernel spilled). ENT: dS with the entropy's
+// share (ds_value).
+template <class T, bool FWD_P, bool ENT = false>
 __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& pipe,
                                                float (&acc)[128], int m0, int vt,
                                                int vt_local) {
@@ -805,14 +880,14 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
       if (gm >= p.M) {
         continue;
       }
-      const DsRow r = ds_row(p, gm);
+      const DsRow r = ds_row<ENT>(p, gm);
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         float d[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          d[e] = ds_value(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), r.y, p.V, r.g, r.coef,
-                          r.lse, p.cap, inv_cap);
+          d[e] = ds_value<ENT>(acc[j * 4 + ri * 2 + e], v0 + pipe.col(j, e), r, p.V, p.cap,
+                               inv_cap);
         }
         const int64_t c = v0 - p.v0 + pipe.col(j, 0);
         if (c < p.width) {
@@ -824,7 +899,7 @@ __device__ __forceinline__ void ds_wg_epilogue(const DsParams& p, const WgPipe& 
 }
 #endif
 
-template <class T, bool FWD_P, int QB>
+template <class T, bool FWD_P, int QB, bool ENT = false>
 __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
 #ifdef FLASH_CCE_WGMMA
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -856,7 +931,7 @@ __device__ __forceinline__ void ds_wg_body(const WgDsParams& P) {
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int mt = t / v_tiles, vl = t % v_tiles;
     wg_consume<T, false, false>(pipe, acc, kt_count, s, phase);
-    ds_wg_epilogue<T, FWD_P>(p, pipe, acc, mt * WBM, vt0 + vl, vl);
+    ds_wg_epilogue<T, FWD_P, ENT>(p, pipe, acc, mt * WBM, vt0 + vl, vl);
   }
 #endif
 }

@@ -9,15 +9,26 @@
 using namespace flash_cce::cuda;
 
 // lse = logsumexp over the splits' partial (max, sum); logp = target logit - lse,
-// 0 for ignored rows and NaN for targets outside [0, V).
+// 0 for ignored rows and NaN for targets outside [0, V). With p.entropy also
+// entropy = log(sum) - r / sum (both terms relative to the row maximum, so
+// nothing cancels against lse), is_top1 (the target is the first arg-max, never
+// for an ignored row) and the mean logit, as the CPU kernels define them.
 extern "C" __global__ void fcce_combine(CombineParams p) {
   const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (m >= p.M) {
     return;
   }
-  float mx = -INFINITY, l = 0.0f;
+  float mx = -INFINITY, l = 0.0f, r = 0.0f, tot = 0.0f;
+  int32_t arg = INT32_MAX;
   for (int s = 0; s < p.splits; ++s) {
-    merge(mx, l, p.part_max[int64_t(s) * p.M + m], p.part_sum[int64_t(s) * p.M + m]);
+    const int64_t i = int64_t(s) * p.M + m;
+    if (p.entropy) {
+      merge_arg(arg, mx, p.part_arg[i], p.part_max[i]);
+      merge_ent(mx, l, r, p.part_max[i], p.part_sum[i], p.part_r[i]);
+      tot += p.part_tot[i];
+    } else {
+      merge(mx, l, p.part_max[i], p.part_sum[i]);
+    }
   }
   const float lse = mx + logf(l);
   p.lse[m] = lse;
@@ -25,6 +36,11 @@ extern "C" __global__ void fcce_combine(CombineParams p) {
   p.logp[m] = y == p.ignore_index ? 0.0f
       : (y >= 0 && y < p.V) ? p.target_logit[m] - lse
                             : __int_as_float(0x7fc00000);
+  if (p.entropy) {
+    p.entropy[m] = logf(l) - r / l;
+    p.top1[m] = y == arg && y != p.ignore_index;
+    p.mean[m] = tot / static_cast<float>(p.V);
+  }
 }
 
 // The fused forward's last step, one block per row: lse = r + log(sum of

@@ -38,19 +38,32 @@ struct FwdParams {
   float* part_max; // [splits, M]
   float* part_sum; // [splits, M]
   float* target_logit; // [M]; null: the targets come from a gather pass
+  // The entropy statistics' partials ([splits, M] each; fwd_ent kernels only):
+  // sum of e^(s - max) (s - max), sum of s, and the first arg-max.
+  float* part_r;
+  float* part_tot;
+  int32_t* part_arg;
   int64_t M, V, H;
   int32_t m_tiles, v_tiles, splits, tiles_per_split;
   float cap;
   int32_t m_group; // m tiles in flight together (see fwd_block)
 };
 
+// With entropy set (the fwd_ent partials part_r, part_tot, part_arg) also the
+// entropy, whether the target is the first arg-max, and the mean logit.
 struct CombineParams {
   const float* part_max;
   const float* part_sum;
   const float* target_logit;
+  const float* part_r;
+  const float* part_tot;
+  const int32_t* part_arg;
   const int32_t* targets;
   float* logp;
   float* lse;
+  float* entropy;
+  bool* top1;
+  float* mean;
   int64_t M, V;
   int32_t splits, ignore_index;
 };
@@ -63,6 +76,7 @@ struct CombineParams {
 // always has for the 4/8-bit kernel), and with part_max set the per-tile row
 // maxima of s (flag = 1 where one exceeds r by more than kMaxRefGap); lse, g
 // and g_lse are unused.
+// The ds_ent kernels add the entropy's share of dS, -g_ent p (s - (lse - entropy)) dcap.
 // A kernel whose guard is set and reads 0 does nothing.
 struct DsParams {
   Operand h, w;
@@ -70,6 +84,8 @@ struct DsParams {
   const float* lse;
   const float* g;
   const float* g_lse;
+  const float* entropy;
+  const float* g_ent;
   void* ds;
   float* part_sum;
   float* target_logit;

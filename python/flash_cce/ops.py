@@ -77,9 +77,9 @@ def _stats(out):
 
 def native_stats(device):
     """Whether the native kernels of `device` compute the entropy statistics
-    (the CPU's and Metal's; on a Metal GPU only configurations that passed the
-    self-check, which covers them, run natively); calls that request them
-    elsewhere (a CUDA GPU) run the fallback."""
+    (the CPU's, CUDA's and Metal's; on a Metal GPU only configurations that
+    passed the self-check, which covers them, run natively); calls that
+    request them elsewhere run the fallback."""
     return _ext.supports_stats(_device(device))
 
 

@@ -22,10 +22,10 @@ bool has(const std::string& family, const std::string& variant) {
 
 TEST(Entries, EveryDispatchedKernelIsInTheTable) {
   for (std::string t : {"bf16", "f16"}) {
-    for (std::string fam : {"fwd", "ds", "dh"})
+    for (std::string fam : {"fwd", "ds", "dh", "fwd_ent", "ds_ent"})
       for (std::string q : {"dense", "q4", "q8", "qany"})
         EXPECT_TRUE(has(fam, t + "_" + q)) << fam << " " << t << " " << q;
-    for (std::string fam : {"fwd_wg", "ds_wg", "p_wg", "dh_wg", "target"})
+    for (std::string fam : {"fwd_wg", "ds_wg", "ds_ent_wg", "p_wg", "dh_wg", "target"})
       for (std::string q : {"dense", "q4", "q8"})
         EXPECT_TRUE(has(fam, t + "_" + q)) << fam << " " << t << " " << q;
     for (std::string fam : {"fwd_rs", "p_rs", "dh_rs"})

@@ -460,20 +460,24 @@ def _head(w, bits):
                                                                       bits=bits)
 
 
-def _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge=None):
+def _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge=None, dw=False):
     """CPU kernels on what the GPU sees: the temperature folds into h (scaled in
     fp32, then rounded to the operand type by the loaders) and the cap;
-    dh = d(..)/d(h / T) / T. With `ge` also the entropy's gradient."""
+    dh = d(..)/d(h / T) / T. With `ge` also the entropy's gradient; with `dw`
+    also d(..)/dW, returned as (st, dh, dW)."""
     ct = operand_type(dtype)
     h_eff = rounded(hid.astype(mx.float32) * (1.0 / temperature), ct)
     w32 = rounded(wd, ct)
     cap = None if softcap is None else softcap / temperature
 
-    def loss(h):
-        st = flash_cce_forward(h, w32, y, softcap=cap, entropy=True, stream=mx.cpu)
+    def loss(h, w):
+        st = flash_cce_forward(h, w, y, softcap=cap, entropy=True, stream=mx.cpu)
         return (g * st.logp + (0 if ge is None else ge * st.entropy)).sum(), st
 
-    (_, st), dh = mx.value_and_grad(loss)(h_eff)
+    if dw:
+        (_, st), (dh, d_w) = mx.value_and_grad(loss, argnums=(0, 1))(h_eff, w32)
+        return st, dh / temperature, d_w
+    (_, st), dh = mx.value_and_grad(loss)(h_eff, w32)
     return st, dh / temperature
 
 
@@ -500,45 +504,153 @@ def test_temperature_matches_cpu(dtype, softcap, temperature, bits):
     assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (30.0, 0.7)])
-@pytest.mark.parametrize("bits", [0, 4])
-def test_entropy_matches_cpu(dtype, softcap, temperature, bits):
-    """Entropy statistics and their gradient on the GPU (the fallback where the
-    GPU has no entropy kernel: fp32 on unrounded operands) against the CPU."""
+# The entropy's error: dH/dz_v = -p_v (z_v - zbar), so logit errors of at most
+# d move it by at most max|z - zbar| d; here |z| < 25 (|z - zbar| < 50) and d
+# is the forward's few 1e-6 (fp32 sums of exact products, tanh_fast within a
+# few ulps of the cap), plus the exp approximations (2^-22 relative) of sums
+# whose ratio r / l is below 50: well inside FWD_ATOL. The mean logit averages
+# V such logits: the same bound.
+ENT_ATOL = FWD_ATOL
+
+
+def _entropy_case(m, h, v, dtype, bits, softcap, temperature, seed):
+    """h, the head and targets of an entropy test: every odd row's target is its
+    arg-max (so that is_top1 is true on some rows), two rows ignored."""
+    hid, w, y = make(m, h, v, dtype, seed=seed, ignore=2)
+    w, q, wd = _head(w, bits)
+    ct = operand_type(dtype)
+    # Softcap and temperature are monotone: the arg-max of the raw logits.
+    z = np.array(rounded(hid, ct) @ rounded(wd, ct).T)
+    y = np.array(y)
+    y[3::2] = z.argmax(axis=1)[3::2]
+    return hid, w, q, wd, mx.array(y), z
+
+
+def _check_entropy(st, r_st, z, y):
+    for name in ("logp", "lse", "entropy", "mean_logit"):
+        np.testing.assert_allclose(np.array(getattr(st, name)), np.array(getattr(r_st, name)),
+                                   atol=ENT_ATOL, rtol=0, err_msg=name)
+    assert st.is_top1.dtype == mx.bool_ and st.entropy.dtype == mx.float32
+    # Rows whose top two logits are apart by more than the forward's error agree.
+    top2 = np.sort(z, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 4 * FWD_ATOL
+    top1, r_top1 = np.array(st.is_top1), np.array(r_st.is_top1)
+    np.testing.assert_array_equal(top1[clear], r_top1[clear])
+    assert r_top1[clear].any() and not r_top1[clear].all()
+    assert not top1[np.array(y) == -100].any()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("softcap,temperature", [(None, 1.0), (30.0, 1.0), (None, 0.7),
+                                                 (30.0, 0.7)])
+@pytest.mark.parametrize("bits", [0, 4, 8])
+def test_entropy_matches_cpu(dtype, softcap, temperature, bits, kernels):
+    """Every entropy output and the gradients of sum(g logp + ge entropy) for h
+    and (dense heads) W on the GPU against the CPU kernels on the operands the
+    GPU sees; `kernels` picks the backward's dS kernel (Hopper or portable)."""
     from flash_cce import ops
     from flash_cce.fallback import dequantize_f32
 
     m, h, v = 96, 128, 1500
-    hid, w, y = make(m, h, v, dtype, seed=23 + bits, ignore=2)
-    w, q, wd = _head(w, bits)
+    hid, w, q, wd, y, z = _entropy_case(m, h, v, dtype, bits, softcap, temperature, 23 + bits)
     g, ge = mx.random.normal((m,)), mx.random.normal((m,))
-    if bits and not ops.native_stats(mx.gpu):
+    native = ops.native_stats(mx.gpu)
+    if bits and not native:
         # The fallback dequantizes in fp32 (mx.dequantize rounds to the scales' type).
         wd = dequantize_f32(w, q["scales"], q["biases"], 64, bits)
 
+    def loss(h, w):
+        st = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
+                               entropy=True, stream=mx.gpu, tuning=kernels, **q)
+        return (g * st.logp + ge * st.entropy).sum(), st
+
+    (_, st), grads = mx.value_and_grad(loss, argnums=0 if bits else (0, 1))(hid, w)
+    if bits:  # one argnum: mx.value_and_grad returns the gradient itself
+        grads = (grads,)
+    if native:
+        r_st, r_dh, r_dw = _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge,
+                                            dw=True)
+    else:
+        def ref(h, w):
+            r = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
+                                  entropy=True, stream=mx.cpu)
+            return (g * r.logp + ge * r.entropy).sum(), r
+
+        (_, r_st), (r_dh, r_dw) = mx.value_and_grad(ref, argnums=(0, 1))(
+            hid.astype(mx.float32), wd.astype(mx.float32))
+    _check_entropy(st, r_st, z, y)
+    assert grads[0].dtype == hid.dtype
+    assert rel_err(grads[0], r_dh) < BWD_RTOL[dtype]
+    if not bits:
+        assert grads[1].dtype == w.dtype
+        assert rel_err(grads[1], r_dw) < BWD_RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_entropy_many_splits(dtype, bits):
+    """4000 rows (32 row tiles) over 9000 columns: the forward splits the
+    vocabulary into several splits of several tiles each (plan.h aims at 8
+    waves of blocks), so the statistics merge within a thread across tiles and
+    across splits; the backward runs 256-column chunks over 1000-row blocks."""
+    m, h, v = 4000, 64, 9000
+    softcap, temperature = 30.0, 0.7
+    hid, w, q, wd, y, z = _entropy_case(m, h, v, dtype, bits, softcap, temperature, 31 + bits)
+    g, ge = mx.random.normal((m,)), mx.random.normal((m,))
+    tuning = {"vocab_chunk": 256, "row_block": 1000}
+
     def loss(h):
         st = flash_cce_forward(h, w, y, softcap=softcap, temperature=temperature,
-                               entropy=True, stream=mx.gpu, **q)
+                               entropy=True, stream=mx.gpu, tuning=tuning, **q)
         return (g * st.logp + ge * st.entropy).sum(), st
 
     (_, st), dh = mx.value_and_grad(loss)(hid)
-    if ops.native_stats(mx.gpu):
-        r_st, r_dh = _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge)
-    else:
-        def ref(h):
-            r = flash_cce_forward(h, wd.astype(mx.float32), y, softcap=softcap,
-                                  temperature=temperature, entropy=True, stream=mx.cpu)
-            return (g * r.logp + ge * r.entropy).sum(), r
-
-        (_, r_st), r_dh = mx.value_and_grad(ref)(hid.astype(mx.float32))
-    for name in ("logp", "lse", "entropy", "mean_logit"):
-        np.testing.assert_allclose(np.array(getattr(st, name)), np.array(getattr(r_st, name)),
-                                   atol=FWD_ATOL, rtol=0, err_msg=name)
-    # Rows whose top two logits are apart by more than the forward's error agree.
-    z = (rounded(hid, mx.float32) @ wd.astype(mx.float32).T)
-    top2 = np.sort(np.array(z), axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 4 * FWD_ATOL
-    assert (np.array(st.is_top1)[clear] == np.array(r_st.is_top1)[clear]).all()
-    assert dh.dtype == hid.dtype
+    r_st, r_dh = _temperature_ref(hid, wd, y, dtype, softcap, temperature, g, ge)
+    _check_entropy(st, r_st, z, y)
     assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_entropy_top1_ties(softcap, kernels):
+    """Two equal head rows (5 and 1400, in different vocabulary tiles and
+    splits) give every row its largest logit twice: is_top1 holds for the first
+    index only, as on the CPU, and never for an ignored row."""
+    m, h, v = 64, 64, 1500
+    hid, w, y = make(m, h, v, mx.bfloat16, seed=41, ignore=2)
+    hid[:, 0] = 4.0
+    tie = mx.zeros((h,)).astype(mx.bfloat16)
+    tie[0] = 4.0
+    w[5] = tie
+    w[1400] = tie
+    y = np.array(y)
+    y[2::2], y[3::2] = 5, 1400
+    y = mx.array(y)
+    st = flash_cce_forward(hid, w, y, softcap=softcap, entropy=True, stream=mx.gpu,
+                           tuning=kernels)
+    r_st = flash_cce_forward(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y,
+                             softcap=softcap, entropy=True, stream=mx.cpu)
+    expect = np.zeros(m, bool)
+    expect[2::2] = True
+    np.testing.assert_array_equal(np.array(r_st.is_top1), expect)
+    np.testing.assert_array_equal(np.array(st.is_top1), expect)
+    np.testing.assert_allclose(np.array(st.entropy), np.array(r_st.entropy), atol=ENT_ATOL,
+                               rtol=0)
+
+
+def test_entropy_g_entropy_alone():
+    """The gradient of the entropy alone (g = 0; fp32 h: the portable dS
+    kernel), ignored rows included as on the CPU, against the CPU kernels."""
+    m, h, v = 8, 32, 700
+    hid, w, y = make(m, h, v, mx.float32, seed=43, ignore=2)
+    w = rounded(w, mx.bfloat16)
+    hid = rounded(hid, mx.bfloat16)
+    ge = mx.random.normal((m,), key=mx.random.key(7))
+
+    def ent(h):
+        return (ge * flash_cce_forward(h, w, y, entropy=True, stream=mx.gpu).entropy).sum()
+
+    dh = mx.grad(ent)(hid)
+    r_dh = mx.grad(lambda h: (ge * flash_cce_forward(h, w, y, entropy=True,
+                                                      stream=mx.cpu).entropy).sum())(hid)
+    assert float(mx.abs(dh[:2]).sum()) > 0  # ignored rows take the entropy's gradient
+    assert rel_err(dh, r_dh) < BWD_RTOL[mx.float32]
