@@ -83,6 +83,13 @@ def native_stats(device):
     return _ext.supports_stats(_device(device))
 
 
+def fused_stats(device):
+    """Whether the native kernels of `device` keep the entropy statistics in
+    the fused forward (the CPU's). The GPU kernels compute them in the plain
+    forward, so asking for them turns the fused backward off there."""
+    return _device(device).type == mx.cpu
+
+
 def _device(stream):
     """The device of a stream, device, device type (mx.cpu) or None (default)."""
     if stream is None:

@@ -615,7 +615,7 @@ def cuda_like_head(monkeypatch):
     calls = []
     backward = fallback._backward
     monkeypatch.setattr(ops, "native_stats", lambda device: False)
-    monkeypatch.setattr(stats, "native_stats", lambda device: False)
+    monkeypatch.setattr(stats, "fused_stats", lambda device: False)
     monkeypatch.setattr(fallback, "_backward", lambda *a, **k: calls.append(1) or backward(*a, **k))
     return calls
 

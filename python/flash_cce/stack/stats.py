@@ -32,7 +32,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..head import linear_logprobs
-from ..ops import native_stats
+from ..ops import fused_stats
 from . import compiled
 from .attention import routed
 from .batch import Pair
@@ -225,11 +225,11 @@ def token_logprobs(lm, h, targets, flash, temperature=1.0, entropy=False, backwa
         x = lm.head_input(h)
         head = functools.partial(linear_logprobs, head=lm.head, targets=targets, softcap=lm.softcap,
                                  validate_targets=False, temperature=temperature)
-        if entropy and backward and not entropy_grad and not native_stats(None):
-            # Where the device's kernels have no entropy statistics (CUDA), a
-            # call with them runs the pure-MLX head, forward and backward: on an
-            # H200 that held 17 of a GRPO update's 21 GB. The log-probs take
-            # the native head; the statistics a forward without gradient.
+        if entropy and backward and not entropy_grad and not fused_stats(None):
+            # Where the fused forward cannot keep the statistics (the GPU
+            # kernels, or the pure-MLX head where a device has none, which on
+            # an H200 held 17 of a GRPO update's 21 GB), the log-probs take the
+            # fused native head and the statistics a forward without gradient.
             out = head(mx.stop_gradient(x), entropy=True, fused_backward=False)
             return (head(x), mx.stop_gradient(out.entropy), out.is_top1,
                     mx.stop_gradient(out.mean_logit))
