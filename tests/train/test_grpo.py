@@ -605,9 +605,9 @@ def test_gradients_equal_plain_autodiff_of_trl(model, kw, flash):
 
 @pytest.fixture
 def cuda_like_head(monkeypatch):
-    """The head as on a device whose kernels have no entropy statistics (CUDA):
-    a call with them runs the pure-MLX fallback. Yields the fallback backward's
-    call count."""
+    """The head as on a device whose kernels have no entropy statistics: a
+    call with them runs the pure-MLX fallback, and the fused forward cannot
+    keep them. Yields the fallback backward's call count."""
     import flash_cce.fallback as fallback
     import flash_cce.ops as ops
     import flash_cce.stack.stats as stats
