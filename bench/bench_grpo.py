@@ -123,13 +123,13 @@ def rollout_steps(model, prompts, G, length, generated):
     return {"flash_cce": ours, "mlx-lm": mlx_lm, "mlx-lm-lora": lora}
 
 
-def update_steps(model, rolls, length, loss_type):
+def update_steps(model, rolls, length, loss_type, micro_group=None):
     cfg = GRPOConfig(loss_type=loss_type, beta=0.0, num_generations=len(rolls.completions[0]),
                      max_completion_length=length)
 
     def ours():
         def step():
-            loss, grads, _ = grpo_value_and_grad(model, rolls, cfg)
+            loss, grads, _ = grpo_value_and_grad(model, rolls, cfg, micro_group=micro_group)
             mx.eval(loss, grads)
         return step
 
@@ -226,6 +226,8 @@ def main():
     ap.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES,
                     help="the updates' loss types")
     ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
+    ap.add_argument("--micro-group", type=int, default=None,
+                    help="our update's completions per pass of a group (default: all G)")
     ap.add_argument("--json", default="bench_grpo.json", help="where to write results")
     args = ap.parse_args()
     unknown = set(args.providers or ()) - set(PROVIDERS)
@@ -275,7 +277,7 @@ def main():
         if "update" in args.phases and length in shape["completions"]:
             rolls = make_rollouts(prompts, G, length, vocab)
             for loss_type in args.loss_types:
-                steps = chosen(update_steps(model, rolls, length, loss_type)) if model is not None else {}
+                steps = chosen(update_steps(model, rolls, length, loss_type, args.micro_group)) if model is not None else {}
                 print(f"update {loss_type}, completions of {length}: {list(steps)}", flush=True)
                 cells = {k: row(v) for k, v in measure(steps, shape["repeats"]).items()}
                 for name in TORCH_PROVIDERS:
