@@ -60,6 +60,15 @@ std::string show(const T& v) {
     s << (v ? "true" : "false");
   } else if constexpr (std::is_enum_v<T>) {
     s << static_cast<long long>(v);
+  } else if constexpr (requires { v.begin(); v.end(); } && !std::is_convertible_v<T, std::string>) {
+    // containers, as GoogleTest prints them: { a, b }
+    s << "{ ";
+    bool first = true;
+    for (const auto& x : v) {
+      s << (first ? "" : ", ") << show(x);
+      first = false;
+    }
+    s << " }";
   } else {
     s << v;
   }
