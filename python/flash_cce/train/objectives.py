@@ -110,12 +110,12 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
 
 def _native_stats():
     """TRL's token metrics in a training step where the device's own kernels
-    compute them within the fused forward (the CPU's; on a GPU they would turn
-    the fused backward off, elsewhere take the slower fallback); evaluation
-    always has them."""
-    from ..ops import fused_stats, native_stats
+    compute them (on a GPU from a forward without gradient beside the fused
+    head, `stack.stats`; elsewhere the head would take its slower fallback);
+    evaluation always has them."""
+    from ..ops import native_stats
 
-    return native_stats(None) and fused_stats(None)
+    return native_stats(None)
 
 
 def value_and_grad(model, pairs, cfg, group=None):
