@@ -67,6 +67,30 @@ def test_pair_objective_token_metrics(flash):
         _close(step[k], float(metrics[k]))
 
 
+def test_step_metrics_where_the_fused_forward_cannot_keep_them(monkeypatch):
+    """As on a GPU, whose fused forward cannot keep the entropy statistics: the
+    step takes them from a second head forward without gradient; its metrics,
+    loss and gradients equal those of the CPU's fused forward that keeps them."""
+    import flash_cce.stack.stats as stats
+    from mlx.utils import tree_flatten
+
+    model = tiny_model("llama", lora=True)
+    pairs = _pairs()
+    cfg = ObjectiveConfig(name="orpo")
+    loss, grads, want = value_and_grad(model, pairs, cfg)
+    calls = []
+    monkeypatch.setattr(stats, "fused_stats", lambda device: calls.append(1) or False)
+    loss2, grads2, got = value_and_grad(model, pairs, cfg)
+    assert calls
+    _close(loss2, float(loss))
+    for k in ("entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected"):
+        _close(got[k], float(want[k]))
+    for (k, a), (_, b) in zip(tree_flatten(grads2), tree_flatten(grads)):
+        scale = float(mx.abs(b).max())
+        # the same fused head computes the gradient either way (float32 sums)
+        assert float(mx.abs(a - b).max()) <= REL * max(1.0, scale), k
+
+
 def test_sft_token_metrics_are_over_its_loss_tokens():
     model = tiny_model("llama", lora=True)
     pairs = _pairs()
