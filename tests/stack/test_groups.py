@@ -6,7 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from flash_cce.stack import StackConfig
+from flash_cce.stack import StackConfig, compiled
 from flash_cce.stack.batch import Group
 from flash_cce.stack.groups import check_groups, group_logprobs, group_value_and_grad
 from flash_cce.stack.prefix import packing_pays
@@ -134,18 +134,30 @@ def test_group_gradients_equal_independent_forwards(arch, layout):
 
 
 @pytest.mark.parametrize("arch, micro, layout", [("llama", 1, "two_passes"), ("llama", 3, "segmented"),
-                                                 ("gemma4_text", 2, "packed"), ("qwen3", 2, "compiled")])
-def test_micro_groups_equal_the_whole_group(arch, micro, layout):
+                                                 ("gemma4_text", 2, "packed"), ("qwen3", 2, "compiled"),
+                                                 ("gemma4_text", 1, "compiled")])
+def test_micro_groups_equal_the_whole_group(arch, micro, layout, monkeypatch):
     """Completions a few at a time around one prompt pass: the same outputs and
-    gradients (of a loss that sums per-completion terms) as plain autodiff."""
+    gradients (of a loss that sums per-completion terms) as plain autodiff.
+    With compiled layers each continuation is taken back through them alone
+    (Gemma 4: layers sharing keys/values; micro-groups of one: a one-token
+    completion has no continuation pass)."""
     model = tiny_model(arch, lora=True)
     groups = _groups(2)
     weights = _weights(groups)
+    taken_back = []
+    latest = compiled.Stack.backward_latest
+    monkeypatch.setattr(compiled.Stack, "backward_latest",
+                        lambda self, ct: taken_back.append(ct.shape) or latest(self, ct))
 
     def loss(i, out):
         return (weights[i] * mx.tanh(out["logps"])).sum() / 7.0
 
     outs, grads = group_value_and_grad(model, groups, loss, StackConfig(**LAYOUTS[layout]), micro_group=micro)
+    # One continuation per micro-group with a token to continue from.
+    want_passes = sum(any(len(c) > 1 for c in grp.completions[lo:lo + micro])
+                      for grp in groups for lo in range(0, len(grp.completions), micro))
+    assert len(taken_back) == (want_passes if layout == "compiled" else 0)
 
     def plain():
         total = mx.array(0.0)

@@ -209,18 +209,28 @@ class Stack:
             self.tapes.append(tape)
         return h, recorded
 
-    def backward(self, ct):
+    def backward(self, ct, recorded=None):
         """The trainable parameters' gradients (the tree of
         `model.trainable_parameters()`) given the cotangent of the passes'
-        outputs, `[rows, d]` in the order of the passes."""
+        outputs, `[rows, d]` in the order of the passes. `recorded`: the
+        cotangents (by layer) of the keys/values the latest pass recorded, from
+        continuations taken back before (`backward_latest`)."""
         tapes, self.tapes = self.tapes, []
         sizes = [math.prod(t.shape[:-1]) for t in tapes]
         cts = mx.split(ct, list(itertools.accumulate(sizes[:-1]))) if len(tapes) > 1 else [ct]
-        grads, prompt_cts = None, {}
+        grads, prompt_cts = None, recorded or {}
         for tape, c in zip(reversed(tapes), reversed(cts)):
             g, prompt_cts = self._backward(tape, c.reshape(tape.shape), prompt_cts)
             grads = g if grads is None else [tree_map(mx.add, a, b) for a, b in zip(grads, g)]
         return _in_model_tree(self.lm, grads)
+
+    def backward_latest(self, ct):
+        """The latest pass taken back alone: (the gradients as `backward` gives
+        them, the cotangents of the prompt keys/values it read, by layer). The
+        earlier passes stay for `backward`."""
+        tape = self.tapes.pop()
+        grads, prompt_cts = self._backward(tape, ct.reshape(tape.shape), {})
+        return _in_model_tree(self.lm, grads), prompt_cts
 
     def _backward(self, tape, ct, recorded_cts):
         """Per-layer gradients of one pass, and (a continuation) the cotangents of
