@@ -124,16 +124,17 @@ def ours_loss(cap, q, fused, tuning=None):
     return loss
 
 
-def ours_entropy(cap, q, temperature, fused):
+def ours_entropy(cap, q, temperature, fused, tuning=None):
     """Per-token log-probs and entropy at `temperature`: the loss
-    mean(-logp - 0.01 entropy) (or, forward only, both arrays)."""
+    mean(-logp - 0.01 entropy) (or, forward only, both arrays). tuning: as
+    `ours_loss`."""
     from flash_cce import flash_cce_forward
 
     def stats(hid, w, y):
         wq, s, b = q if q is not None else (w, None, None)
         return flash_cce_forward(hid, wq, y, s, b, group_size=64, softcap=cap,
                                  validate_targets=False, fused_backward=fused,
-                                 temperature=temperature, entropy=True)
+                                 temperature=temperature, entropy=True, tuning=tuning)
 
     def loss(hid, w, y):
         st = stats(hid, w, y)
@@ -320,7 +321,7 @@ def run(args):
                     fused = mode in ("fwd_bwd", "fwd_fused")
                     if mode.startswith("ent_"):
                         providers = [("flash_cce", ours_entropy(cap, q, args.temperature,
-                                                                mode == "ent_fwd_bwd"))]
+                                                                mode == "ent_fwd_bwd", args.tuning))]
                     else:
                         providers = [("flash_cce", ours_loss(cap, q, fused, args.tuning))]
                     # The other providers run the loss modes only.
@@ -442,7 +443,7 @@ def main():
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the entropy modes' temperature")
     p.add_argument("--tuning", type=json.loads, default=None,
-                   help='the ops\' tuning for our loss modes, e.g. \'{"chunk_mb": 192}\'')
+                   help='the ops\' tuning for our modes, e.g. \'{"chunk_mb": 192}\'')
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the results here")
