@@ -87,19 +87,20 @@ def make_rollouts(prompts, G, length, vocab, seed=1):
     return Rollouts(prompts, comps, rewards, ["r"], [[True] * G for _ in prompts])
 
 
-def rollout_steps(model, prompts, G, length, generated):
-    """name -> builder of a rollout step; each step records in `generated[name]`
-    how many tokens it returned."""
-    s = SamplingSettings(max_completion_length=length, temperature=1.0)
+def rollout_steps(model, prompts, G, generated):
+    """name -> builder of a rollout step of completions of a given length; each
+    step records in `generated[name]` how many tokens it returned."""
     rng = RolloutRng(0)
 
-    def ours():
+    def ours(length):
+        s = SamplingSettings(max_completion_length=length, temperature=1.0)
+
         def step():
             out = rollout(model, prompts, G, s, [], rng)
             generated["flash_cce"] = sum(len(c) for cs in out.completions for c in cs)
         return step
 
-    def mlx_lm():
+    def mlx_lm(length):
         from mlx_lm.generate import batch_generate
         from mlx_lm.sample_utils import make_sampler
 
@@ -112,7 +113,7 @@ def rollout_steps(model, prompts, G, length, generated):
             generated["mlx-lm"] = sum(len(t) for t in out.token_ids)
         return step
 
-    def lora():
+    def lora(length):
         from mlx_lm_lora.trainer.grpo_trainer import generate_grpo
 
         def step():
@@ -121,6 +122,16 @@ def rollout_steps(model, prompts, G, length, generated):
         return step
 
     return {"flash_cce": ours, "mlx-lm": mlx_lm, "mlx-lm-lora": lora}
+
+
+def warmed(build, length, warmup):
+    """A builder of `build`'s step at `length`, which first runs one step at
+    `warmup` tokens when that is given."""
+    def make():
+        if warmup:
+            build(warmup)()
+        return build(length)
+    return make
 
 
 def update_steps(model, rolls, length, loss_type, micro_group=None):
@@ -223,6 +234,9 @@ def main():
                     help="what to time")
     ap.add_argument("--rollout-completions", nargs="*", type=int,
                     help="completion lengths whose rollouts are timed (default: those of --completions)")
+    ap.add_argument("--rollout-warmup", type=int, default=None,
+                    help="warm each rollout provider up with completions of this many tokens instead of a "
+                         "rollout of the timed length (same kernels; saves time at long completions)")
     ap.add_argument("--loss-types", nargs="+", default=list(LOSS_TYPES), choices=LOSS_TYPES,
                     help="the updates' loss types")
     ap.add_argument("--providers", nargs="+", help="only these providers (default: all)")
@@ -267,10 +281,13 @@ def main():
         results["rows"].append(r)
         if "rollout" in args.phases and length in rollout_lengths:
             generated = {}
-            steps = chosen(rollout_steps(model, prompts, G, length, generated))
+            steps = chosen(rollout_steps(model, prompts, G, generated))
+            steps = {k: warmed(b, length, args.rollout_warmup) for k, b in steps.items()}
             print(f"rollout, completions of {length}: {list(steps)}", flush=True)
             r["rollout_tokens"] = G * len(prompts) * length  # what each provider should return
-            r["rollout"] = {k: row(v, generated.get(k)) for k, v in measure(steps, shape["repeats"]).items()}
+            r["rollout_warmup"] = args.rollout_warmup or length
+            measured = measure(steps, shape["repeats"], warmup=args.rollout_warmup is None)
+            r["rollout"] = {k: row(v, generated.get(k)) for k, v in measured.items()}
             add_ratios(r["rollout"])
             print(json.dumps(r["rollout"]), flush=True)
             save()

@@ -204,9 +204,10 @@ def make_step(name, model, pairs):
     return ours(model, pairs, **switches)
 
 
-def measure(steps, repeats):
+def measure(steps, repeats, warmup=True):
     """Median ms and peak GB of each step (`steps`: name -> a function that
-    builds the step) after a warm-up, timed in rounds that run each step once,
+    builds the step) after a warm-up run (`warmup`; else the builder's own),
+    timed in rounds that run each step once,
     so that with several steps slow drifts of the machine (clocks, other load)
     fall on every step alike. A step that fails is reported and left out of
     later rounds. Returns {name: (ms, GB, warm-up ms) or the exception}; the
@@ -214,9 +215,10 @@ def measure(steps, repeats):
     out, runs, times, peaks, first = {}, {}, {}, {}, {}
     for name, build_step in steps.items():
         try:
-            runs[name] = build_step()
             t0 = time.perf_counter()
-            runs[name]()  # warm-up: kernels, caches, traces
+            runs[name] = build_step()
+            if warmup:
+                runs[name]()  # warm-up: kernels, caches, traces
             first[name] = (time.perf_counter() - t0) * 1e3
             times[name], peaks[name] = [], 0.0
         except Exception as err:  # noqa: BLE001 - report and go on

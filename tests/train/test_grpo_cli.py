@@ -296,3 +296,17 @@ def test_nonfinite_steps_are_skipped_and_the_run_stops_at_the_last_finite_checkp
     ok(flash_cce("train", "--resume", run / "checkpoints" / f"step-{good:07d}", "--learning-rate", "1e-3",
                  "--max-grad-norm", "1", "--iters", str(first + 2)))
     assert published_step(run) == first + 2
+
+
+def test_a_slow_first_generation_and_step_are_announced(env, tmp_path, monkeypatch, capsys):
+    """With the notice due at once, the run says (once each) that its first generation, first
+    validation and first step are still running, and how long each took; later steps say nothing."""
+    from flash_cce.train import cli, notice
+
+    monkeypatch.setattr(notice, "AFTER_SECONDS", 0.0)
+    assert cli.main([str(a) for a in argv(env, tmp_path / "run", 2)]) in (0, None)
+    out = capsys.readouterr().out.splitlines()
+    for what in ("The first generation", "The first validation", "The first step"):
+        assert sum(line.startswith(f"{what} is still running after 0 s") for line in out) == 1, what
+        assert sum(line.startswith(f"{what} took") for line in out) == 1, what
+    assert sum("still running" in line for line in out) == 3

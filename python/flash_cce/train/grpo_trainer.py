@@ -28,6 +28,7 @@ import numpy as np
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from .notice import SlowStart
 from .preflight import RunError
 from .rollout import RolloutRng, SamplingSettings
 
@@ -278,11 +279,16 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         return checkpoint.save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg, best=best,
                                           keep=args.keep_checkpoints, protect=guard.protect())
 
-    last_eval = validate_now(0) if state["step"] == 0 else None
+    with SlowStart("The first validation", log if rank == 0 else None):
+        last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
     bar = _progress(args, state["step"], rank, log)
+    slow = SlowStart("The first step", None if rank else bar.write)
     try:
-        for step in range(state["step"] + 1, args.iters + 1):
+        first_step = state["step"] + 1
+        for step in range(first_step, args.iters + 1):
+            if step == first_step:
+                slow.start()
             tic = time.perf_counter()
             mx.reset_peak_memory()
             grads, sums, rollout_time, tokens = None, {}, 0.0, 0
@@ -328,6 +334,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
             if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
                 optimizer.update(model, grads)
                 mx.eval(model.parameters(), optimizer.state)
+            slow.stop()
             del grads
             state["step"] = step
             elapsed = time.perf_counter() - tic
@@ -362,6 +369,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                 raise Interrupted(step, ckpt)
         guard.finish(log)
     finally:
+        slow.stop()
         if bar is not None:
             bar.close()
         if log_file is not None:
@@ -459,8 +467,9 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     first = None
     if resume is None:
         try:
-            first = first_generation(model, tokenizer, prompts["train"], cfg, gcfg, scorer, cfg["seed"],
-                                     cfg["batch_size"], world)
+            with SlowStart("The first generation", log if rank == 0 else None):
+                first = first_generation(model, tokenizer, prompts["train"], cfg, gcfg, scorer, cfg["seed"],
+                                         cfg["batch_size"], world)
         except RewardError as e:
             raise RunError(str(e)) from None
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])

@@ -20,6 +20,7 @@ of a step sample what one process would.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -99,18 +100,30 @@ def _gumbel_rows(keys, vocab):
     return mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
 
 
+@lru_cache(maxsize=16)
+def _sampler(s):
+    """The sampler of settings `s` as one compiled function (logits [B, V], high
+    keys [B], step t) -> (tokens [B], log-probs [B]): its dozen small ops over
+    [B, V] run as a few kernels at every decode step."""
+
+    def sample(logits, high, t):
+        logits = logits.astype(mx.float32)
+        if s.temperature == 0:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            scaled = logits * (1.0 / s.temperature)
+            logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+            keys = mx.stack([high, mx.broadcast_to(t, high.shape)], axis=1)
+            tokens = mx.argmax(_filtered(logprobs, s) + _gumbel_rows(keys, logprobs.shape[-1]), axis=-1)
+        return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    return mx.compile(sample)
+
+
 def _sample(logits, s, high, t):
     """(tokens [B], sampler log-probs [B]) from last-position logits [B, V]."""
-    logits = logits.astype(mx.float32)
-    if s.temperature == 0:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1)
-    else:
-        scaled = logits * (1.0 / s.temperature)
-        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-        keys = mx.stack([high, mx.full(high.shape, t, mx.uint32)], axis=1)
-        tokens = mx.argmax(_filtered(logprobs, s) + _gumbel_rows(keys, logprobs.shape[-1]), axis=-1)
-    return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return _sampler(s)(logits, high, mx.array(t, mx.uint32))
 
 
 def _prefill(model, prompt, step_size):

@@ -25,6 +25,7 @@ from .preflight import prepare_model, quantize_model  # noqa: F401 (prepare_mode
 from .objectives import evaluate as objective_evaluate
 from .objectives import value_and_grad as objective_value_and_grad
 from .guard import Guard
+from .notice import SlowStart
 from .storage import WriteError, writing
 
 GB = 1e9
@@ -270,14 +271,18 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         return False
 
     # The step-0 evaluation is logged but never "best": best points at a checkpoint.
-    last_eval = validate_now(0) if state["step"] == 0 else None
+    with SlowStart("The first validation", log if rank == 0 else None):
+        last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
     canary = MemoryCanary(args.memory_canary)
     bar = _progress(args, state["step"], rank, log)
     accum = args.grad_accumulation_steps
+    slow = SlowStart("The first step", None if rank else bar.write)
     try:
         first = state["step"] + 1
         for step in range(first, args.iters + 1):
+            if step == first:
+                slow.start()
             if gpu_capture is not None and step == first:
                 mx.metal.start_capture(str(gpu_capture))
             tic = time.perf_counter()
@@ -305,6 +310,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
                 optimizer.update(model, grads)
                 mx.eval(model.parameters(), optimizer.state)
+            slow.stop()
             if gpu_capture is not None and step == first:
                 mx.metal.stop_capture()
                 log(f"Recorded step {step} into {gpu_capture}")
@@ -360,6 +366,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         where = f"; the last complete checkpoint is {last_ckpt}" if last_ckpt is not None else ""
         raise WriteError(e.filename, e.strerror + where, e.errno) from None
     finally:
+        slow.stop()
         if bar is not None:
             bar.close()
         if log_file is not None:
