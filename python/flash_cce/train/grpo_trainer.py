@@ -220,14 +220,14 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     """Trains `model` with GRPO on `train_prompts` (grpo_data.Prompts); returns
     the last validation record. `first`: `first_generation`'s result (fresh runs)."""
     import mlx.core as mx
-    import mlx.optimizers as optim
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
 
     from . import checkpoint
     from .checkpoint import Interrupted
     from .grpo import grpo_value_and_grad
     from .guard import Guard
-    from .trainer import GB, MetricsLog, _progress, batch_indices, sum_over_ranks
+    from .trainer import (GB, MetricsLog, _progress, apply_update, batch_indices, report_step, stop_requested,
+                          sum_over_ranks)
 
     world = mx.distributed.init()
     rank = world.rank()
@@ -326,14 +326,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                 if gcfg.loss_type in ("dapo", "cispo", "vespo"):  # each rank's loss is its share of the sum
                     sums["loss"] *= world.size()
             sums.update(generation_metrics)
-            if args.max_grad_norm is not None:
-                grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
-            else:
-                norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            finite = guard.check(sums["loss"], norm.item(), world)
-            if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
-                optimizer.update(model, grads)
-                mx.eval(model.parameters(), optimizer.state)
+            finite, norm = apply_update(model, optimizer, grads, sums["loss"], args.max_grad_norm, guard, world)
             slow.stop()
             del grads
             state["step"] = step
@@ -343,12 +336,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                           rollout_time=rollout_time, update_time=elapsed - rollout_time, step_time=elapsed,
                           active_memory_gb=mx.get_active_memory() / GB, peak_memory_gb=mx.get_peak_memory() / GB,
                           **guard.record())
-            emit(record)
-            if bar is not None:
-                bar.step(record)
-            if not finite:
-                guard.after(step, f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}",
-                            lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
+            report_step(record, emit, bar, guard, finite, log)
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
@@ -358,9 +346,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                         state["best_val"], state["best_step"], is_best = last_eval["reward"], step, True
                     line = f"step {step}: val reward {last_eval['reward']:.4f}"
                     (bar.write if bar is not None else log)(line)
-            stop = should_stop is not None and should_stop()
-            if should_stop is not None and world.size() > 1:  # every rank stops after the same step
-                stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
+            stop = stop_requested(should_stop, world)
             due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
             if due and not guard.suspect:  # checkpoints hold weights that gave a finite loss last
                 ckpt = save(step, best=is_best)

@@ -187,6 +187,41 @@ def _progress(args, start, rank, log):
     return Reporter(args.iters, start, args.steps_per_report, use_bar(args.progress), log)
 
 
+def apply_update(model, optimizer, grads, loss, max_grad_norm, guard, world):
+    """Clips `grads` (the step's, summed over ranks) to `max_grad_norm` (None:
+    no clipping) and applies them unless the guard finds the loss or their norm
+    non-finite, in which case the weights stay as they were. Returns (finite,
+    the gradient norm as an array)."""
+    if max_grad_norm is not None:
+        grads, norm = optim.clip_grad_norm(grads, max_grad_norm)
+    else:
+        norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+    finite = guard.check(loss, norm.item(), world)
+    if finite:
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+    return finite, norm
+
+
+def report_step(record, emit, bar, guard, finite, log):
+    """Writes a step's record, shows it, and after a skipped (non-finite) step says so."""
+    emit(record)
+    if bar is not None:
+        bar.step(record)
+    if not finite:
+        guard.after(record["step"], f"loss {record['loss']:.4g}, grad_norm {record['grad_norm']:.4g}",
+                    lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
+
+
+def stop_requested(should_stop, world):
+    """Whether `should_stop()` asks to stop after this step, on any rank (every
+    rank then stops after the same step)."""
+    stop = should_stop is not None and should_stop()
+    if should_stop is not None and world.size() > 1:
+        stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
+    return stop
+
+
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
           adapter_config=None, resume=None, value_and_grad=objective_value_and_grad,
           evaluate=objective_evaluate, on_eval=None, log=print, should_stop=None, gpu_capture=None,
@@ -302,14 +337,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 for k, v in values.items():
                     sums[k] = sums.get(k, 0.0) + v / accum
             grads = sum_over_ranks(tree_map(lambda x: x / accum, grads), world)
-            if args.max_grad_norm is not None:
-                grads, norm = optim.clip_grad_norm(grads, args.max_grad_norm)
-            else:
-                norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-            finite = guard.check(sums["loss"], norm.item(), world)
-            if finite:  # else a NaN/inf loss or gradient: the weights stay as they were
-                optimizer.update(model, grads)
-                mx.eval(model.parameters(), optimizer.state)
+            finite, norm = apply_update(model, optimizer, grads, sums["loss"], args.max_grad_norm, guard, world)
             slow.stop()
             if gpu_capture is not None and step == first:
                 mx.metal.stop_capture()
@@ -333,13 +361,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
             if warning:
                 record["memory_warning"] = warning
                 log(f"[warning] {warning}")
-            emit(record)
-            if bar is not None:
-                bar.step(record)
-            if not finite:
-                guard.after(step, f"loss {sums['loss']:.4g}, grad_norm {norm.item():.4g}",
-                            lambda line: (bar.write if bar is not None else log)(f"[warning] {line}"))
-
+            report_step(record, emit, bar, guard, finite, log)
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)
@@ -350,9 +372,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                         bar.write(_eval_line(last_eval))
                     elif rank == 0:
                         log(_eval_line(last_eval))
-            stop = should_stop is not None and should_stop()
-            if should_stop is not None and size > 1:  # every rank stops after the same step
-                stop = mx.distributed.all_sum(mx.array(int(stop)), group=world).item() > 0
+            stop = stop_requested(should_stop, world)
             due = is_best or (args.save_every and step % args.save_every == 0) or step == args.iters or stop
             if due and not guard.suspect:  # checkpoints hold weights that gave a finite loss last
                 if is_best:  # its finite validation loss proves it
