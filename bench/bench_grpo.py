@@ -244,6 +244,8 @@ def main():
                     help="our update's completions per pass of a group (default: all G)")
     ap.add_argument("--json", default="bench_grpo.json", help="where to write results")
     args = ap.parse_args()
+    if args.rollout_warmup is not None and args.rollout_warmup < 1:
+        ap.error(f"--rollout-warmup: got {args.rollout_warmup}; allowed: an integer >= 1")
     unknown = set(args.providers or ()) - set(PROVIDERS)
     if unknown:
         ap.error(f"--providers: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(PROVIDERS)}")

@@ -101,8 +101,19 @@ def test_a_run_logs_trls_metrics_and_writes_adapters_mlx_lm_loads(env, straight)
 
     model, _ = load(str(env[1]), adapter_path=str(run / "adapters"))  # mlx-lm's adapter format
     assert "Try: mlx_lm.generate" in proc.stdout
-    one_line_error(flash_cce("eval", run), "objective: flash-cce eval scores the preference objectives",
-                   "mean reward")
+
+
+def test_eval_of_the_best_checkpoint_repeats_its_validation(env, straight):
+    """`flash-cce eval RUN/best --split valid` samples the validation prompts as the run's validation
+    did (same settings and random stream): the same mean rewards; the test split is missing here."""
+    run, _ = straight
+    best = max(records(run, "valid")[1:], key=lambda r: r["reward"])
+    proc = ok(flash_cce("eval", run / "best", "--split", "valid"))
+    table = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.strip())
+    assert table["split"] == "valid (4 prompts)"
+    for key in ("reward", "rewards/exact_match/mean", "rewards/first_letter/mean", "completions/mean_length"):
+        assert float(table[key]) == pytest.approx(best[key], abs=5e-5), key
+    one_line_error(flash_cce("eval", run), "split: needs a non-empty test.jsonl")
 
 
 def test_resume_equals_an_uninterrupted_run(env, straight, tmp_path):

@@ -18,7 +18,7 @@ def test_slow_work_gets_one_line_and_its_time():
     with SlowStart("The first step", lines.append, after=0.05):
         time.sleep(0.4)
     assert len(lines) == 2
-    assert lines[0].startswith("The first step is still running after 0.05 s: MLX compiles its kernels")
+    assert lines[0].startswith("The first step is still running after 0.05 s: this may be MLX compiling")
     assert lines[1].startswith("The first step took ") and float(lines[1].split()[4]) >= 0.4
 
 
@@ -53,3 +53,37 @@ def test_the_trainer_says_when_its_first_step_is_slow(setup, monkeypatch):
     slow = [line for line in lines if "still running" in line]
     assert len(slow) == 1 and slow[0].startswith("The first step is still running")
     assert sum(line.startswith("The first step took") for line in lines) == 1
+
+
+def test_work_cut_short_gets_no_time_and_a_failing_log_is_ignored():
+    lines = []
+    try:
+        with SlowStart("The first step", lines.append, after=0.05):
+            time.sleep(0.3)
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert len(lines) == 1 and "still running" in lines[0]  # no "took": it did not finish
+
+    def broken(line):
+        raise OSError("stdout closed")
+
+    with SlowStart("The first step", broken, after=0.0):
+        time.sleep(0.1)
+
+
+def test_the_lines_come_in_order_even_when_logging_is_slow():
+    """A `stop()` racing the timer's line waits for it: never a time before the notice, and
+    never a notice after the time."""
+    for after in (0.0, 0.001, 0.005, 0.02):
+        lines = []
+
+        def slow_log(line):
+            time.sleep(0.03)
+            lines.append(line)
+
+        watch = SlowStart("The first step", slow_log, after=after).start()
+        time.sleep(0.01)
+        watch.stop()
+        time.sleep(0.05)  # a late timer line would land here
+        assert lines == [] or (len(lines) == 2 and "still running" in lines[0] and "took" in lines[1]), lines

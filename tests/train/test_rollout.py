@@ -158,3 +158,27 @@ def test_bad_settings_name_the_field(policy, field, value, allowed):
     model, tok, prompts = policy
     with pytest.raises(ValueError, match=f"{field}: got .*allowed: .*{allowed}"):
         rollout(model, prompts, G, SamplingSettings(**{field: value}), [])
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(temperature=1.0), SamplingSettings(temperature=0.0),
+                                      SamplingSettings(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05)])
+def test_the_compiled_sampler_draws_what_its_ops_draw_eagerly(settings):
+    """The sampler runs as one compiled function; its tokens and log-probs equal, bit for bit, the
+    same ops run one by one: log_softmax(logits / T), TRL's filters, Gumbel noise from the row's
+    key (high word, step), arg-max."""
+    from flash_cce.train.rollout import _filtered, _gumbel_rows, _sample
+
+    B, V = 6, 3000
+    logits = (mx.random.normal((B, V), key=mx.random.key(3)) * 4).astype(mx.bfloat16)
+    high = mx.array(np.arange(B) * 7919 + 11, dtype=mx.uint32)
+    for t in (0, 1, 77):
+        tokens, logps = _sample(logits, settings, high, t)
+        x = logits.astype(mx.float32) * (1.0 / (settings.temperature or 1.0))
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if settings.temperature == 0:
+            want = mx.argmax(lp, axis=-1)
+        else:
+            keys = mx.stack([high, mx.full(high.shape, t, mx.uint32)], axis=1)
+            want = mx.argmax(_filtered(lp, settings) + _gumbel_rows(keys, V), axis=-1)
+        assert tokens.tolist() == want.tolist()
+        assert np.array_equal(np.array(logps), np.array(mx.take_along_axis(lp, want[:, None], axis=-1)[:, 0]))

@@ -36,20 +36,35 @@ def eval_settings(flags, config_path=None, path=None):
 
 
 def run_eval(cfg, adapters, split, log=print):
-    """The objective's metrics of the model (with `adapters`) on `split`, as the run computed them."""
-    from .checkpoint import load_adapters
+    """The objective's metrics of the model (with `adapters`) on `split`, as the run computed them
+    (a GRPO run: its reward metrics of completions sampled as its validation samples them)."""
     from .reference import with_reference
-    from .preflight import quantize_model
-    from .trainer import evaluate_pairs, prepare_model
+    from .trainer import evaluate_pairs
 
     if cfg["objective"] == "grpo":
-        raise RunError("objective: flash-cce eval scores the preference objectives; a grpo run's validation "
-                       "is its mean reward, in its metrics.jsonl (flash-cce plot draws it)")
+        from .grpo_trainer import run_grpo_eval
+
+        return run_grpo_eval(cfg, adapters, split, log)
     objective = objective_config(cfg)
     check_model(cfg["model"])
     records = read_data(cfg, (split,))
     model, tokenizer = load_model(cfg)
     pairs = encode(cfg, tokenizer, records, lambda *a: None)[split]
+    with_adapters(model, cfg, adapters)
+    objective = with_reference(cfg, objective, model, log)
+    limit = batch_limit(cfg, split)
+    r = evaluate_pairs(model, pairs, objective, cfg["batch_size"], limit)
+    n = len(pairs) if limit == -1 else min(len(pairs), limit * cfg["batch_size"])
+    log(format_table(cfg, adapters, split, n, r))
+    return r
+
+
+def with_adapters(model, cfg, adapters):
+    """`model` as the run trained it: its adapters loaded (or quantized as the run's base was)."""
+    from .checkpoint import load_adapters
+    from .preflight import quantize_model
+    from .trainer import prepare_model
+
     try:
         if adapters is not None:
             prepare_model(model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
@@ -58,18 +73,16 @@ def run_eval(cfg, adapters, split, log=print):
             quantize_model(model, cfg["quantize"])
     except ValueError as e:
         raise RunError(str(e)) from None
-    objective = with_reference(cfg, objective, model, log)
-    # As many micro-batches as the run's validation (valid) or --test (test) took.
-    limit = {"valid": cfg["val_batches"], "test": cfg["test_batches"]}.get(split, -1) or -1
-    r = evaluate_pairs(model, pairs, objective, cfg["batch_size"], limit)
-    n = len(pairs) if limit == -1 else min(len(pairs), limit * cfg["batch_size"])
-    log(format_table(cfg, adapters, split, n, r))
-    return r
 
 
-def format_table(cfg, adapters, split, n, metrics):
+def batch_limit(cfg, split):
+    """As many micro-batches as the run's validation (valid) or --test (test) took; -1: all."""
+    return {"valid": cfg["val_batches"], "test": cfg["test_batches"]}.get(split, -1) or -1
+
+
+def format_table(cfg, adapters, split, n, metrics, unit="pairs"):
     rows = [("model", cfg["model"]), ("adapters", str(adapters) if adapters else "none"),
-            ("split", f"{split} ({n} pairs)"), ("objective", f"{cfg['objective']} (beta {cfg['beta']:g})")]
+            ("split", f"{split} ({n} {unit})"), ("objective", f"{cfg['objective']} (beta {cfg['beta']:g})")]
     if cfg["quantize"]:
         rows.append(("quantize", f"{cfg['quantize']['bits']} bits, group {cfg['quantize']['group_size']}"))
     for k, v in sorted(metrics.items()):

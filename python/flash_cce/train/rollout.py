@@ -101,10 +101,11 @@ def _gumbel_rows(keys, vocab):
 
 
 @lru_cache(maxsize=16)
-def _sampler(s):
-    """The sampler of settings `s` as one compiled function (logits [B, V], high
-    keys [B], step t) -> (tokens [B], log-probs [B]): its dozen small ops over
-    [B, V] run as a few kernels at every decode step."""
+def _sampler(temperature, top_p, top_k, min_p):
+    """The sampler of these settings as one compiled function (logits [B, V],
+    high keys [B], step t) -> (tokens [B], log-probs [B]): its dozen small ops
+    over [B, V] run as a few kernels at every decode step."""
+    s = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
     def sample(logits, high, t):
         logits = logits.astype(mx.float32)
@@ -123,7 +124,7 @@ def _sampler(s):
 
 def _sample(logits, s, high, t):
     """(tokens [B], sampler log-probs [B]) from last-position logits [B, V]."""
-    return _sampler(s)(logits, high, mx.array(t, mx.uint32))
+    return _sampler(s.temperature, s.top_p, s.top_k, s.min_p)(logits, high, mx.array(t, mx.uint32))
 
 
 def _prefill(model, prompt, step_size):

@@ -386,7 +386,7 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
         where = f"; the last complete checkpoint is {last_ckpt}" if last_ckpt is not None else ""
         raise WriteError(e.filename, e.strerror + where, e.errno) from None
     finally:
-        slow.stop()
+        slow.stop(report=False)  # nothing to say unless the first step was cut short
         if bar is not None:
             bar.close()
         if log_file is not None:
