@@ -12,6 +12,7 @@ from runs import flash_cce, ok, one_line_error, same_weights, snapshot
 
 from flash_cce.train.checkpoint import published_step
 from flash_cce.train.demo import demo_records, demo_words
+from flash_cce.train.rollout import SamplingSettings
 from flash_cce.train.tiny import build_tiny_model
 
 REWARDS = '''
@@ -321,3 +322,11 @@ def test_a_slow_first_generation_and_step_are_announced(env, tmp_path, monkeypat
         assert sum(line.startswith(f"{what} is still running after 0 s") for line in out) == 1, what
         assert sum(line.startswith(f"{what} took") for line in out) == 1, what
     assert sum("still running" in line for line in out) == 3
+
+
+def test_the_sampling_settings_reach_the_sampler():
+    from flash_cce.train.grpo_trainer import sampling
+
+    cfg = dict(max_completion_length=7, temperature=0.8, top_p=0.9, top_k=4, min_p=None, repetition_penalty=1.3)
+    assert sampling(cfg) == SamplingSettings(max_completion_length=7, temperature=0.8, top_p=0.9, top_k=4,
+                                             min_p=0.0, repetition_penalty=1.3)

@@ -153,7 +153,8 @@ def test_each_prompt_is_prefilled_once_per_group(policy):
 
 @pytest.mark.parametrize("field,value,allowed", [("temperature", -1.0, ">= 0"), ("top_p", 0.0, "> 0"),
                                                  ("top_k", -1, ">= 0"), ("min_p", 1.0, "< 1"),
-                                                 ("max_completion_length", 0, ">= 1")])
+                                                 ("max_completion_length", 0, ">= 1"),
+                                                 ("repetition_penalty", 0.0, "> 0")])
 def test_bad_settings_name_the_field(policy, field, value, allowed):
     model, tok, prompts = policy
     with pytest.raises(ValueError, match=f"{field}: got .*allowed: .*{allowed}"):
@@ -161,24 +162,60 @@ def test_bad_settings_name_the_field(policy, field, value, allowed):
 
 
 @pytest.mark.parametrize("settings", [SamplingSettings(temperature=1.0), SamplingSettings(temperature=0.0),
-                                      SamplingSettings(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05)])
+                                      SamplingSettings(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05),
+                                      SamplingSettings(temperature=0.9, top_p=0.95, repetition_penalty=1.3),
+                                      SamplingSettings(temperature=0.0, repetition_penalty=1.3)])
 def test_the_compiled_sampler_draws_what_its_ops_draw_eagerly(settings):
     """The sampler runs as one compiled function; its tokens and log-probs equal, bit for bit, the
-    same ops run one by one: log_softmax(logits / T), TRL's filters, Gumbel noise from the row's
-    key (high word, step), arg-max."""
-    from flash_cce.train.rollout import _filtered, _gumbel_rows, _sample
+    same ops run one by one: log_softmax(logits / T), the repetition penalty and TRL's filters on
+    the draw, Gumbel noise from the row's key (high word, step), arg-max."""
+    from flash_cce.train.rollout import _filtered, _gumbel_rows, _penalized, _sample
 
     B, V = 6, 3000
     logits = (mx.random.normal((B, V), key=mx.random.key(3)) * 4).astype(mx.bfloat16)
     high = mx.array(np.arange(B) * 7919 + 11, dtype=mx.uint32)
+    penalty = settings.repetition_penalty != 1
+    seen = mx.random.bernoulli(0.1, (B, V), key=mx.random.key(4)) if penalty else None
     for t in (0, 1, 77):
-        tokens, logps = _sample(logits, settings, high, t)
+        tokens, logps = _sample(logits, settings, high, t, seen)
         x = logits.astype(mx.float32) * (1.0 / (settings.temperature or 1.0))
         lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        d = logits.astype(mx.float32)
+        d = _penalized(d, seen, settings.repetition_penalty) if penalty else d
         if settings.temperature == 0:
-            want = mx.argmax(lp, axis=-1)
+            want = mx.argmax(d, axis=-1)
         else:
+            d = d * (1.0 / settings.temperature)
+            d = d - mx.logsumexp(d, axis=-1, keepdims=True)
             keys = mx.stack([high, mx.full(high.shape, t, mx.uint32)], axis=1)
-            want = mx.argmax(_filtered(lp, settings) + _gumbel_rows(keys, V), axis=-1)
+            want = mx.argmax(_filtered(d, settings) + _gumbel_rows(keys, V), axis=-1)
         assert tokens.tolist() == want.tolist()
         assert np.array_equal(np.array(logps), np.array(mx.take_along_axis(lp, want[:, None], axis=-1)[:, 0]))
+
+
+def _penalized_greedy(model, prompt, n, penalty):
+    """Greedy decoding with transformers' repetition penalty, one full forward pass a token, float64:
+    the logits of every token in the prompt or the completion so far divided by `penalty`
+    (multiplied where negative), then the arg-max."""
+    out = []
+    for _ in range(n):
+        logits = np.array(model(mx.array(prompt + out)[None])[0, -1].astype(mx.float32), dtype=np.float64)
+        seen = sorted(set(prompt + out))
+        logits[seen] = np.where(logits[seen] < 0, logits[seen] * penalty, logits[seen] / penalty)
+        out.append(int(np.argmax(logits)))
+    return out
+
+
+def test_repetition_penalty_shapes_the_draw_not_the_logprobs(policy):
+    """Greedy with a penalty picks what transformers' RepetitionPenaltyLogitsProcessor would (a
+    float64 transcription over the whole prompt and completion); the log-probs returned stay those
+    of logits / T, what TRL's trainer computes for the tokens."""
+    model, tok, prompts = policy
+    plain = rollout(model, prompts, G, SamplingSettings(max_completion_length=8, temperature=0), [])
+    r = rollout(model, prompts, G, SamplingSettings(max_completion_length=8, temperature=0,
+                                                    repetition_penalty=2.5), [])
+    assert r.completions != plain.completions  # the penalty changed some draws
+    for p, group, lps in zip(prompts, r.completions, r.logprobs):
+        want = _penalized_greedy(model, p, 8, 2.5)
+        assert group == [want] * G
+        np.testing.assert_allclose(lps[0], _teacher_forced(model, p, want, 1.0), atol=1e-4)

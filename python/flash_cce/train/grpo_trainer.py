@@ -51,7 +51,8 @@ def grpo_config(cfg):
 
 def sampling(cfg):
     return SamplingSettings(max_completion_length=cfg["max_completion_length"], temperature=cfg["temperature"],
-                            top_p=cfg["top_p"], top_k=cfg["top_k"], min_p=cfg["min_p"] or 0.0)
+                            top_p=cfg["top_p"], top_k=cfg["top_k"], min_p=cfg["min_p"] or 0.0,
+                            repetition_penalty=cfg["repetition_penalty"])
 
 
 def stack_config(cfg):

@@ -5,9 +5,10 @@ Each prompt is prefilled once, at batch size 1 with mlx-lm's own KV cache; its
 cache and last logits are then copied to its G completions (mlx-lm's cache
 `merge` into one left-padded batch) and all groups of the step decode together,
 one token per model call. The sampler draws from `softmax(logits / temperature)`
-after TRL's filters (transformers' order: top_k, then top_p, then min_p, each
-from mlx-lm's `sample_utils`); the log-probs returned are those of the tempered
-distribution *before* the filters, `log_softmax(logits / temperature)` at the
+after transformers' repetition penalty (before the temperature) and TRL's
+filters (transformers' order: top_k, then top_p, then min_p, each from mlx-lm's
+`sample_utils`); the log-probs returned are those of the tempered distribution
+*before* the penalty and the filters, `log_softmax(logits / temperature)` at the
 sampled token: what TRL's trainer computes for the same tokens (it divides the
 logits by the temperature and never filters), so with `num_iterations` > 1 they
 serve as the behaviour ("old") log-probs.
@@ -35,6 +36,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
 
     def validate(self):
         if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
@@ -47,6 +49,8 @@ class SamplingSettings:
             raise ValueError(f"top_k: got {self.top_k!r}; allowed: an integer >= 0")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p: got {self.min_p!r}; allowed: a number >= 0 and < 1")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: got {self.repetition_penalty!r}; allowed: a number > 0")
 
 
 @dataclass
@@ -100,31 +104,46 @@ def _gumbel_rows(keys, vocab):
     return mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)
 
 
-@lru_cache(maxsize=16)
-def _sampler(temperature, top_p, top_k, min_p):
-    """The sampler of these settings as one compiled function (logits [B, V],
-    high keys [B], step t) -> (tokens [B], log-probs [B]): its dozen small ops
-    over [B, V] run as a few kernels at every decode step."""
-    s = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+def _penalized(logits, seen, penalty):
+    """transformers' repetition penalty: the logits of the tokens in `seen` (bool
+    [B, V]: in the prompt or the completion so far) divided by `penalty`, or
+    multiplied where negative."""
+    return mx.where(seen, mx.where(logits < 0, logits * penalty, logits / penalty), logits)
 
-    def sample(logits, high, t):
+
+@lru_cache(maxsize=16)
+def _sampler(temperature, top_p, top_k, min_p, repetition_penalty):
+    """The sampler of these settings as one compiled function (logits [B, V],
+    high keys [B], step t, seen tokens [B, V] or None) -> (tokens [B], log-probs
+    [B]): its dozen small ops over [B, V] run as a few kernels at every decode
+    step. The penalty and the filters shape the draw, not the log-probs."""
+    s = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                         repetition_penalty=repetition_penalty)
+
+    def sample(logits, high, t, seen=None):
         logits = logits.astype(mx.float32)
+        drawn = logits if seen is None else _penalized(logits, seen, s.repetition_penalty)
         if s.temperature == 0:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            tokens = mx.argmax(logprobs, axis=-1)
+            tokens = mx.argmax(drawn, axis=-1)
         else:
             scaled = logits * (1.0 / s.temperature)
             logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+            drawn = drawn * (1.0 / s.temperature)
+            drawn = drawn - mx.logsumexp(drawn, axis=-1, keepdims=True)
             keys = mx.stack([high, mx.broadcast_to(t, high.shape)], axis=1)
-            tokens = mx.argmax(_filtered(logprobs, s) + _gumbel_rows(keys, logprobs.shape[-1]), axis=-1)
+            tokens = mx.argmax(_filtered(drawn, s) + _gumbel_rows(keys, logprobs.shape[-1]), axis=-1)
         return tokens, mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
     return mx.compile(sample)
 
 
-def _sample(logits, s, high, t):
-    """(tokens [B], sampler log-probs [B]) from last-position logits [B, V]."""
-    return _sampler(s.temperature, s.top_p, s.top_k, s.min_p)(logits, high, mx.array(t, mx.uint32))
+def _sample(logits, s, high, t, seen=None):
+    """(tokens [B], sampler log-probs [B]) from last-position logits [B, V];
+    `seen`: the tokens the repetition penalty applies to (None: no penalty)."""
+    f = _sampler(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty)
+    t = mx.array(t, mx.uint32)
+    return f(logits, high, t) if seen is None else f(logits, high, t, seen)
 
 
 def _prefill(model, prompt, step_size):
@@ -154,6 +173,14 @@ def _batch_cache(caches, copies):
     return out
 
 
+def _prompt_tokens(prompts, copies, vocab):
+    """bool [len(prompts) * copies, vocab]: which tokens each row's prompt holds."""
+    seen = np.zeros((len(prompts), vocab), bool)
+    for i, p in enumerate(prompts):
+        seen[i, [t for t in p if 0 <= t < vocab]] = True
+    return mx.repeat(mx.array(seen), copies, axis=0)
+
+
 def rollout(model, prompts, num_generations, settings, eos_ids, rng=None, group_ids=None,
             prefill_step_size=2048):
     """`num_generations` completions of each prompt of `prompts` (lists of token ids).
@@ -179,7 +206,8 @@ def rollout(model, prompts, num_generations, settings, eos_ids, rng=None, group_
         cache = _batch_cache([c for c, _ in prefilled], G)
         logits = mx.repeat(mx.concatenate([x for _, x in prefilled], axis=0), G, axis=0)
         del prefilled
-        y, lp = _sample(logits, settings, high, 0)
+        seen = _prompt_tokens(prompts, G, logits.shape[-1]) if settings.repetition_penalty != 1 else None
+        y, lp = _sample(logits, settings, high, 0, seen)
         mx.async_eval(y, lp)
         tokens, logps = [], []
         B = P * G
@@ -187,7 +215,9 @@ def rollout(model, prompts, num_generations, settings, eos_ids, rng=None, group_
         steps = 0
         for t in range(T):
             if t + 1 < T:  # the next token's graph is built while this one computes
-                ny, nlp = _sample(model(y[:, None], cache=cache)[:, -1, :], settings, high, t + 1)
+                if seen is not None:
+                    seen = seen | (mx.arange(seen.shape[-1])[None] == y[:, None])
+                ny, nlp = _sample(model(y[:, None], cache=cache)[:, -1, :], settings, high, t + 1, seen)
                 mx.async_eval(ny, nlp)
                 steps += 1
             tok = np.array(y)

@@ -218,6 +218,9 @@ SETTINGS = (
     S("top_p", "float", 1.0, "Nucleus sampling mass (1: off).", low=0, low_open=True, high=1),
     S("top_k", "int", 0, "Top-k sampling (0: off).", low=0),
     S("min_p", "float", None, "Min-p sampling (null: off).", low=0, high=1, high_open=True, optional=True),
+    S("repetition_penalty", "float", 1.0, "Repetition penalty while sampling (transformers'): the logits of "
+      "tokens already in the prompt or completion divided by it (multiplied where negative); 1: off.", low=0,
+      low_open=True),
     S("epsilon", "float", 0.2, "Lower clip of the importance ratio.", low=0),
     S("epsilon_high", "float", None, "Upper clip (null: epsilon).", low=0, optional=True),
     S("delta", "float", None, "Two-sided clip: the ratio capped at delta (null: off).", low=0, optional=True),
