@@ -236,25 +236,30 @@ def test_demo_learns_to_read_the_color(tmp_path):
     assert "Held-out mean reward" in proc.stdout and "Try: mlx_lm.generate" in proc.stdout
 
 
+def _two_ranks(*args):
+    """`flash-cce ARGS` under mlx.launch: 2 ranks on the CPU (ring backend), checked to succeed."""
+    import subprocess
+    import sys
+
+    from runs import console_script
+
+    cmd = [*console_script("mlx.launch"), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
+           "flash_cce.train.cli", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "exited with code" not in out, out
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_two_ranks_equal_one_process(env, tmp_path, loss_type):
     """mlx.launch with 2 ranks on the CPU (ring backend): each rank samples and
     trains on half the groups of a generation, sampled as one process samples
     them, with the whole generation's advantages and loss-token count; the
     gradients sum (dapo) or average (grpo) over the ranks."""
-    import subprocess
-    import sys
-
-    from runs import console_script
-
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ("--iters", "3", "--loss-type", loss_type, "--scale-rewards", "batch")
     ok(flash_cce(*argv(env, one, 3), *extra))
-    cmd = [*console_script("mlx.launch"), "-n", "2", "--backend", "ring", "--", sys.executable, "-m",
-           "flash_cce.train.cli", *map(str, argv(env, two, 3)), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    out = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "exited with code" not in out, out
+    _two_ranks(*argv(env, two, 3), *extra)
     a, b = records(one), records(two)
     assert [r["step"] for r in b] == [1, 2, 3]
     # The ranks reduce float32 sums in another order than one process (see
@@ -264,6 +269,27 @@ def test_two_ranks_equal_one_process(env, tmp_path, loss_type):
         # Token means (entropy, clip ratios) are each rank's mean, then averaged, as TRL gathers
         # them over processes: they differ from one process's where the ranks hold unequal token counts.
         for k in ("loss", "reward", "reward_std", "rewards/exact_match/mean", "grad_norm"):
+            assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
+
+
+def test_two_ranks_keep_a_generation_across_steps_and_resume_inside_it(env, tmp_path):
+    """num_iterations 2 on 2 ranks: the checkpoint after step 1 holds both ranks' parts of the
+    generation that step 2 trains on; a resume on 2 ranks continues it (the same records and
+    weights as the run without a break, and one process's losses), on 1 process it is refused."""
+    extra = ("--num-iterations", "2")
+    one, whole, part = tmp_path / "one", tmp_path / "whole", tmp_path / "part"
+    ok(flash_cce(*argv(env, one, 4, *extra)))
+    _two_ranks(*argv(env, whole, 4, *extra))
+    _two_ranks(*argv(env, part, 1, *extra))
+    one_line_error(flash_cce("train", "--resume", part, "--iters", "4"),
+                   "resume: the checkpoint holds a generation that 2 process(es) sampled", "resume it with 2 (got 1)")
+    _two_ranks("train", "--resume", part, "--iters", "4")
+    assert same_records(records(part), records(whole))
+    assert same_weights(part / "adapters", whole / "adapters")
+    a, b = records(one), records(whole)
+    assert b[1]["rollout_time"] == 0 and b[1]["reward"] == b[0]["reward"]  # step 2 reuses step 1's generation
+    for x, y in zip(a, b):
+        for k in ("loss", "reward", "grad_norm"):
             assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
 
 

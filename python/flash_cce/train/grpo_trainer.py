@@ -196,6 +196,47 @@ def _to_json(rollouts):
                                                                 "reward_names", "truncated", "old_logps")}
 
 
+def _pending(whole, metrics, world):
+    """What a checkpoint keeps of a generation that serves later optimizer steps: one process's
+    Rollouts; with several ranks, every rank's part (its groups, the whole generation's advantages
+    and loss-token count) gathered in rank order, and TRL's metrics of the whole generation."""
+    if world.size() == 1:
+        return _to_json(whole)
+    part = dict(_to_json(whole), advantages=whole.advantages, num_items_in_batch=whole.num_items_in_batch)
+    return {"parts": _gather_json(part, world), "metrics": metrics}
+
+
+def _resumed_generation(pending, spg, gcfg, world):
+    """(micro-batches, metrics) of this rank's part of a checkpoint's pending generation."""
+    if "parts" in pending:
+        part = _from_json(pending["parts"][world.rank()])
+        return part.split(spg, gcfg), pending["metrics"]
+    whole = _from_json(pending)
+    return whole.split(spg, gcfg), generation_advantages(whole, gcfg)[1]
+
+
+def _check_pending_ranks(pending, size):
+    """RunError unless a resume runs on as many ranks as sampled the checkpoint's pending generation."""
+    if pending is None:
+        return
+    sampled = len(pending["parts"]) if "parts" in pending else 1
+    if sampled != size:
+        raise RunError(f"resume: the checkpoint holds a generation that {sampled} process(es) sampled for the "
+                       f"steps after it; resume it with {sampled} (got {size})")
+
+
+def _gather_json(obj, world):
+    """Every rank's `obj` (JSON-serialisable), in rank order, on every rank."""
+    import mlx.core as mx
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
+    sizes = np.array(mx.distributed.all_gather(mx.array([data.size], mx.int32), group=world))
+    padded = np.zeros(int(sizes.max()), np.int32)
+    padded[:data.size] = data
+    every = np.array(mx.distributed.all_gather(mx.array(padded), group=world)).reshape(world.size(), -1)
+    return [json.loads(row[:n].astype(np.uint8).tobytes()) for row, n in zip(every, sizes)]
+
+
 def _from_json(d):
     from .grpo_rollouts import Rollouts
 
@@ -253,8 +294,7 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
     guard = Guard(state, args.max_nonfinite_steps, run_dir, writer, resumed=resume is not None)
     buffer, generation_metrics = None, {}
     if state["generation"] is not None:
-        pending = _from_json(state["generation"])
-        buffer, generation_metrics = pending.split(spg, gcfg), generation_advantages(pending, gcfg)[1]
+        buffer, generation_metrics = _resumed_generation(state["generation"], spg, gcfg, world)
     log_file = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else -1) if writer else None
 
     def emit(record):
@@ -305,10 +345,11 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
                     else:  # TRL's trainer_state.global_step: the optimizer steps done
                         whole = share(model, train_prompts, idx, gcfg, sample, eos, rng, scorer, step - 1,
                                       gcfg.needs_old_logps(), world)
-                    state["generation"] = _to_json(whole) if gcfg.generate_every > accum else None
                     buffer = whole.split(spg, gcfg)
                     # TRL logs these over the whole (gathered) generation
                     generation_metrics = generation_advantages(getattr(whole, "whole", whole), gcfg)[1]
+                    state["generation"] = (_pending(whole, generation_metrics, world)
+                                           if gcfg.generate_every > accum else None)
                     rollout_time += time.perf_counter() - t0
                 part = buffer[state["micro"] % spg]
                 state["micro"] += 1
@@ -439,9 +480,6 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
         check_lock(run_dir)
         seen = run_dir_state(run_dir)
     gcfg = check_settings(cfg)
-    if world.size() > 1 and gcfg.generate_every > gcfg.gradient_accumulation_steps:
-        raise RunError("num_iterations: a generation that serves several optimizer steps needs one process "
-                       "(data-parallel runs keep no generation across steps yet)")
     check_model(cfg["model"], cfg["num_layers"])
     if cfg["data"] is None:
         raise RunError("data: give --data (a directory with train.jsonl and valid.jsonl of prompts)")
@@ -501,6 +539,8 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg["weight_decay"])
 
     saved = json.loads((Path(resume) / "trainer_state.json").read_text()) if resume is not None else None
+    if saved is not None:
+        _check_pending_ranks(saved.get("generation"), world.size())
     with writing_run(run_dir, cfg, resume, saved, own_files, seen if rank == 0 else None, lock, rank, log):
         with Stop(log) as stop:
             try:
