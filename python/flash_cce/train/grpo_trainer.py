@@ -413,45 +413,6 @@ def _mean_over_ranks(metrics, world):
     return {k: v / world.size() for k, v in zip(keys, total)}
 
 
-def run_grpo_eval(cfg, adapters, split, log=print):
-    """`flash-cce eval` of a GRPO run: TRL's reward metrics of `split`'s prompts, sampled with the
-    run's settings and its validation's random stream (so `valid` repeats the run's validation of
-    these adapters), `val_batches` / `test_batches` micro-batches for valid / test."""
-    from .evaluation import batch_limit, format_table, with_adapters
-    from .grpo_data import encode_prompts, read_prompt_splits
-    from .preflight import check_model, load_model
-    from .rewards import RewardError, load_rewards, reward_name
-
-    gcfg = check_settings(cfg)
-    check_model(cfg["model"])
-    if cfg["data"] is None:
-        raise RunError("data: give --data (a directory with the split's JSON Lines of prompts)")
-    records = read_prompt_splits(cfg["data"], (split,))
-    if not records.get(split):
-        raise RunError(f"split: needs a non-empty {split}.jsonl in {cfg['data']}")
-    try:
-        funcs, gcfg.reward_weights = load_rewards(cfg["reward_funcs"], cfg["reward_weights"],
-                                                  cfg["max_completion_length"])
-    except RewardError as e:
-        raise RunError(str(e)) from None
-    model, tokenizer = load_model(cfg)
-    prompts, _ = encode_prompts(records[split], tokenizer, cfg["max_seq_length"] - cfg["max_completion_length"],
-                                cfg["truncation"], cfg["chat_template"], cfg["enable_thinking"])
-    if not len(prompts):
-        raise RunError(f"split: every prompt of {split}.jsonl is too long for max_seq_length {cfg['max_seq_length']}")
-    with_adapters(model, cfg, adapters)
-    scorer = Scorer(tokenizer, funcs, [reward_name(f) for f in funcs], cfg["iters"])
-    limit = batch_limit(cfg, split)
-    try:
-        r = evaluate(model, prompts, gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), scorer, cfg["seed"],
-                     cfg["batch_size"], limit, cfg["iters"])
-    except RewardError as e:
-        raise RunError(str(e)) from None
-    n = len(prompts) if limit == -1 else min(len(prompts), limit * cfg["batch_size"])
-    log(format_table(cfg, adapters, split, n, r, unit="prompts"))
-    return r
-
-
 def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     """`runner.run_train` for objective grpo: the same checks before writing, lock and resume;
     `lock`, the run directory's lock when the caller holds it already."""
