@@ -93,10 +93,9 @@ def _run_grpo_eval(cfg, adapters, split, log=print):
     """`flash-cce eval` of a GRPO run: TRL's reward metrics of `split`'s prompts, sampled with the
     run's settings and its validation's random stream (so `valid` repeats the run's validation of
     these adapters), `val_batches` / `test_batches` micro-batches for valid / test."""
-    from .grpo_data import encode_prompts, read_prompt_splits
-    from .grpo_trainer import Scorer, check_settings, evaluate, sampling
-    from .preflight import check_model, load_model
-    from .rewards import RewardError, load_rewards, reward_name
+    from .grpo_data import read_prompt_splits
+    from .grpo_trainer import Scorer, check_settings, encode_split, evaluate, reward_funcs, sampling
+    from .rewards import RewardError
 
     gcfg = check_settings(cfg)
     check_model(cfg["model"])
@@ -105,18 +104,13 @@ def _run_grpo_eval(cfg, adapters, split, log=print):
     records = read_prompt_splits(cfg["data"], (split,))
     if not records.get(split):
         raise RunError(f"split: needs a non-empty {split}.jsonl in {cfg['data']}")
-    try:
-        funcs, gcfg.reward_weights = load_rewards(cfg["reward_funcs"], cfg["reward_weights"],
-                                                  cfg["max_completion_length"])
-    except RewardError as e:
-        raise RunError(str(e)) from None
+    funcs = reward_funcs(cfg, gcfg)
     model, tokenizer = load_model(cfg)
-    prompts, _ = encode_prompts(records[split], tokenizer, cfg["max_seq_length"] - cfg["max_completion_length"],
-                                cfg["truncation"], cfg["chat_template"], cfg["enable_thinking"])
+    prompts, _ = encode_split(records[split], tokenizer, cfg)
     if not len(prompts):
         raise RunError(f"split: every prompt of {split}.jsonl is too long for max_seq_length {cfg['max_seq_length']}")
     with_adapters(model, cfg, adapters)
-    scorer = Scorer(tokenizer, funcs, [reward_name(f) for f in funcs], cfg["iters"])
+    scorer = Scorer.of(tokenizer, funcs, cfg)
     limit = batch_limit(cfg, split)
     try:
         r = evaluate(model, prompts, gcfg, sampling(cfg), sorted(tokenizer.eos_token_ids), scorer, cfg["seed"],

@@ -92,6 +92,13 @@ class Scorer:
     def __init__(self, tokenizer, funcs, names, max_steps):
         self.tokenizer, self.funcs, self.names, self.max_steps = tokenizer, funcs, names, max_steps
 
+    @classmethod
+    def of(cls, tokenizer, funcs, cfg):
+        """The run's scorer: the functions under their names, `iters` as TRL's max_steps."""
+        from .rewards import reward_name
+
+        return cls(tokenizer, funcs, [reward_name(f) for f in funcs], cfg["iters"])
+
     def __call__(self, prompts, idx, completions, step):
         """rewards[group][generation][function] (None: skipped) of `completions` of prompts `idx`."""
         from .rewards import TrainerState, as_completions, call_reward
@@ -413,6 +420,27 @@ def _mean_over_ranks(metrics, world):
     return {k: v / world.size() for k, v in zip(keys, total)}
 
 
+def reward_funcs(cfg, gcfg):
+    """The run's reward functions, loaded (a function that cannot load is a RunError), their
+    weights set in `gcfg`."""
+    from .rewards import RewardError, load_rewards
+
+    try:
+        funcs, gcfg.reward_weights = load_rewards(cfg["reward_funcs"], cfg["reward_weights"],
+                                                  cfg["max_completion_length"])
+    except RewardError as e:
+        raise RunError(str(e)) from None
+    return funcs
+
+
+def encode_split(records, tokenizer, cfg):
+    """(Prompts, report) of one split's records, each prompt leaving room for a completion."""
+    from .grpo_data import encode_prompts
+
+    return encode_prompts(records, tokenizer, cfg["max_seq_length"] - cfg["max_completion_length"],
+                          cfg["truncation"], cfg["chat_template"], cfg["enable_thinking"])
+
+
 def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     """`runner.run_train` for objective grpo: the same checks before writing, lock and resume;
     `lock`, the run directory's lock when the caller holds it already."""
@@ -420,10 +448,10 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     import mlx.optimizers as optim
 
     from .checkpoint import Interrupted, check_adapter_shapes, load_adapters, read_adapters
-    from .grpo_data import encode_prompts, format_prompt_summary, read_prompt_splits
+    from .grpo_data import format_prompt_summary, read_prompt_splits
     from .preflight import check_init_adapters, check_model, load_model
     from .reference import reference_source
-    from .rewards import RewardError, load_rewards, reward_name
+    from .rewards import RewardError
     from .identity import check_data, data_fingerprint
     from .runner import Stop, _absolute, _check_run_dir, training_args, writing_run
     from .rundir import check_lock
@@ -454,11 +482,7 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     else:
         cfg = check_data(cfg, cfg["data_fingerprint"], Path(resume).name, log)
     check_init_adapters(cfg)
-    try:
-        funcs, weights = load_rewards(cfg["reward_funcs"], cfg["reward_weights"], cfg["max_completion_length"])
-    except RewardError as e:
-        raise RunError(str(e)) from None
-    gcfg.reward_weights = weights
+    funcs = reward_funcs(cfg, gcfg)
     args = training_args(cfg, progress=rank == 0)
     schedule = build_schedule(cfg["learning_rate"], cfg["iters"], cfg["warmup"], cfg["lr_schedule"],
                               cfg["min_learning_rate"])
@@ -466,8 +490,7 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     model, tokenizer = load_model(cfg)
     prompts = {}
     for split, recs in records.items():
-        prompts[split], report = encode_prompts(recs, tokenizer, cfg["max_seq_length"] - cfg["max_completion_length"],
-                                                cfg["truncation"], cfg["chat_template"], cfg["enable_thinking"])
+        prompts[split], report = encode_split(recs, tokenizer, cfg)
         log(format_prompt_summary(split, prompts[split], report))
     need = cfg["batch_size"] * (gcfg.steps_per_generation or gcfg.gradient_accumulation_steps)
     if need % world.size():
@@ -476,7 +499,7 @@ def run_grpo(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     if len(prompts["train"]) < need:
         raise RunError(f"batch_size: got {cfg['batch_size']}; allowed: batch_size x steps_per_generation ({need}) "
                        f"at most the {len(prompts['train'])} usable training prompts")
-    scorer = Scorer(tokenizer, funcs, [reward_name(f) for f in funcs], cfg["iters"])
+    scorer = Scorer.of(tokenizer, funcs, cfg)
     mx.random.seed(cfg["seed"])  # LoRA's initial weights
     try:
         prepare_model(model, cfg["fine_tune_type"], cfg["num_layers"], cfg["lora_parameters"], cfg["quantize"])
