@@ -78,6 +78,11 @@ def micro_value_and_grad(run, group, plan, loss, size, outputs_of):
     return out, passes.finish()
 
 
+def _plus(a, b):
+    """a + b, leaf by leaf, where either tree may be None (nothing summed yet)."""
+    return b if a is None else a if b is None else tree_map(mx.add, a, b)
+
+
 class _Autodiff:
     """The passes under `mx.value_and_grad` of the trainable parameters (a flat
     list) and the prompt's last hidden state and keys/values."""
@@ -116,9 +121,7 @@ class _Autodiff:
 
         (_, out), (g, g_last, g_kv) = mx.value_and_grad(self._call(f), argnums=(0, 1, 2))(
             self.flat, self.last, self.kv)
-        sums = (g, [g_last] + [x for pair in g_kv for x in pair])
-        self.sums = sums if self.sums is None else tuple(
-            [a + b for a, b in zip(x, y)] for x, y in zip(self.sums, sums))
+        self.sums = _plus(self.sums, (g, [g_last] + [x for pair in g_kv for x in pair]))
         return out
 
     def finish(self):
@@ -150,15 +153,10 @@ class _Compiled:
             (_, out), (g_last, g_c) = mx.value_and_grad(loss_of, argnums=(0, 1))(self.last, hc)
             g, kv_cts = self.stack.backward_latest(g_c)
         f32 = lambda x: x.astype(mx.float32)  # noqa: E731
-        sums = (g, f32(g_last), {i: [f32(c) for c in cts] for i, cts in kv_cts.items()})
-        if self.sums is None:
-            self.sums = sums
-        else:
-            grads, last, kv = self.sums
-            grads = g if grads is None else grads if g is None else tree_map(mx.add, grads, g)
-            for i, cts in sums[2].items():
-                kv[i] = [a + b for a, b in zip(kv[i], cts)] if i in kv else cts
-            self.sums = (grads, last + sums[1], kv)
+        grads, last, kv = self.sums or (None, None, {})
+        for i, cts in kv_cts.items():
+            kv[i] = _plus(kv.get(i), [f32(c) for c in cts])
+        self.sums = (_plus(grads, g), _plus(last, f32(g_last)), kv)
         return out
 
     def finish(self):

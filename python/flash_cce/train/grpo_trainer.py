@@ -331,12 +331,9 @@ def train_grpo(model, tokenizer, optimizer, train_prompts, valid_prompts, cfg, g
         last_eval = validate_now(0) if state["step"] == 0 else None
     model.train()
     bar = _progress(args, state["step"], rank, log)
-    slow = SlowStart("The first step", None if rank else bar.write)
+    slow = SlowStart("The first step", None if rank else bar.write).start()  # stopped after the first step
     try:
-        first_step = state["step"] + 1
-        for step in range(first_step, args.iters + 1):
-            if step == first_step:
-                slow.start()
+        for step in range(state["step"] + 1, args.iters + 1):
             tic = time.perf_counter()
             mx.reset_peak_memory()
             grads, sums, rollout_time, tokens = None, {}, 0.0, 0

@@ -207,6 +207,7 @@ def rollout(model, prompts, num_generations, settings, eos_ids, rng=None, group_
         logits = mx.repeat(mx.concatenate([x for _, x in prefilled], axis=0), G, axis=0)
         del prefilled
         seen = _prompt_tokens(prompts, G, logits.shape[-1]) if settings.repetition_penalty != 1 else None
+        vocab_ids = mx.arange(logits.shape[-1])[None] if seen is not None else None
         y, lp = _sample(logits, settings, high, 0, seen)
         mx.async_eval(y, lp)
         tokens, logps = [], []
@@ -216,7 +217,7 @@ def rollout(model, prompts, num_generations, settings, eos_ids, rng=None, group_
         for t in range(T):
             if t + 1 < T:  # the next token's graph is built while this one computes
                 if seen is not None:
-                    seen = seen | (mx.arange(seen.shape[-1])[None] == y[:, None])
+                    seen = seen | (vocab_ids == y[:, None])
                 ny, nlp = _sample(model(y[:, None], cache=cache)[:, -1, :], settings, high, t + 1, seen)
                 mx.async_eval(ny, nlp)
                 steps += 1

@@ -312,12 +312,10 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     canary = MemoryCanary(args.memory_canary)
     bar = _progress(args, state["step"], rank, log)
     accum = args.grad_accumulation_steps
-    slow = SlowStart("The first step", None if rank else bar.write)
+    slow = SlowStart("The first step", None if rank else bar.write).start()  # stopped after the first step
     try:
         first = state["step"] + 1
         for step in range(first, args.iters + 1):
-            if step == first:
-                slow.start()
             if gpu_capture is not None and step == first:
                 mx.metal.start_capture(str(gpu_capture))
             tic = time.perf_counter()
