@@ -4,6 +4,11 @@ archive (`bench/run_gpu.sh suite` writes it; FLASH_CCE_PTX_SEED gives it back):
 
     python bench/ptx_cache.py merge OUT.tar.xz CACHE_DIR...
     python bench/ptx_cache.py seed ARCHIVE CACHE_DIR...
+    python bench/ptx_cache.py timeline CACHE_DIR
+
+`timeline` lists a cache's entries in the order they were written, each with
+the seconds since the one before (for a cache that a single process filled
+from empty, about the time that entry took to compile) and its size.
 
 MLX names an entry after what it compiles (a compiled graph's operations, a
 custom kernel's name and source hash), stores it as NAME.ptx (PTX text, or a
@@ -102,7 +107,25 @@ def seed(archive, dirs, version):
     return sum(name.endswith(".ptx") for name in entries)
 
 
+def timeline(cache):
+    """(seconds since the previous entry, seconds since the first, bytes, name)
+    per entry, oldest first."""
+    entries = sorted((p.stat().st_mtime, p) for p in Path(cache).rglob("*.ptx"))
+    t0 = entries[0][0] if entries else 0.0
+    rows, prev = [], t0
+    for t, p in entries:
+        rows.append((t - prev, t - t0, p.stat().st_size, str(p.relative_to(cache))))
+        prev = t
+    return rows
+
+
 def main(argv):
+    if len(argv) == 2 and argv[0] == "timeline":
+        rows = timeline(argv[1])
+        for gap, at, size, name in rows:
+            print(f"{gap:7.2f} s {at:8.2f} s {size:9d} B  {name[:160]}")
+        print(f"{len(rows)} entries, {sum(r[0] for r in rows):.1f} s between the first and last")
+        return
     if len(argv) < 3 or argv[0] not in ("merge", "seed"):
         sys.exit(__doc__)
     version = mlx_version()

@@ -1,8 +1,11 @@
 """The objectives of flash_cce.train.losses against numpy transcriptions of their formulas."""
 
 import math
+import os
+import tempfile
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -328,3 +331,28 @@ def test_pref_weight_scales_the_preference_term(w):
     got = losses.cpo(_stats(), ObjectiveConfig(name="cpo", beta=0.4, gamma=0.3, loss_type="simpo",
                                                cpo_alpha=0.6, pref_weight=w))[0].sum()
     _check(got, 0.6 * nll + w * (want_cpo - 0.6 * nll))
+
+
+
+def _graph(*arrays):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "graph.dot")
+        mx.export_to_dot(path, *arrays)
+        return open(path).read()
+
+
+@pytest.mark.parametrize("name, loss_type", [("orpo", None), ("orpo_margin", None), ("simpo", None),
+                                             ("sft", None)]
+                         + [("dpo", t) for t in losses.DPO_LOSS_TYPES]
+                         + [("cpo", t) for t in losses.CPO_LOSS_TYPES])
+def test_objectives_build_no_compiled_function_or_gather(name, loss_type):
+    """On CUDA, MLX builds a compiled function's kernel and a gather's at run
+    time (seconds each on a fresh machine); the objectives need neither."""
+    eps = 1e-3 if loss_type == "exo_pair" else 0.0
+    cfg = ObjectiveConfig(name=name, beta=0.2, loss_type=loss_type, label_smoothing=eps)
+    x = _stats()
+    terms, metrics = losses.get(name).fn(x, cfg)
+    grads = mx.grad(lambda c: losses.get(name).fn(dict(x, c_sum=c), cfg)[0].sum())(x["c_sum"])
+    graph = _graph(terms, grads, *[v for v in metrics.values() if isinstance(v, mx.array)])
+    assert "Compiled" not in graph and "Gather" not in graph
+    assert "Compiled" in _graph(nn.log_sigmoid(x["c_sum"]))  # the check sees one

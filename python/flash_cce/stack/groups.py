@@ -29,6 +29,7 @@ from .batch import Group
 from .compiled import draws_random
 from .micro import micro_value_and_grad
 from .plan import Scoring, StackConfig
+from .rows import take_rows
 from .stats import _Run, differentiated, evaluated, token_logprobs, validated
 
 
@@ -107,21 +108,20 @@ def _outputs_of(stats_of, prompt, h, rows, completions, width):
 def _from_hidden(lm, h, rows, *, group, flash, temperature, entropy, backward, entropy_grad):
     p = len(group.prompt)
     width = max(map(len, group.completions))
-    idx, tgt, at = [], [], []
+    idx, tgt = [], []
     for b, c in enumerate(group.completions):
         # rows[b][j] predicts token j + 1 of sequence b: completion token k is j = p + k - 1.
         idx.extend(rows[b][p - 1:p - 1 + len(c)])
         tgt.extend(c)
-        at.extend(b * width + k for k in range(len(c)))
-    lp, ent, _, _ = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), flash, temperature, entropy, backward,
-                                   entropy_grad)
-    # [G, width] by a gather from the tokens and one trailing zero (for padding).
-    where = np.full(len(group.completions) * width, len(idx), np.int64)
-    where[at] = np.arange(len(idx))
-    where = mx.array(where)
+    lp, ent, _, _ = token_logprobs(lm, take_rows(h, idx), mx.array(tgt), flash, temperature,
+                                   entropy, backward, entropy_grad)
+    lengths = [len(c) for c in group.completions]
+    starts = np.cumsum([0] + lengths[:-1]).tolist()
 
     def padded(x):
-        return mx.concatenate([x, mx.zeros((1,), x.dtype)])[where].reshape(-1, width)
+        # [G, width]: each completion's tokens, then zeros (slices and pads: as
+        # take_rows, no gather or scatter to build at run time).
+        return mx.stack([mx.pad(x[s:s + n], (0, width - n)) for s, n in zip(starts, lengths)])
 
     out = {"logps": padded(lp)}
     if entropy:

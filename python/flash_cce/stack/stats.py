@@ -40,6 +40,7 @@ from .layers import training_layers
 from .lm import LM
 from .plan import StackConfig, attention_block, group_plan, plan, sequences
 from .prefix import sequence_hidden
+from .rows import take_rows
 
 def validated(items, name, kind):
     """(where, item) of a non-empty list of `kind` (`Pair`, `Group`), each
@@ -190,7 +191,7 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
                 tgt.append(seq[j + 1])
                 groups.append((b == 0 and resp, b == 1 and resp, nll))
     g = np.array(groups, np.float32)
-    lp, ent, top1, mean_logit = token_logprobs(lm, h[mx.array(idx)], mx.array(tgt), plan.flash_head,
+    lp, ent, top1, mean_logit = token_logprobs(lm, take_rows(h, idx), mx.array(tgt), plan.flash_head,
                                                entropy=scoring.entropy or scoring.token_stats,
                                                entropy_grad=scoring.entropy,
                                                backward=training)
@@ -205,7 +206,7 @@ def _from_hidden(lm, h, rows, *, pair, plan, scoring, training=True):
     if scoring.entropy:
         for k, name in enumerate(("c", "r")):
             rows_k = np.nonzero(g[:, k])[0]
-            stats[f"{name}_ent"] = ent[mx.array(rows_k)] if rows_k.size else mx.zeros((0,))
+            stats[f"{name}_ent"] = take_rows(ent, rows_k.tolist()) if rows_k.size else mx.zeros((0,))
             stats[f"{name}_ent_sum"] = stats[f"{name}_ent"].sum()
     return stats
 

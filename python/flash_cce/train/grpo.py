@@ -256,7 +256,8 @@ def _reduce(config, data, outs, totals):
                 seq[name].append(np.array(value))
             else:
                 s, n = sums.get(name, (0.0, 0.0))
-                sums[name] = (s + float(value[0]), n + float(value[1]))
+                v = np.array(value)  # on the host: an integer index is a gather on the GPU
+                sums[name] = (s + float(v[0]), n + float(v[1]))
     metrics = {name: s / max(n, 1.0) for name, (s, n) in sums.items()}
     if config.entropy_coef != 0.0:
         # TRL logs the policy term before its division by the accumulation steps.

@@ -39,12 +39,22 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
 _LN2 = math.log(2.0)
 # float32 epsilon: exp(x) rounds to 1 for |x| below ~6e-8, so log(1 - exp(x))
 # is -inf there; clamping x <= -eps keeps it (and its gradient) finite.
 _EPS = 2.0**-23
+
+
+# mlx.nn's log_sigmoid and relu are compiled functions; on CUDA each compiled
+# function is a kernel that MLX builds at run time, seconds of a fresh
+# machine's first step for a few scalars' worth of work. The same ops, uncompiled:
+def log_sigmoid(x):
+    return -mx.logaddexp(-x, 0.0)
+
+
+def relu(x):
+    return mx.maximum(x, 0.0)
 
 
 def log1mexp(x):
@@ -72,7 +82,7 @@ def _odds_ratio(stats, cfg, n_pairs, nll_tokens, gamma):
     lw = stats["c_sum"] / stats["c_n"]
     ll = stats["r_sum"] / stats["r_n"]
     log_odds = (lw - ll) - (log1mexp(lw) - log1mexp(ll))
-    ratio = nn.log_sigmoid(log_odds - gamma)
+    ratio = log_sigmoid(log_odds - gamma)
     nll = _nll(stats, nll_tokens)
     terms = nll - cfg.pref_weight * cfg.beta * ratio / n
     metrics = _reward_metrics(cfg.beta * lw, cfg.beta * ll)
@@ -95,7 +105,7 @@ def simpo(stats, cfg, n_pairs=None, nll_tokens=None):
     n = stats["c_sum"].size if n_pairs is None else n_pairs
     lw = stats["c_sum"] / stats["c_n"]
     ll = stats["r_sum"] / stats["r_n"]
-    terms = -nn.log_sigmoid(cfg.beta * (lw - ll) - cfg.gamma) / n
+    terms = -log_sigmoid(cfg.beta * (lw - ll) - cfg.gamma) / n
     metrics = _reward_metrics(cfg.beta * lw, cfg.beta * ll)
     metrics.update({"logps/chosen": lw.mean(), "logps/rejected": ll.mean()})
     return terms, metrics
@@ -103,7 +113,7 @@ def simpo(stats, cfg, n_pairs=None, nll_tokens=None):
 
 def _sigmoid_smoothed(x, eps):
     """`-(1 - eps) logsigmoid(x) - eps logsigmoid(-x)` (conservative labels)."""
-    return -(1 - eps) * nn.log_sigmoid(x) - eps * nn.log_sigmoid(-x)
+    return -(1 - eps) * log_sigmoid(x) - eps * log_sigmoid(-x)
 
 
 def _dpo_terms(stats, cfg):
@@ -114,20 +124,20 @@ def _dpo_terms(stats, cfg):
     delta = chosen - rejected
     kind = loss_type(cfg)
     if kind == "sigmoid":
-        return -nn.log_sigmoid(beta * delta)
+        return -log_sigmoid(beta * delta)
     if kind == "hinge":
-        return nn.relu(1 - beta * delta)
+        return relu(1 - beta * delta)
     if kind == "ipo":
         # Log-ratios averaged over the response tokens, so beta means the same at any length.
         avg = chosen / mx.maximum(stats["c_n"], 1.0) - rejected / mx.maximum(stats["r_n"], 1.0)
         return (avg - 1 / (2 * beta)) ** 2
     if kind == "robust":
         # Unbiased under labels flipped with probability eps (rDPO).
-        return (-(1 - eps) * nn.log_sigmoid(beta * delta)
-                + eps * nn.log_sigmoid(-beta * delta)) / (1 - 2 * eps)
+        return (-(1 - eps) * log_sigmoid(beta * delta)
+                + eps * log_sigmoid(-beta * delta)) / (1 - 2 * eps)
     if kind == "nca_pair":
-        return (-nn.log_sigmoid(beta * chosen) - 0.5 * nn.log_sigmoid(-beta * chosen)
-                - 0.5 * nn.log_sigmoid(-beta * rejected))
+        return (-log_sigmoid(beta * chosen) - 0.5 * log_sigmoid(-beta * chosen)
+                - 0.5 * log_sigmoid(-beta * rejected))
     if kind == "sppo_hard":
         return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
     if kind == "apo_zero":
@@ -137,18 +147,18 @@ def _dpo_terms(stats, cfg):
     if kind == "exo_pair":
         # KL from the model's two-way preference to labels smoothed by eps (EXO).
         x = beta * delta
-        return (mx.sigmoid(x) * (nn.log_sigmoid(x) - math.log1p(-eps))
-                + mx.sigmoid(-x) * (nn.log_sigmoid(-x) - math.log(eps)))
+        return (mx.sigmoid(x) * (log_sigmoid(x) - math.log1p(-eps))
+                + mx.sigmoid(-x) * (log_sigmoid(-x) - math.log(eps)))
     if kind == "bco_pair":
-        return -nn.log_sigmoid(beta * chosen) - nn.log_sigmoid(-beta * rejected)
+        return -log_sigmoid(beta * chosen) - log_sigmoid(-beta * rejected)
     if kind == "discopop":
         # Logistic where the margin is negative, exponential where positive, mixed by sigmoid(x / tau).
         x = beta * delta
         mix = mx.sigmoid(x / cfg.discopop_tau)
-        return -nn.log_sigmoid(x) * (1 - mix) + mx.exp(-x) * mix
+        return -log_sigmoid(x) * (1 - mix) + mx.exp(-x) * mix
     if kind == "sigmoid_norm":
         avg = chosen / mx.maximum(stats["c_n"], 1.0) - rejected / mx.maximum(stats["r_n"], 1.0)
-        return -nn.log_sigmoid(beta * avg)
+        return -log_sigmoid(beta * avg)
     raise ValueError(f"loss_type for dpo must be one of {DPO_LOSS_TYPES}, got {kind!r}")
 
 
@@ -185,7 +195,7 @@ def cpo(stats, cfg, n_pairs=None, nll_tokens=None):
     elif kind == "sigmoid":
         pref = _sigmoid_smoothed(beta * logits, cfg.label_smoothing)
     elif kind == "hinge":
-        pref = nn.relu(1 - beta * logits)
+        pref = relu(1 - beta * logits)
     elif kind == "ipo":
         pref = (logits - 1 / (2 * beta)) ** 2
     else:

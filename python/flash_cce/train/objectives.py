@@ -103,8 +103,10 @@ def _metrics(obj, cfg, pairs, all_stats, totals, group=None):
     terms, metrics = obj.fn(stats, cfg, *totals)
     if "c_top1_sum" in stats:
         metrics.update(losses.token_metrics(cfg.name, stats))
-    metrics["prefix_fallbacks"] = counts[0]
-    metrics["tokens"] = counts[1]
+    # Sliced, not indexed: MLX takes an integer index by a gather, a kernel that
+    # the CUDA backend builds at run time (seconds of a fresh machine's first step).
+    metrics["prefix_fallbacks"] = counts[0:1].reshape(())
+    metrics["tokens"] = counts[1:2].reshape(())
     return terms.sum(), metrics
 
 
