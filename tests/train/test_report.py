@@ -113,3 +113,5 @@ def test_generate_hint_quotes_any_single_line_prompt(tmp_path):
     assert argv[argv.index("--prompt") + 1] == 'say "hi" & $HOME' and argv[argv.index("--model") + 1] == "/m dir"
     text = [({"text": "a b"}, "f:1")]
     assert "--ignore-chat-template" in runner.generate_hint(cfg, tmp_path, text)
+    long = [({"prompt": "w " * runner.HINT_PROMPT_CHARS, "chosen": "a", "rejected": "b"}, "f:1")]
+    assert "--prompt" not in shlex.split(runner.generate_hint(cfg, tmp_path, long))

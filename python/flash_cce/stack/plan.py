@@ -9,7 +9,7 @@ lengths, so pairs of one shape share a plan (and the traces of compiled layers).
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -38,6 +38,9 @@ class StackConfig:
     flash_head: bool = True  # log-probs from `linear_logprobs` (no [tokens, V] logits)
     segment_size: Optional[int] = None  # layers per checkpoint segment; 0: off
     compiled_layers: Optional[bool] = None  # gradients layer by layer through compiled layers where supported
+    # With compiled_layers None: the default takes them only once this says True
+    # (their kernels being built elsewhere, `train.warmup`); None: no condition
+    compiled_when: Optional[Callable[[], bool]] = None
     # Round sequence widths up to a multiple and the shared prompt down to one
     # (exact, see `prefix.sequence_hidden`), so that pairs of nearby lengths share shapes
     pad_to: Optional[int] = None
@@ -55,6 +58,8 @@ class StackConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= low):
                 raise ValueError(f"{name} must be None or an integer >= {low}, got {value!r}")
+        if not (self.compiled_when is None or callable(self.compiled_when)):
+            raise ValueError(f"compiled_when must be None or a function, got {self.compiled_when!r}")
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,8 @@ def _plan(lm, config, seqs, prompt_len, tokens, compiles):
         segment_size = DEFAULT_SEGMENT_SIZE if tokens >= SEGMENT_FROM_TOKENS else 0
     compiled = config.compiled_layers
     if compiled is None:
-        compiled = on_cuda() and tokens >= COMPILED_FROM_TOKENS
+        compiled = (on_cuda() and tokens >= COMPILED_FROM_TOKENS
+                    and (config.compiled_when is None or config.compiled_when()))
     return Plan(prompt_len=prompt_len or None, packed=packed, pad_to=config.pad_to,
                 segment_size=segment_size, compiled=bool(compiled and compiles()),
                 attention_block=attention_block(config), flash_head=config.flash_head)

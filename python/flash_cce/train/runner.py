@@ -11,6 +11,7 @@ import contextlib
 import os
 import shlex
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 from . import settings
@@ -22,11 +23,15 @@ from .preflight import (RunError, check_capture, check_init_adapters, check_mode
 from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, foreign_files, has_checkpoints,
                      set_aside, state as run_dir_state)
 from .storage import writing
+from .warmup import Warmup, wanted
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time
 # (docs/benchmarks.md, `bench_orpo.py --vary-prompt`).
 AUTO_PAD = 64
+
+# A longer first prompt is left out of the hint: one line of the terminal, not pages.
+HINT_PROMPT_CHARS = 200
 
 PATHS = ("data", "run_dir", "resume", "init_adapters", "gpu_capture")
 TRANSIENT = ("resume", "gpu_capture", "accept_data_change")  # not part of the recipe saved in config.yaml
@@ -224,7 +229,7 @@ def generate_hint(cfg, run_dir, records):
     cmd = ["mlx_lm.generate", "--model", cfg["model"], "--adapter-path", str(run_dir / "adapters")]
     if plain:
         cmd.append("--ignore-chat-template")  # trained as plain text, not as a chat turn
-    if isinstance(prompt, str) and prompt and "\n" not in prompt:
+    if isinstance(prompt, str) and prompt and "\n" not in prompt and len(prompt) <= HINT_PROMPT_CHARS:
         cmd += ["--prompt", prompt]
     return shlex.join(cmd)
 
@@ -312,7 +317,12 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     log(run_summary(cfg))
 
     seen = seen if rank == 0 else None
-    with writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log):
+    warm = None
+    if wanted(cfg, splits["train"], mx.distributed.init().size()):
+        warm = Warmup(cfg, log)  # started once the run directory is taken
+        objective = replace(objective, stack=replace(objective.stack, compiled_when=warm.ready))
+    with writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log), \
+            warm or contextlib.nullcontext():
         pairs = [p for split in splits.values() for p in split] if cfg["precompute_ref_log_probs"] else None
         objective = with_reference(cfg, objective, model, log, pairs, run_dir)
         with Stop(log) as stop:

@@ -254,7 +254,7 @@ SETTINGS = (
       low=0, optional=True, commands=BOTH, resume="free"),
     S("compiled_layers", "auto_bool", AUTO,
       "Gradients layer by layer through compiled layers where supported (auto: on a CUDA GPU from 8192 "
-      "tokens per pair).", commands=BOTH, resume="free"),
+      "tokens per pair; `train` runs them once a second process has built their kernels).", commands=BOTH, resume="free"),
     S("pad_to", "auto_int", AUTO,
       "Round sequence widths up, and the shared prompt down, to a multiple (0: off; auto: 64 on a CUDA GPU, else off).",
       low=0, commands=BOTH, resume="free"),

@@ -1,0 +1,190 @@
+"""The compiled layers' kernels, built by a second process while a run starts
+without them.
+
+On a CUDA GPU, MLX builds the fused kernels of `stack.compiled`'s layers with
+NVRTC the first time a machine runs them, seconds each, one after the other: at
+the lengths whose steps take the compiled layers by default
+(`plan.COMPILED_FROM_TOKENS`) a model's first step would take a minute or more.
+MLX keeps what it builds in a cache on disk (`MLX_PTX_CACHE_DIR`, by default
+under the temporary directory) that later processes read. So a run whose
+settings leave the choice to the default starts this module on its own
+settings: one training step with the compiled layers on, in a scratch run
+directory, its kernels written to a private cache directory. Meanwhile the
+run's steps take the layers uncompiled (`StackConfig.compiled_when`). When the
+helper has finished, its kernels move into MLX's cache, each file by a rename
+(a module's .ptx, the file MLX looks for, last), and the next step takes the
+compiled layers, reading them from there. A marker in the cache, named after
+what the kernels depend on (MLX's version, the model, the adapters, the stack's
+settings), lets a later run with the same start compiled at once.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The settings the compiled layers' kernels depend on: the layers' graph and
+# dtypes (the model, its quantization and adapters) and how the stack lays out
+# and runs a step.
+SHAPING = ("model", "fine_tune_type", "num_layers", "lora_parameters", "quantize", "objective",
+           "prefix_sharing", "flash_head", "segment_size", "pad_to", "attention_block")
+
+# The helper's own settings over the run's: one step, nothing else.
+ONE_STEP = dict(resume=None, init_adapters=None, iters=1, warmup=0, lr_schedule="constant",
+                val_batches=0, steps_per_eval=0, save_every=0, test=False,
+                precompute_ref_log_probs=False, progress=False, gpu_capture=None,
+                compiled_layers=True)
+
+
+def kernel_cache():
+    """MLX's CUDA kernel cache, as MLX picks it."""
+    import mlx.core as mx
+
+    given = os.environ.get("MLX_PTX_CACHE_DIR")
+    return Path(given) if given else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+
+def key(cfg):
+    """The name of the marker of `cfg`'s compiled-layer kernels."""
+    import mlx.core as mx
+
+    shaping = [mx.__version__] + [cfg.get(k) for k in SHAPING]
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def tokens(example):
+    """Tokens of a pair as the stack's plan counts them (an unpaired example: as its pair)."""
+    pair = example.as_pair() if hasattr(example, "as_pair") else example
+    return len(pair.chosen) + len(pair.rejected)
+
+
+def wanted(cfg, examples, ranks):
+    """Whether a run of `cfg` on `examples` (its training split) starts a helper:
+    the default picks the compiled layers (`plan`) for some example, on a CUDA
+    GPU, in a single process (the ranks of a distributed run would each build
+    the same kernels)."""
+    from ..stack.plan import COMPILED_FROM_TOKENS, on_cuda
+
+    return (cfg["compiled_layers"] == "auto" and ranks == 1 and on_cuda()
+            and any(tokens(e) >= COMPILED_FROM_TOKENS for e in examples))
+
+
+def publish(private, cache):
+    """Moves the files under `private` into `cache` (same relative paths), each by
+    one rename, every .ptx after the other files."""
+    files = sorted((p for p in private.rglob("*") if p.is_file()), key=lambda p: p.suffix == ".ptx")
+    for f in files:
+        dest = cache / f.relative_to(private)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(f, dest)
+        except OSError:  # another file system: a copy beside the destination, then the rename
+            tmp = dest.with_name(dest.name + f".{os.getpid()}.tmp")
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, dest)
+
+
+class Warmup:
+    """A run's helper (see the module). `ready()`: whether the compiled layers'
+    kernels are in MLX's cache (asked at each new step shape: it notices the
+    helper's end, publishes its kernels and says so in one line); `close()`:
+    stops a helper still running and removes its scratch directory. `command`:
+    the helper's command line (tests), by default this module on the settings."""
+
+    def __init__(self, cfg, log, command=None):
+        self.cfg, self.log, self.command = cfg, log, command
+        self.cache = kernel_cache()
+        self.marker = self.cache / "flash-cce" / f"{key(cfg)}.done"
+        self.proc = self.scratch = None
+        self.state, self.tic = "idle", 0.0
+
+    def start(self):
+        """Starts the helper unless the marker says the kernels are cached, or the
+        cache cannot be written (then the default compiles in the run)."""
+        if self.marker.exists():
+            self.state = "ready"
+            return self
+        try:
+            self.cache.mkdir(parents=True, exist_ok=True)
+            self.scratch = Path(tempfile.mkdtemp(prefix="flash-cce-warmup-", dir=self.cache.parent))
+        except OSError:
+            self.state = "ready"
+            return self
+        spec = self.scratch / "settings.json"
+        spec.write_text(json.dumps(self.cfg, default=str))
+        command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec)]
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.scratch / "ptx"))
+        with open(self.scratch / "warmup.log", "w") as out:
+            self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT)
+        self.state, self.tic = "running", time.perf_counter()
+        self.log(f"Compiled layers: MLX builds their kernels in a second process (pid {self.proc.pid}); "
+                 "until it is done the steps run the layers uncompiled")
+        return self
+
+    def ready(self):
+        if self.state == "running":
+            code = self.proc.poll()
+            if code is not None:
+                self._finish(code)
+        return self.state == "ready"
+
+    def _finish(self, code):
+        took = time.perf_counter() - self.tic
+        if code == 0:
+            try:
+                publish(self.scratch / "ptx", self.cache)
+                self.marker.parent.mkdir(exist_ok=True)
+                self.marker.touch()
+            except OSError as e:
+                self.log(f"Compiled layers: could not move their kernels into {self.cache} ({e}); "
+                         "the next step builds them")
+            self.state = "ready"
+            self.log(f"Compiled layers: kernels ready after {took:.0f} s; the steps run them from now on")
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        else:
+            self.state = "failed"
+            kept = self._keep_log()
+            self.log(f"Compiled layers: building their kernels failed (exit code {code}; its output: {kept}); "
+                     "the run goes on with the layers uncompiled")
+
+    def _keep_log(self):
+        # The helper's output for the user; its run directory and kernels go.
+        log = self.scratch / "warmup.log"
+        for p in self.scratch.iterdir():
+            if p != log:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        return log
+
+    def close(self):
+        if self.state == "running":  # its kernels are incomplete: nothing to keep
+            self.proc.kill()
+            self.proc.wait()
+            self.state = "stopped"
+        if self.scratch is not None and self.state != "failed":
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def main(argv=None):
+    """The helper: one training step of the settings in the JSON file argv[0],
+    with the compiled layers, in a run directory beside that file."""
+    from .runner import run_train
+
+    spec = Path((argv if argv is not None else sys.argv[1:])[0])
+    cfg = dict(json.loads(spec.read_text()), run_dir=str(spec.parent / "run"), **ONE_STEP)
+    run_train(cfg, hint=False)
+
+
+if __name__ == "__main__":
+    main()
