@@ -115,6 +115,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--vary", type=int, default=8, help="prompt words fewer per pair (0: one shape)")
     ap.add_argument("--compiled", nargs="+", default=["auto", "false", "true"])
+    ap.add_argument("--cache", default=None, help="MLX kernel cache of every run, kept (default: an empty one per run)")
     ap.add_argument("--work", default=None, help="directory for the model, data and runs (default: a temporary one)")
     ap.add_argument("--json", default="bench_first_step.json")
     args = ap.parse_args()
@@ -126,9 +127,11 @@ def main():
     write_data(data, args.tokens, args.steps, args.vary)
     rows = []
     for compiled in args.compiled:
-        run_dir, cache = work / f"run-{compiled}", work / f"ptx-{compiled}"
+        run_dir = work / f"run-{compiled}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(cache, ignore_errors=True)
+        cache = Path(args.cache) if args.cache else work / f"ptx-{compiled}"
+        if not args.cache:
+            shutil.rmtree(cache, ignore_errors=True)
         rows.append(run(model, data, run_dir, args.steps, args.tokens, compiled, cache, work / f"log-{compiled}.txt"))
         r = rows[-1]
         print(f"{args.model} {args.tokens} compiled_layers={compiled}: first {r['first_ms']:.0f} ms, "
@@ -140,7 +143,8 @@ def main():
     for r in rows:
         print(f"| {args.model} | {args.tokens} | {r['compiled_layers']} | {r['first_ms']:.0f} | {r['median_ms']:.0f} | "
               f"{r['last_quarter_ms']:.0f} | {r['peak_gb']:.2f} | {r['switch_step'] or '-'} |")
-    meta = dict(model=args.model, tokens=args.tokens, steps=args.steps, vary=args.vary, mlx=mx.__version__,
+    meta = dict(model=args.model, tokens=args.tokens, steps=args.steps, vary=args.vary, warm_cache=bool(args.cache),
+                mlx=mx.__version__,
                 device=str(mx.default_device()), date=time.strftime("%Y-%m-%d"))
     Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
 
