@@ -11,6 +11,7 @@
 #include "cpu/gemm.h"
 #include "flash_cce.h"
 #include "metal/cost.h"
+#include "rows.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -215,6 +216,14 @@ NB_MODULE(_ext, m) {
       "supports_stats",
       [](const flash_cce::mx::Device& d) { return flash_cce::supports_stats(d); }, "device"_a,
       "Whether the native kernels of the device compute the entropy statistics.");
+  m.def(
+      "take_rows",
+      [](const array& table, const array& ids, flash_cce::mx::StreamOrDevice s) {
+        return flash_cce::take_rows(table, ids, s);
+      },
+      "table"_a, "ids"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "table[ids] for a 2-D table (rows of an embedding), a zero row for an id outside [0, rows).");
+  m.def("has_gpu_take_rows", &flash_cce::has_gpu_take_rows);
   m.def("has_gpu_kernels", &flash_cce::has_gpu_kernels);
   m.def("gpu_kernel_image", &flash_cce::gpu_kernel_image,
         "The CUDA kernels' fatbin image on the default GPU and the kernels it routes to.");

@@ -263,6 +263,17 @@ struct ZeroParams {
   int32_t n, pad_;
 };
 
+// out[i] = table[ids[i]], a zero row for an id outside [0, rows); each row is
+// row_bytes bytes, copied `unit` bytes at a time (16, 4, 2 or 1: what the row
+// width and both addresses allow).
+struct RowsParams {
+  const void* table;
+  const int32_t* ids;
+  void* out;
+  int64_t n, rows, row_bytes;
+  int32_t unit, pad_;
+};
+
 // a_map: dS [M, width] in 64 x 128 boxes; b_map: W [V, H] in 64 x 64 boxes.
 struct WgDhParams {
   CUtensorMap a_map, b_map;

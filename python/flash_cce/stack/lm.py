@@ -10,6 +10,8 @@ update in mlx-lm changes nothing here unless the loop itself changes.
 import mlx.core as mx
 import mlx.nn as nn
 
+from .embedding import embed
+
 
 SUPPORTED = ("llama", "qwen3", "minicpm", "gemma3_text", "gemma4_text")
 
@@ -63,7 +65,7 @@ class LM:
         """Returns `(h, aux)`: the first hidden state and Gemma 4's per-layer inputs
         `[B, L, layers, d]` (None for the others). Both are per-token functions."""
         inner, args = self.inner, self.model.args
-        e = inner.embed_tokens(tokens)
+        e = embed(inner.embed_tokens, tokens)
         if self.kind == "minicpm":
             return e * args.scale_emb, None
         if self.kind == "gemma3_text":

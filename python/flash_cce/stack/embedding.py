@@ -1,0 +1,79 @@
+"""Token embeddings looked up by the extension's own kernels.
+
+On CUDA, MLX compiles its gather kernels at run time, seconds each on a
+machine whose kernel cache is empty, and a quantized embedding's lookup takes
+two (the packed weights, and the scales and biases). `take_rows` copies the
+rows with a kernel the extension ships compiled (and on the CPU with its own
+loop); on a Metal GPU it is MLX's gather. Before a process first uses the GPU
+kernel it checks it against the CPU's on every copy width it has, and takes
+MLX's gather (with a warning) if they differ. `embed` calls it for mlx-lm's
+embedding modules exactly as they call the gather.
+"""
+
+import functools
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import _ext
+
+
+def native(device=None):
+    """Whether `take_rows` runs the extension's kernels on `device` (default:
+    MLX's default device): the CPU, and a GPU in a CUDA build whose kernel
+    passed `gpu_rows_check`."""
+    device = device or mx.default_device()
+    return device.type == mx.cpu or (_ext.has_gpu_take_rows() and gpu_rows_check())
+
+
+@functools.cache
+def gpu_rows_check():
+    """Whether the GPU's rows equal the CPU's to the byte, for rows copied 16,
+    4, 2 and 1 bytes at a time, an unaligned table and ids out of range."""
+    ids = mx.array([[6, 0, 7], [-1, 3, 3]])
+    flat = mx.arange(7 * 8 + 1, dtype=mx.uint32)
+    tables = [flat[:-1].reshape(7, 8), flat[1:].reshape(7, 8)]  # 32-byte rows, aligned or not
+    tables += [mx.arange(21, dtype=mx.float32).astype(t).reshape(7, 3) for t in (mx.float32, mx.bfloat16, mx.uint8)]
+    same = all(np.array_equal(np.array(_ext.take_rows(t, ids, stream=mx.gpu).view(mx.uint8)),
+                              np.array(_ext.take_rows(t, ids, stream=mx.cpu).view(mx.uint8)))
+               for t in tables)
+    if not same:
+        warnings.warn("flash_cce: the CUDA take_rows kernel copied rows differently from the CPU's; "
+                      "embeddings use MLX's gather", RuntimeWarning, stacklevel=2)
+    return same
+
+
+def take_rows(table, ids):
+    """`table[ids]` for a 2-D `table` and integer `ids` of any shape; its
+    gradient for `table` adds each cotangent row at its id."""
+    if not native():
+        return table[ids]
+
+    @mx.custom_function
+    def rows(t):
+        return _ext.take_rows(t, ids)
+
+    @rows.vjp
+    def rows_vjp(primals, cotangent, output):
+        flat = cotangent.reshape(-1, table.shape[1])
+        return mx.zeros(table.shape, cotangent.dtype).at[ids.reshape(-1)].add(flat)
+
+    return rows(table)
+
+
+def embed(module, tokens):
+    """`module(tokens)` for an embedding module of mlx-lm's models, its rows
+    taken by `take_rows` where the module is MLX's `Embedding` or
+    `QuantizedEmbedding` (subclasses may compute otherwise: they call it)."""
+    if type(module) is nn.Embedding:
+        return take_rows(module.weight, tokens)
+    if type(module) is nn.QuantizedEmbedding:
+        biases = module.get("biases")
+        return mx.dequantize(
+            take_rows(module["weight"], tokens),
+            scales=take_rows(module["scales"], tokens),
+            biases=None if biases is None else take_rows(biases, tokens),
+            group_size=module.group_size, bits=module.bits, mode=module.mode)
+    return module(tokens)
