@@ -124,6 +124,14 @@ def test_failed_helper_keeps_the_run_uncompiled_and_its_log(cache):
     assert not (cache / "k.ptx").exists() and not warm.marker.exists()
 
 
+def test_a_helper_that_cannot_start_leaves_the_run_to_compile(cache, tmp_path):
+    lines = []
+    warm = Warmup(CFG, lines.append, command=[str(tmp_path / "no-such-program")]).start()
+    assert warm.ready() and warm.proc is None and not warm.scratch.exists()
+    assert "could not start a second process" in lines[0] and "the run builds them itself" in lines[0]
+    assert not warm.marker.exists()
+
+
 def test_close_stops_a_running_helper(cache):
     warm = Warmup(CFG, lambda line: None, command=_helper("time.sleep(60)")).start()
     assert not warm.ready()

@@ -104,24 +104,30 @@ class Warmup:
         self.state, self.tic = "idle", 0.0
 
     def start(self):
-        """Starts the helper unless the marker says the kernels are cached, or the
-        cache cannot be written (then the default compiles in the run)."""
+        """Starts the helper unless the marker says the kernels are cached; where
+        it cannot start (a cache that cannot be written, no process), the
+        default compiles in the run."""
         if self.marker.exists():
             self.state = "ready"
             return self
         try:
             self.cache.mkdir(parents=True, exist_ok=True)
             self.scratch = Path(tempfile.mkdtemp(prefix="flash-cce-warmup-", dir=self.cache.parent))
-        except OSError:
+            spec = self.scratch / "settings.json"
+            spec.write_text(json.dumps(self.cfg, default=str))
+            command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec)]
+            env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.scratch / "ptx"))
+            with open(self.scratch / "warmup.log", "w") as out:
+                # A session of its own: the terminal's Ctrl-C reaches the run, which stops it.
+                self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            self.log(f"Compiled layers: could not start a second process to build their kernels ({e}); "
+                     "the run builds them itself")
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
             self.state = "ready"
             return self
-        spec = self.scratch / "settings.json"
-        spec.write_text(json.dumps(self.cfg, default=str))
-        command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec)]
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.scratch / "ptx"))
-        with open(self.scratch / "warmup.log", "w") as out:
-            self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT)
         self.state, self.tic = "running", time.perf_counter()
         self.log(f"Compiled layers: MLX builds their kernels in a second process (pid {self.proc.pid}); "
                  "until it is done the steps run the layers uncompiled")
