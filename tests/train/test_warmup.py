@@ -96,6 +96,8 @@ def test_helper_kernels_reach_the_cache_and_mark_it(cache):
     lines = []
     write = "CACHE.mkdir(); (CACHE / 'k.txt').write_text('names'); (CACHE / 'k.ptx').write_text('code')"
     warm = Warmup(CFG, lines.append, command=_helper(write)).start()
+    assert warm.state == "waiting" and not warm.ready()  # until the first step
+    warm.after_step({"peak_memory_gb": 1.0})
     assert warm.state == "running" and not (cache / "k.ptx").exists()
     assert _wait(warm)
     assert (cache / "k.ptx").read_text() == "code" and (cache / "k.txt").read_text() == "names"
@@ -104,6 +106,8 @@ def test_helper_kernels_reach_the_cache_and_mark_it(cache):
     warm.close()
     # The same settings again: ready at once, no process.
     again = Warmup(dict(CFG), lines.append, command=_helper("sys.exit(9)")).start()
+    assert again.ready()
+    again.after_step({"peak_memory_gb": 1.0})
     assert again.ready() and again.proc is None
     # Other adapters: another marker, another helper.
     other = Warmup(dict(CFG, lora_parameters={"rank": 16}), lines.append, command=_helper("pass"))
@@ -115,6 +119,7 @@ def test_failed_helper_keeps_the_run_uncompiled_and_its_log(cache):
     lines = []
     fail = "print('out of memory'); CACHE.mkdir(); (CACHE / 'k.ptx').write_text('x'); sys.exit(3)"
     with Warmup(CFG, lines.append, command=_helper(fail)) as warm:
+        warm.after_step({"peak_memory_gb": 1.0})
         assert not _wait(warm) and warm.state == "failed"
         assert not warm.ready()  # asked again: still not
     log = warm.scratch / "warmup.log"
@@ -126,14 +131,28 @@ def test_failed_helper_keeps_the_run_uncompiled_and_its_log(cache):
 
 def test_a_helper_that_cannot_start_leaves_the_run_to_compile(cache, tmp_path):
     lines = []
-    warm = Warmup(CFG, lines.append, command=[str(tmp_path / "no-such-program")]).start()
+    warm = Warmup(CFG, lines.append, command=[str(tmp_path / "no-such-program")]).start().launch()
     assert warm.ready() and warm.proc is None and not warm.scratch.exists()
     assert "could not start a second process" in lines[0] and "the run builds them itself" in lines[0]
     assert not warm.marker.exists()
 
 
+def test_no_helper_without_room_for_its_step(cache, monkeypatch):
+    lines = []
+    monkeypatch.setattr(warmup, "free_gpu_memory", lambda: 2 * 2**30)
+    warm = Warmup(CFG, lines.append, command=_helper("pass")).start()
+    warm.after_step({"peak_memory_gb": 1.7})  # needs ROOM x 1.7 = 2.1 GB
+    assert warm.ready() and warm.proc is None
+    assert lines == ["Compiled layers: a second process to build their kernels would need about 2.1 GB of "
+                     "GPU memory, 2.0 GB are free; the run builds them itself"]
+    roomy = Warmup(CFG, lines.append, command=_helper("pass")).start()
+    roomy.after_step({"peak_memory_gb": 1.5})
+    assert roomy.state == "running"
+    roomy.close()
+
+
 def test_close_stops_a_running_helper(cache):
-    warm = Warmup(CFG, lambda line: None, command=_helper("time.sleep(60)")).start()
+    warm = Warmup(CFG, lambda line: None, command=_helper("time.sleep(60)")).start().launch()
     assert not warm.ready()
     tic = time.time()
     warm.close()
@@ -155,7 +174,7 @@ def test_the_helper_trains_one_compiled_step(tmp_path, cache):
     """The real helper on the run's settings: one step, compiled, in its scratch directory."""
     cfg = _settings(tmp_path)
     lines = []
-    warm = Warmup(cfg, lines.append).start()
+    warm = Warmup(cfg, lines.append).start().launch()
     assert _wait(warm, timeout=240), (warm.scratch / "warmup.log").read_text()
     assert warm.marker.exists() and not warm.scratch.exists()
     assert not (tmp_path / "run").exists()  # the run's own directory untouched
@@ -163,12 +182,12 @@ def test_the_helper_trains_one_compiled_step(tmp_path, cache):
 
 
 def test_a_run_switches_to_the_compiled_layers_when_the_helper_is_done(tmp_path, cache, monkeypatch):
-    cfg = _settings(tmp_path, iters=6)
+    cfg = _settings(tmp_path, iters=8)
     # As on a CUDA GPU with pairs past the threshold; a quick stand-in helper.
     monkeypatch.setattr(stack_plan, "on_cuda", lambda: True)
     monkeypatch.setattr(stack_plan, "COMPILED_FROM_TOKENS", 1)
     monkeypatch.setattr("flash_cce.train.runner.Warmup",
-                        lambda cfg, log: Warmup(cfg, log, command=_helper("time.sleep(0.3)")))
+                        lambda cfg, log: Warmup(cfg, log, command=_helper("time.sleep(0.2)")))
     plans = []
     real = stack_plan._plan
 

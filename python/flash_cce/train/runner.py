@@ -319,7 +319,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     seen = seen if rank == 0 else None
     warm = None
     if wanted(cfg, splits["train"], mx.distributed.init().size()):
-        warm = Warmup(cfg, log)  # started once the run directory is taken
+        warm = Warmup(cfg, log)  # its helper starts after the first step
         objective = replace(objective, stack=replace(objective.stack, compiled_when=warm.ready))
     with writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log), \
             warm or contextlib.nullcontext():
@@ -331,7 +331,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
                              run_dir=run_dir, adapter_config=cfg, resume=resume,
                              on_eval=plot_on_eval(run_dir, on_eval) if rank == 0 else on_eval, log=log,
                              should_stop=stop, gpu_capture=cfg["gpu_capture"],
-                             controller=controller)
+                             controller=controller, on_step=warm and warm.after_step)
             except Interrupted as e:
                 e.resume_command = shlex.join(["flash-cce", "train", "--resume", str(run_dir)])
                 raise

@@ -225,15 +225,16 @@ def stop_requested(should_stop, world):
 def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_dir=None,
           adapter_config=None, resume=None, value_and_grad=objective_value_and_grad,
           evaluate=objective_evaluate, on_eval=None, log=print, should_stop=None, gpu_capture=None,
-          controller=None):
+          controller=None, on_step=None):
     """Trains `model`'s trainable parameters on `train_pairs` (list of Pair).
 
     Writes run_dir/metrics.jsonl (a record per step and per evaluation) and
     checkpoints (see `checkpoint`) when `run_dir` is given. `resume` is a run or
     checkpoint directory to continue from exactly. `on_eval(record)` sees each
-    evaluation. `should_stop()` is asked after each step: when true, a checkpoint
-    is written and `Interrupted` raised. `gpu_capture` is a Metal trace file that
-    records this session's first step. `controller` (a `controller.Controller`)
+    evaluation and `on_step(record)` each step's record. `should_stop()` is
+    asked after each step: when true, a checkpoint is written and `Interrupted`
+    raised. `gpu_capture` is a Metal trace file that records this session's
+    first step. `controller` (a `controller.Controller`)
     sets the objective's preference weight each step. Returns the last
     evaluation record (or None).
     """
@@ -360,6 +361,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
                 record["memory_warning"] = warning
                 log(f"[warning] {warning}")
             report_step(record, emit, bar, guard, finite, log)
+            if on_step is not None:
+                on_step(record)
             is_best = False
             if args.steps_per_eval and step % args.steps_per_eval == 0 or step == args.iters:
                 last_eval = validate_now(step)

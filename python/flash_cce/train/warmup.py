@@ -8,9 +8,12 @@ the lengths whose steps take the compiled layers by default
 MLX keeps what it builds in a cache on disk (`MLX_PTX_CACHE_DIR`, by default
 under the temporary directory) that later processes read. So a run whose
 settings leave the choice to the default starts this module on its own
-settings: one training step with the compiled layers on, in a scratch run
-directory, its kernels written to a private cache directory. Meanwhile the
-run's steps take the layers uncompiled (`StackConfig.compiled_when`). When the
+settings, once its first step (uncompiled) has shown how much GPU memory a step
+takes and if that much is free: one training step with the compiled layers on,
+in a scratch run directory, its kernels written to a private cache directory.
+Meanwhile the run's steps take the layers uncompiled
+(`StackConfig.compiled_when`); without the room, the run builds them itself
+from its second step, as it would without a helper. When the
 helper has finished, its kernels move into MLX's cache, each file by a rename
 (a module's .ptx, the file MLX looks for, last), and the next step takes the
 compiled layers, reading them from there. A marker in the cache, named after
@@ -33,6 +36,10 @@ from pathlib import Path
 # and runs a step.
 SHAPING = ("model", "fine_tune_type", "num_layers", "lora_parameters", "quantize", "objective",
            "prefix_sharing", "flash_head", "segment_size", "pad_to", "attention_block")
+
+# GPU memory a helper needs, in units of the run's first step's peak: its step
+# is the same with the compiled layers (6% more at model B 8k), and a margin.
+ROOM = 1.25
 
 # The helper's own settings over the run's: one step, nothing else.
 ONE_STEP = dict(resume=None, init_adapters=None, iters=1, warmup=0, lr_schedule="constant",
@@ -74,6 +81,19 @@ def wanted(cfg, examples, ranks):
             and any(tokens(e) >= COMPILED_FROM_TOKENS for e in examples))
 
 
+def free_gpu_memory():
+    """Bytes of GPU memory another process could take (None: MLX does not
+    say). Memory in MLX's cache counts as taken: the run reuses it."""
+    import mlx.core as mx
+
+    info = mx.device_info()
+    if "free_memory" in info:
+        return info["free_memory"]
+    if "total_memory" in info:
+        return info["total_memory"] - mx.get_active_memory() - mx.get_cache_memory()
+    return None
+
+
 def publish(private, cache):
     """Moves the files under `private` into `cache` (same relative paths), each by
     one rename, every .ptx after the other files."""
@@ -90,11 +110,13 @@ def publish(private, cache):
 
 
 class Warmup:
-    """A run's helper (see the module). `ready()`: whether the compiled layers'
-    kernels are in MLX's cache (asked at each new step shape: it notices the
-    helper's end, publishes its kernels and says so in one line); `close()`:
-    stops a helper still running and removes its scratch directory. `command`:
-    the helper's command line (tests), by default this module on the settings."""
+    """A run's helper (see the module). `start()` (entering it): looks for the
+    marker; `after_step(record)` (the trainer's `on_step`): after the first
+    step, starts the helper if there is room; `ready()`: whether the compiled
+    layers may run (asked at each new step shape: it notices the helper's end,
+    publishes its kernels and says so in one line); `close()`: stops a helper
+    still running and removes its scratch directory. `command`: the helper's
+    command line (tests), by default this module on the settings."""
 
     def __init__(self, cfg, log, command=None):
         self.cfg, self.log, self.command = cfg, log, command
@@ -104,12 +126,26 @@ class Warmup:
         self.state, self.tic = "idle", 0.0
 
     def start(self):
-        """Starts the helper unless the marker says the kernels are cached; where
-        it cannot start (a cache that cannot be written, no process), the
-        default compiles in the run."""
-        if self.marker.exists():
+        """Ready at once where the marker says the kernels are cached, else
+        waiting for the first step."""
+        self.state = "ready" if self.marker.exists() else "waiting"
+        return self
+
+    def after_step(self, record):
+        if self.state != "waiting":
+            return
+        need, free = ROOM * record["peak_memory_gb"] * 2**30, free_gpu_memory()
+        if free is not None and free < need:
             self.state = "ready"
-            return self
+            self.log(f"Compiled layers: a second process to build their kernels would need about "
+                     f"{need / 2**30:.1f} GB of GPU memory, {free / 2**30:.1f} GB are free; "
+                     "the run builds them itself")
+            return
+        self.launch()
+
+    def launch(self):
+        """Starts the helper; where it cannot start (a cache that cannot be
+        written, no process), the run compiles the layers itself."""
         try:
             self.cache.mkdir(parents=True, exist_ok=True)
             self.scratch = Path(tempfile.mkdtemp(prefix="flash-cce-warmup-", dir=self.cache.parent))
