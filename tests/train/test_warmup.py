@@ -3,6 +3,7 @@ plan's gate, the helper's life, its kernels' move into the cache, and a run
 that switches to the compiled layers once the helper is done."""
 
 import os
+import subprocess
 import sys
 import time
 
@@ -92,13 +93,17 @@ def cache(tmp_path, monkeypatch):
 CFG = {"model": "m", "fine_tune_type": "lora", "lora_parameters": {"rank": 8}, "compiled_layers": "auto"}
 
 
+STEP = {"peak_memory_gb": 1.0, "tokens": 1000}
+WRITE = "CACHE.mkdir(); (CACHE / 'k.txt').write_text('names'); (CACHE / 'k.ptx').write_text('code')"
+
+
 def test_helper_kernels_reach_the_cache_and_mark_it(cache):
     lines = []
-    write = "CACHE.mkdir(); (CACHE / 'k.txt').write_text('names'); (CACHE / 'k.ptx').write_text('code')"
-    warm = Warmup(CFG, lines.append, command=_helper(write)).start()
+    warm = Warmup(CFG, lines.append, command=_helper(WRITE)).start()
     assert warm.state == "waiting" and not warm.ready()  # until the first step
-    warm.after_step({"peak_memory_gb": 1.0})
+    warm.after_step(STEP)
     assert warm.state == "running" and not (cache / "k.ptx").exists()
+    assert warm.scratch.parent == cache / "flash-cce"  # one file system with the cache
     assert _wait(warm)
     assert (cache / "k.ptx").read_text() == "code" and (cache / "k.txt").read_text() == "names"
     assert warm.marker.exists() and not warm.scratch.exists()
@@ -107,7 +112,7 @@ def test_helper_kernels_reach_the_cache_and_mark_it(cache):
     # The same settings again: ready at once, no process.
     again = Warmup(dict(CFG), lines.append, command=_helper("sys.exit(9)")).start()
     assert again.ready()
-    again.after_step({"peak_memory_gb": 1.0})
+    again.after_step(STEP)
     assert again.ready() and again.proc is None
     # Other adapters: another marker, another helper.
     other = Warmup(dict(CFG, lora_parameters={"rank": 16}), lines.append, command=_helper("pass"))
@@ -115,15 +120,27 @@ def test_helper_kernels_reach_the_cache_and_mark_it(cache):
     other.close()
 
 
-def test_failed_helper_keeps_the_run_uncompiled_and_its_log(cache):
+def test_no_marker_without_kernels(cache):
+    warm = Warmup(CFG, lambda line: None, command=_helper("pass")).start().launch()
+    assert _wait(warm) and not warm.marker.exists()  # MLX wrote nothing: a later run tries again
+
+
+def test_close_publishes_a_helper_that_has_finished(cache):
+    warm = Warmup(CFG, lambda line: None, command=_helper(WRITE)).start().launch()
+    warm.proc.wait()  # done, but no step asked since
+    warm.close()
+    assert (cache / "k.ptx").read_text() == "code" and warm.marker.exists()
+
+
+def test_a_failed_helper_leaves_the_run_to_compile_and_keeps_its_log(cache):
     lines = []
     fail = "print('out of memory'); CACHE.mkdir(); (CACHE / 'k.ptx').write_text('x'); sys.exit(3)"
     with Warmup(CFG, lines.append, command=_helper(fail)) as warm:
-        warm.after_step({"peak_memory_gb": 1.0})
-        assert not _wait(warm) and warm.state == "failed"
-        assert not warm.ready()  # asked again: still not
+        warm.after_step(STEP)
+        assert _wait(warm) and warm.state == "failed"
     log = warm.scratch / "warmup.log"
-    assert "exit code 3" in lines[-1] and str(log) in lines[-1] and "uncompiled" in lines[-1]
+    assert lines[-1] == (f"Compiled layers: the second process failed (exit code 3; its output: {log}); "
+                         "the run builds their kernels itself")
     assert "out of memory" in log.read_text()
     assert [p.name for p in warm.scratch.iterdir()] == ["warmup.log"]
     assert not (cache / "k.ptx").exists() and not warm.marker.exists()
@@ -139,16 +156,21 @@ def test_a_helper_that_cannot_start_leaves_the_run_to_compile(cache, tmp_path):
 
 def test_no_helper_without_room_for_its_step(cache, monkeypatch):
     lines = []
-    monkeypatch.setattr(warmup, "free_gpu_memory", lambda: 2 * 2**30)
+    monkeypatch.setattr(warmup, "free_gpu_memory", lambda: 2e9)
     warm = Warmup(CFG, lines.append, command=_helper("pass")).start()
-    warm.after_step({"peak_memory_gb": 1.7})  # needs ROOM x 1.7 = 2.1 GB
+    warm.after_step({"peak_memory_gb": 1.7, "tokens": 1000})  # needs ROOM x 1.7 = 2.1 GB
     assert warm.ready() and warm.proc is None
     assert lines == ["Compiled layers: a second process to build their kernels would need about 2.1 GB of "
                      "GPU memory, 2.0 GB are free; the run builds them itself"]
     roomy = Warmup(CFG, lines.append, command=_helper("pass")).start()
-    roomy.after_step({"peak_memory_gb": 1.5})
+    roomy.after_step({"peak_memory_gb": 1.5, "tokens": 1000})
     assert roomy.state == "running"
     roomy.close()
+    # A larger batch later in the run: the need scales with its tokens.
+    big = Warmup(dict(CFG, grad_accumulation_steps=2), lines.append, command=_helper("pass"),
+                 largest_tokens=1000).start()
+    big.after_step({"peak_memory_gb": 0.88, "tokens": 1000})  # 500 a micro-batch: 2 x 1.25 x 0.88 GB
+    assert big.ready() and big.proc is None and "about 2.2 GB" in lines[-1]
 
 
 def test_close_stops_a_running_helper(cache):
@@ -158,6 +180,26 @@ def test_close_stops_a_running_helper(cache):
     warm.close()
     assert time.time() - tic < 10 and warm.proc.returncode is not None
     assert warm.state == "stopped" and not warm.scratch.exists() and not warm.marker.exists()
+
+
+def test_scratch_of_runs_that_are_gone_is_swept(cache):
+    parent = cache / "flash-cce"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, live = parent / f"warmup-{dead.pid}-x", parent / f"warmup-{os.getpid()}-y"
+    for d in (gone, live):
+        (d / "run").mkdir(parents=True)
+    warm = Warmup(CFG, lambda line: None, command=_helper("pass")).start().launch()
+    assert not gone.exists() and live.exists()
+    warm.close()
+
+
+def test_the_helper_dies_with_its_run():
+    code = "import os, sys; from flash_cce.train.warmup import die_with; die_with({}); print('alive')"
+    ok = subprocess.run([sys.executable, "-c", code.format(os.getpid())], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "alive"
+    orphan = subprocess.run([sys.executable, "-c", code.format(1)], capture_output=True, text=True)
+    assert orphan.returncode == 1 and "alive" not in orphan.stdout  # its run already gone
 
 
 def _settings(tmp_path, iters=4):
@@ -170,13 +212,18 @@ def _settings(tmp_path, iters=4):
     return train_settings(flags)
 
 
-def test_the_helper_trains_one_compiled_step(tmp_path, cache):
-    """The real helper on the run's settings: one step, compiled, in its scratch directory."""
+def test_the_helper_trains_one_step_without_checkpoints(tmp_path, cache, monkeypatch):
+    """The real helper on the run's settings: one step in its scratch directory, no checkpoint."""
     cfg = _settings(tmp_path)
-    lines = []
-    warm = Warmup(cfg, lines.append).start().launch()
-    assert _wait(warm, timeout=240), (warm.scratch / "warmup.log").read_text()
-    assert warm.marker.exists() and not warm.scratch.exists()
+    kept = []
+    monkeypatch.setattr(warmup.shutil, "rmtree", lambda path, **kw: kept.append(path))
+    warm = Warmup(cfg, lambda line: None).start().launch()
+    assert _wait(warm, timeout=240) and warm.state == "ready", (warm.scratch / "warmup.log").read_text()
+    out = (warm.scratch / "warmup.log").read_text()
+    assert "Schedule: constant" in out and "1 steps" in out and "Traceback" not in out
+    run = warm.scratch / "run"
+    assert (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+    assert not (run / "adapters").exists() and kept == [warm.scratch]
     assert not (tmp_path / "run").exists()  # the run's own directory untouched
     assert set(ONE_STEP) <= set(settings.BY_NAME)
 
@@ -187,7 +234,7 @@ def test_a_run_switches_to_the_compiled_layers_when_the_helper_is_done(tmp_path,
     monkeypatch.setattr(stack_plan, "on_cuda", lambda: True)
     monkeypatch.setattr(stack_plan, "COMPILED_FROM_TOKENS", 1)
     monkeypatch.setattr("flash_cce.train.runner.Warmup",
-                        lambda cfg, log: Warmup(cfg, log, command=_helper("time.sleep(0.2)")))
+                        lambda cfg, log, **kw: Warmup(cfg, log, command=_helper("time.sleep(0.2)"), **kw))
     plans = []
     real = stack_plan._plan
 

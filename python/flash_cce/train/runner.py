@@ -24,6 +24,7 @@ from .rundir import (CONFIG, Lock, check_lock, check_unchanged, check_writable, 
                      set_aside, state as run_dir_state)
 from .storage import writing
 from .warmup import Warmup, wanted
+from .warmup import tokens as warmup_tokens
 
 # pad_to "auto": on a CUDA GPU, widths in multiples of 64, so that steps repeat
 # the shapes of earlier ones: a new shape costs MLX's CUDA backend time
@@ -220,6 +221,17 @@ def _atomic_yaml(cfg, path):
         tmp.unlink(missing_ok=True)
 
 
+def _during_steps(cfg, log):
+    """`log` for lines printed while steps run: through tqdm where it draws a bar."""
+    from .report import use_bar
+
+    if log is print and use_bar(cfg["progress"]):
+        from tqdm import tqdm
+
+        return tqdm.write
+    return log
+
+
 def generate_hint(cfg, run_dir, records):
     """An mlx_lm.generate command that prompts the model as it was trained."""
     rec = records[0][0]
@@ -246,11 +258,12 @@ def _check_run_dir(run_dir, resume, own_files):
                        f"{', ...' if len(foreign) > 3 else ''}); pick a new or empty --run-dir")
 
 
-def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
+def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None, checkpoints=True):
     """Trains with checked settings `cfg` (see `train_settings`); returns (run_dir, last validation record).
     Raises RunError (and nothing is written) when the run cannot start. `own_files`
     are names in the run directory that the caller put there (not foreign);
-    `lock`, the run directory's lock when the caller holds it already."""
+    `lock`, the run directory's lock when the caller holds it already. Without
+    `checkpoints` the run writes only its config.yaml (the warm-up's helper)."""
     if cfg["objective"] == "grpo":
         raise ValueError("objective grpo: online RL has a loop of its own, grpo_trainer.run_grpo")
     import mlx.core as mx
@@ -319,7 +332,8 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
     seen = seen if rank == 0 else None
     warm = None
     if wanted(cfg, splits["train"], mx.distributed.init().size()):
-        warm = Warmup(cfg, log)  # its helper starts after the first step
+        largest = cfg["batch_size"] * max(map(warmup_tokens, splits["train"]))
+        warm = Warmup(cfg, _during_steps(cfg, log), largest_tokens=largest)  # its helper: after the first step
         objective = replace(objective, stack=replace(objective.stack, compiled_when=warm.ready))
     with writing_run(run_dir, cfg, resume, resume_state, own_files, seen, lock, rank, log), \
             warm or contextlib.nullcontext():
@@ -328,7 +342,7 @@ def run_train(cfg, log=print, on_eval=None, hint=True, own_files=(), lock=None):
         with Stop(log) as stop:
             try:
                 last = train(model, optimizer, splits["train"], splits.get("valid"), args, objective,
-                             run_dir=run_dir, adapter_config=cfg, resume=resume,
+                             run_dir=run_dir if checkpoints else None, adapter_config=cfg, resume=resume,
                              on_eval=plot_on_eval(run_dir, on_eval) if rank == 0 else on_eval, log=log,
                              should_stop=stop, gpu_capture=cfg["gpu_capture"],
                              controller=controller, on_step=warm and warm.after_step)

@@ -12,18 +12,22 @@ settings, once its first step (uncompiled) has shown how much GPU memory a step
 takes and if that much is free: one training step with the compiled layers on,
 in a scratch run directory, its kernels written to a private cache directory.
 Meanwhile the run's steps take the layers uncompiled
-(`StackConfig.compiled_when`); without the room, the run builds them itself
-from its second step, as it would without a helper. When the
-helper has finished, its kernels move into MLX's cache, each file by a rename
-(a module's .ptx, the file MLX looks for, last), and the next step takes the
-compiled layers, reading them from there. A marker in the cache, named after
-what the kernels depend on (MLX's version, the model, the adapters, the stack's
-settings), lets a later run with the same start compiled at once.
+(`StackConfig.compiled_when`); without the room, or if the helper fails, the
+run builds them itself, as it would without a helper. When the helper has
+finished, its kernels move into MLX's cache, each file by a rename (a module's
+.ptx, the file MLX looks for, last), and the next step takes the compiled
+layers, reading them from there. A marker in the cache, named after what the
+kernels depend on (MLX's version, the model, the adapters, the stack's
+settings), lets a later run with the same start compiled at once. The helper
+runs its step on the first batch: kernels of a prompt layout that batch does
+not have (`prefix`) are built by the run when it meets one.
 """
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -37,9 +41,11 @@ from pathlib import Path
 SHAPING = ("model", "fine_tune_type", "num_layers", "lora_parameters", "quantize", "objective",
            "prefix_sharing", "flash_head", "segment_size", "pad_to", "attention_block")
 
-# GPU memory a helper needs, in units of the run's first step's peak: its step
-# is the same with the compiled layers (6% more at model B 8k), and a margin.
+# GPU memory a helper needs, in units of the run's first step's peak scaled to
+# the run's largest batch: its step is such a step with the compiled layers (6%
+# more at model B 8k), and a margin.
 ROOM = 1.25
+GB = 1e9  # as the trainer reports memory
 
 # The helper's own settings over the run's: one step, nothing else.
 ONE_STEP = dict(resume=None, init_adapters=None, iters=1, warmup=0, lr_schedule="constant",
@@ -95,18 +101,46 @@ def free_gpu_memory():
 
 
 def publish(private, cache):
-    """Moves the files under `private` into `cache` (same relative paths), each by
-    one rename, every .ptx after the other files."""
+    """Moves the files under `private` (a directory inside `cache`: one file
+    system) into `cache`, same relative paths, each by one rename, every .ptx
+    after the other files; returns how many .ptx files moved."""
     files = sorted((p for p in private.rglob("*") if p.is_file()), key=lambda p: p.suffix == ".ptx")
     for f in files:
         dest = cache / f.relative_to(private)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(f, dest)
-        except OSError:  # another file system: a copy beside the destination, then the rename
-            tmp = dest.with_name(dest.name + f".{os.getpid()}.tmp")
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, dest)
+        os.replace(f, dest)
+    return sum(f.suffix == ".ptx" for f in files)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(parent):
+    """Removes the scratch directories of runs that are gone (killed before they
+    could remove them; their helpers died with them)."""
+    for d in parent.glob("warmup-*"):
+        pid = d.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def die_with(parent):
+    """Asks Linux to kill this process when `parent` (its parent's pid) ends;
+    ends now if it already has. Elsewhere nothing (CUDA runs on Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class Warmup:
@@ -118,8 +152,9 @@ class Warmup:
     still running and removes its scratch directory. `command`: the helper's
     command line (tests), by default this module on the settings."""
 
-    def __init__(self, cfg, log, command=None):
-        self.cfg, self.log, self.command = cfg, log, command
+    def __init__(self, cfg, log, command=None, largest_tokens=None):
+        # largest_tokens: tokens of the run's largest micro-batch (None: as its first).
+        self.cfg, self.log, self.command, self.largest = cfg, log, command, largest_tokens
         self.cache = kernel_cache()
         self.marker = self.cache / "flash-cce" / f"{key(cfg)}.done"
         self.proc = self.scratch = None
@@ -134,11 +169,13 @@ class Warmup:
     def after_step(self, record):
         if self.state != "waiting":
             return
-        need, free = ROOM * record["peak_memory_gb"] * 2**30, free_gpu_memory()
+        first = record["tokens"] / self.cfg.get("grad_accumulation_steps", 1)
+        scale = max(1.0, self.largest / first) if self.largest and first else 1.0
+        need, free = ROOM * record["peak_memory_gb"] * GB * scale, free_gpu_memory()
         if free is not None and free < need:
             self.state = "ready"
             self.log(f"Compiled layers: a second process to build their kernels would need about "
-                     f"{need / 2**30:.1f} GB of GPU memory, {free / 2**30:.1f} GB are free; "
+                     f"{need / GB:.1f} GB of GPU memory, {free / GB:.1f} GB are free; "
                      "the run builds them itself")
             return
         self.launch()
@@ -147,11 +184,14 @@ class Warmup:
         """Starts the helper; where it cannot start (a cache that cannot be
         written, no process), the run compiles the layers itself."""
         try:
-            self.cache.mkdir(parents=True, exist_ok=True)
-            self.scratch = Path(tempfile.mkdtemp(prefix="flash-cce-warmup-", dir=self.cache.parent))
+            parent = self.cache / "flash-cce"
+            parent.mkdir(parents=True, exist_ok=True)
+            sweep(parent)
+            self.scratch = Path(tempfile.mkdtemp(prefix=f"warmup-{os.getpid()}-", dir=parent))
             spec = self.scratch / "settings.json"
             spec.write_text(json.dumps(self.cfg, default=str))
-            command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec)]
+            command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec),
+                                       str(os.getpid())]
             env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.scratch / "ptx"))
             with open(self.scratch / "warmup.log", "w") as out:
                 # A session of its own: the terminal's Ctrl-C reaches the run, which stops it.
@@ -174,26 +214,27 @@ class Warmup:
             code = self.proc.poll()
             if code is not None:
                 self._finish(code)
-        return self.state == "ready"
+        return self.state in ("ready", "failed")
 
     def _finish(self, code):
+        # Whatever happened, the compiled layers run from now on: built by the
+        # helper, or else by the run itself as without one.
         took = time.perf_counter() - self.tic
-        if code == 0:
-            try:
-                publish(self.scratch / "ptx", self.cache)
-                self.marker.parent.mkdir(exist_ok=True)
-                self.marker.touch()
-            except OSError as e:
-                self.log(f"Compiled layers: could not move their kernels into {self.cache} ({e}); "
-                         "the next step builds them")
-            self.state = "ready"
-            self.log(f"Compiled layers: kernels ready after {took:.0f} s; the steps run them from now on")
-            shutil.rmtree(self.scratch, ignore_errors=True)
-        else:
+        self.state = "ready"
+        if code != 0:
             self.state = "failed"
-            kept = self._keep_log()
-            self.log(f"Compiled layers: building their kernels failed (exit code {code}; its output: {kept}); "
-                     "the run goes on with the layers uncompiled")
+            self.log(f"Compiled layers: the second process failed (exit code {code}; its output: "
+                     f"{self._keep_log()}); the run builds their kernels itself")
+            return
+        try:
+            if publish(self.scratch / "ptx", self.cache):
+                self.marker.touch()
+        except OSError as e:
+            self.log(f"Compiled layers: could not move their kernels into {self.cache} ({e}); "
+                     "the run builds them itself")
+        else:
+            self.log(f"Compiled layers: kernels ready after {took:.0f} s; the steps run them from now on")
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _keep_log(self):
         # The helper's output for the user; its run directory and kernels go.
@@ -204,6 +245,7 @@ class Warmup:
         return log
 
     def close(self):
+        self.ready()  # a helper that has finished still publishes its kernels
         if self.state == "running":  # its kernels are incomplete: nothing to keep
             self.proc.kill()
             self.proc.wait()
@@ -220,12 +262,15 @@ class Warmup:
 
 def main(argv=None):
     """The helper: one training step of the settings in the JSON file argv[0],
-    with the compiled layers, in a run directory beside that file."""
+    with the compiled layers, in a run directory beside that file, writing no
+    checkpoint; it ends with the run whose pid is argv[1]."""
     from .runner import run_train
 
-    spec = Path((argv if argv is not None else sys.argv[1:])[0])
+    argv = sys.argv[1:] if argv is None else argv
+    die_with(int(argv[1]))
+    spec = Path(argv[0])
     cfg = dict(json.loads(spec.read_text()), run_dir=str(spec.parent / "run"), **ONE_STEP)
-    run_train(cfg, hint=False)
+    run_train(cfg, hint=False, checkpoints=False)
 
 
 if __name__ == "__main__":
