@@ -1,6 +1,7 @@
 #include "rows.h"
 
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +13,21 @@
 #endif
 
 namespace flash_cce {
+
+namespace {
+
+// ids as int32. 64-bit ids are first clipped to [-1, rows] so that one outside
+// the table cannot wrap into it; 32-bit unsigned ones past 2^31 turn negative.
+mx::array int32_ids(const mx::array& ids, int64_t rows, mx::Stream s) {
+  if (mx::size_of(ids.dtype()) == 8) {
+    const bool is_signed = mx::issubdtype(ids.dtype(), mx::signedinteger);
+    auto low = is_signed ? std::optional(mx::array(-1, ids.dtype())) : std::nullopt;
+    return mx::astype(mx::clip(ids, low, mx::array(rows, ids.dtype()), s), mx::int32, s);
+  }
+  return mx::astype(ids, mx::int32, s);
+}
+
+} // namespace
 
 mx::array take_rows(const mx::array& table, const mx::array& ids, mx::StreamOrDevice s) {
   if (table.ndim() != 2) {
@@ -26,7 +42,7 @@ mx::array take_rows(const mx::array& table, const mx::array& ids, mx::StreamOrDe
   shape.push_back(table.shape(1));
   return mx::array(std::move(shape), table.dtype(), std::make_shared<TakeRows>(stream),
                    {mx::contiguous(table, false, stream),
-                    mx::contiguous(mx::astype(ids, mx::int32, stream), false, stream)});
+                    mx::contiguous(int32_ids(ids, table.shape(0), stream), false, stream)});
 }
 
 std::vector<mx::Shape> TakeRows::output_shapes(const std::vector<mx::array>& inputs) {

@@ -96,4 +96,15 @@ inline int64_t vocab_chunk(const LaunchPlan& plan, int64_t M, int64_t V, int64_t
   return std::clamp<int64_t>(cols / tile * tile, tile, cdiv(V, tile) * tile);
 }
 
+// Bytes fcce_take_rows copies at a time: the widest of 16, 4 and 2 that
+// divides the row's byte width and both addresses (table and output), else 1.
+inline int32_t rows_copy_unit(int64_t row_bytes, uintptr_t table, uintptr_t out) {
+  for (int32_t unit : {16, 4, 2}) {
+    if (row_bytes % unit == 0 && (table | out) % unit == 0) {
+      return unit;
+    }
+  }
+  return 1;
+}
+
 } // namespace flash_cce::cuda

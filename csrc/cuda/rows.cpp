@@ -15,16 +15,6 @@ namespace {
 
 constexpr int kRowsPerBlock = 8; // warps of 32 threads, one row each
 
-int32_t copy_unit(int64_t row_bytes, const void* a, const void* b) {
-  const auto at = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
-  for (int32_t unit : {16, 4, 2}) {
-    if (row_bytes % unit == 0 && at % unit == 0) {
-      return unit;
-    }
-  }
-  return 1;
-}
-
 } // namespace
 
 void take_rows(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
@@ -40,7 +30,8 @@ void take_rows(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& ou
   p.n = static_cast<int64_t>(ids.size());
   p.rows = table.shape(0);
   p.row_bytes = table.shape(1) * static_cast<int64_t>(table.itemsize());
-  p.unit = copy_unit(p.row_bytes, p.table, p.out);
+  p.unit = rows_copy_unit(p.row_bytes, reinterpret_cast<uintptr_t>(p.table),
+                          reinterpret_cast<uintptr_t>(p.out));
   enc.set_input_array(table);
   enc.set_input_array(ids);
   enc.set_output_array(out);

@@ -104,6 +104,17 @@ TEST(Plan, RowBlockAndVocabChunk) {
     }
 }
 
+TEST(Plan, RowsCopyUnitIsTheWidestThatDividesRowAndAddresses) {
+  EXPECT_EQ(rows_copy_unit(5120, 0x1000, 0x2000), 16); // bf16 rows of 2560
+  EXPECT_EQ(rows_copy_unit(5120, 0x1004, 0x2000), 4);  // a table 4 bytes into its buffer
+  EXPECT_EQ(rows_copy_unit(5120, 0x1000, 0x2008), 4);  // the output's address counts too
+  EXPECT_EQ(rows_copy_unit(12, 0x1000, 0x2000), 4);    // fp32 rows of 3
+  EXPECT_EQ(rows_copy_unit(6, 0x1000, 0x2000), 2);     // bf16 rows of 3
+  EXPECT_EQ(rows_copy_unit(3, 0x1000, 0x2000), 1);     // uint8 rows of 3
+  EXPECT_EQ(rows_copy_unit(32, 0x1001, 0x2000), 1);
+  EXPECT_EQ(rows_copy_unit(0, 0x1000, 0x2000), 16);    // empty rows copy nothing
+}
+
 TEST(Tuning, KeysSetAndCompare) {
   HeadTuning t;
   flash_cce::set_tuning(t, "wgmma", 0, true);

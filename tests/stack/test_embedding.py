@@ -64,6 +64,18 @@ def test_ids_out_of_range_give_zero_rows():
     np.testing.assert_array_equal(out[[0, 3]], np.array(table)[[0, 4]])
 
 
+@pytest.mark.parametrize("dtype,ids", [
+    (np.int64, [2**32 + 1, -(2**32) + 2, 2**63 - 1, -(2**63), 3]),
+    (np.uint64, [2**32 + 1, 2**64 - 1, 3]),
+    (np.uint32, [2**31, 2**32 - 1, 3]),
+])
+def test_wide_ids_out_of_range_do_not_wrap_into_the_table(dtype, ids):
+    table = _table(mx.float32, rows=5, width=3) + 1.0
+    out = np.array(_ext.take_rows(table, mx.array(np.array(ids, dtype))))
+    np.testing.assert_array_equal(out[:-1], 0.0)
+    np.testing.assert_array_equal(out[-1], np.array(table)[3])
+
+
 def test_bad_arguments_name_them():
     with pytest.raises(ValueError, match="table must be 2-D \\[rows, width\\], got 3 dimensions"):
         _ext.take_rows(mx.zeros((2, 2, 2)), mx.array([0]))
@@ -84,6 +96,19 @@ def test_gradient_equals_the_gathers():
     assert _same(ours, gather)
 
 
+@pytest.mark.skipif(not native(), reason="out-of-range ids are defined where the kernels run")
+def test_ids_out_of_range_get_no_gradient():
+    table = _table(mx.float32, rows=6, width=4)
+    ids = mx.array([[2, -1, 6], [0, 2, 2**31 - 1]])
+    inside = mx.array([[1, 0, 0], [1, 1, 0]], mx.float32)[..., None]
+    ct = mx.array(RNG.standard_normal((2, 3, 4)).astype(np.float32))
+    ours = mx.grad(lambda t: (take_rows(t, ids) * ct).sum())(table)
+    # The gather's gradient with the outside rows' cotangents zeroed and their ids at row 0.
+    gather = mx.grad(lambda t: (t[mx.where(inside[..., 0] > 0, ids, 0)] * ct * inside).sum())(table)
+    assert _same(ours, gather)
+    assert _same(take_rows(table, ids) * inside, take_rows(table, ids))  # and zero rows forward
+
+
 def _primitives(*arrays):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "graph.dot")
@@ -91,15 +116,38 @@ def _primitives(*arrays):
         return open(path).read()
 
 
-@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 32), (4, 32)])
-def test_quantized_embedding_equals_the_module(bits, group_size):
-    emb = nn.QuantizedEmbedding(50, 128, group_size=group_size, bits=bits)
-    emb.update({"weight": _table(mx.uint32, 50, 128 * bits // 32)})
+def _count(dot, primitive):
+    return dot.count(f'label ="{primitive}"')
+
+
+def _quantized(bits, group_size, mode, dtype):
+    """A quantized embedding of a `dtype` table (bf16: bf16 scales and biases, as
+    in mlx-lm's models), random codes for the affine mode."""
+    dense = nn.Embedding(50, 128)
+    dense.weight = dense.weight.astype(dtype)
+    emb = nn.QuantizedEmbedding.from_embedding(dense, group_size, bits, mode=mode)
+    if mode == "affine":
+        emb.update({"weight": _table(mx.uint32, 50, 128 * bits // 32)})
+    return emb
+
+
+@pytest.mark.parametrize("bits,group_size,mode,dtype", [
+    (4, 64, "affine", mx.float32), (8, 32, "affine", mx.float32), (4, 32, "affine", mx.float32),
+    (8, 64, "affine", mx.float32), (4, 64, "affine", mx.bfloat16), (8, 32, "affine", mx.bfloat16),
+    (4, 32, "mxfp4", mx.bfloat16), (8, 32, "mxfp8", mx.bfloat16), (4, 16, "nvfp4", mx.bfloat16),
+])
+def test_quantized_embedding_equals_the_module(bits, group_size, mode, dtype):
+    emb = _quantized(bits, group_size, mode, dtype)
     tokens = mx.array([[4, 49, 0, 4], [7, 7, 1, 30]])
     out, theirs = embed(emb, tokens), emb(tokens)
     if native():  # the graphs before they are evaluated
-        assert "Gather" not in _primitives(out) and "TakeRows" in _primitives(out)
-        assert "Gather" in _primitives(theirs)  # the check can see one
+        ours, module = _primitives(out), _primitives(theirs)
+        rows = 2 if emb.get("biases") is None else 3
+        # Each row gather of the module is a TakeRows; the fp4 modes' dequantize
+        # gathers from its own table of values (on the CPU), the affine mode none.
+        assert _count(ours, "TakeRows") == rows
+        assert _count(ours, "Gather") == _count(module, "Gather") - rows
+        assert mode != "affine" or _count(ours, "Gather") == 0
     assert _same(out, theirs)
 
 
@@ -147,3 +195,21 @@ def test_a_gpu_kernel_that_fails_its_check_leaves_the_gather(monkeypatch, fresh_
     gpu_rows_check.cache_clear()
     Broken.take_rows = staticmethod(lambda table, ids, stream=None: _ext.take_rows(table, ids))
     assert native(mx.Device(mx.gpu))  # a kernel that agrees passes
+
+
+def test_a_gpu_kernel_that_raises_leaves_the_gather(monkeypatch, fresh_check):
+    class Missing:
+        """A build whose fatbin lacks the kernel."""
+
+        has_gpu_take_rows = staticmethod(lambda: True)
+
+        @staticmethod
+        def take_rows(table, ids, stream=None):
+            if stream == mx.gpu:
+                raise RuntimeError("kernel fcce_take_rows: named symbol not found")
+            return _ext.take_rows(table, ids)
+
+    monkeypatch.setattr(embedding, "_ext", Missing)
+    with pytest.warns(RuntimeWarning, match="kernel failed \\(kernel fcce_take_rows: named symbol not found\\); "
+                                            "embeddings use MLX's gather"):
+        assert not native(mx.Device(mx.gpu))

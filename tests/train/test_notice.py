@@ -50,7 +50,8 @@ def test_the_trainer_says_when_its_first_step_is_slow(setup, monkeypatch):
           TrainingArgs(batch_size=2, iters=3, steps_per_eval=0, val_batches=1, progress=False,
                        steps_per_report=100), ObjectiveConfig(), value_and_grad=slow_value_and_grad,
           log=lines.append)
-    slow = [line for line in lines if "still running" in line]
+    # The first validation may be slow too on a loaded machine; no later step speaks.
+    slow = [line for line in lines if "still running" in line and not line.startswith("The first validation")]
     assert len(slow) == 1 and slow[0].startswith("The first step is still running")
     assert sum(line.startswith("The first step took") for line in lines) == 1
 

@@ -15,7 +15,8 @@ from flash_cce.stack.plan import StackConfig
 from flash_cce.train import settings, warmup
 from flash_cce.train.cli import build_parser
 from flash_cce.train.runner import run_train, train_settings
-from flash_cce.train.warmup import ONE_STEP, Warmup, publish, wanted
+from flash_cce.train.warmup import Warmup, publish, wanted
+from flash_cce.train.warmup_step import ONE_STEP
 from test_trainer import tiny_setup
 
 
@@ -195,7 +196,7 @@ def test_scratch_of_runs_that_are_gone_is_swept(cache):
 
 
 def test_the_helper_dies_with_its_run():
-    code = "import os, sys; from flash_cce.train.warmup import die_with; die_with({}); print('alive')"
+    code = "import os, sys; from flash_cce.train.warmup_step import die_with; die_with({}); print('alive')"
     ok = subprocess.run([sys.executable, "-c", code.format(os.getpid())], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip() == "alive"
     orphan = subprocess.run([sys.executable, "-c", code.format(1)], capture_output=True, text=True)

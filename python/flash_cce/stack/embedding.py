@@ -30,24 +30,37 @@ def native(device=None):
 
 @functools.cache
 def gpu_rows_check():
-    """Whether the GPU's rows equal the CPU's to the byte, for rows copied 16,
-    4, 2 and 1 bytes at a time, an unaligned table and ids out of range."""
-    ids = mx.array([[6, 0, 7], [-1, 3, 3]])
-    flat = mx.arange(7 * 8 + 1, dtype=mx.uint32)
-    tables = [flat[:-1].reshape(7, 8), flat[1:].reshape(7, 8)]  # 32-byte rows, aligned or not
-    tables += [mx.arange(21, dtype=mx.float32).astype(t).reshape(7, 3) for t in (mx.float32, mx.bfloat16, mx.uint8)]
-    same = all(np.array_equal(np.array(_ext.take_rows(t, ids, stream=mx.gpu).view(mx.uint8)),
-                              np.array(_ext.take_rows(t, ids, stream=mx.cpu).view(mx.uint8)))
-               for t in tables)
+    """Whether the GPU's rows equal the CPU's to the byte: rows copied 16, 4, 2
+    and 1 bytes at a time, short rows and rows longer than a warp's stride,
+    blocks of rows after the first, an unaligned table, ids out of range. A
+    kernel that fails or raises leaves the gather (with a warning)."""
+    ids = mx.array([[6, 0, 7, 2, 5, 1, 4, 3, 6, 6, 0], [-1, 3, 3, 1, 2, 9, 5, 0, 4, 2, 1]])
+    tables = []
+    for width in (8, 200):  # 32- and 800-byte rows, aligned or not
+        flat = mx.arange(7 * width + 1, dtype=mx.uint32)
+        tables += [flat[:-1].reshape(7, width), flat[1:].reshape(7, width)]
+    tables += [mx.arange(7 * w, dtype=mx.float32).astype(t).reshape(7, w)
+               for t in (mx.float32, mx.bfloat16, mx.uint8) for w in (3, 67)]
+    try:
+        same = all(np.array_equal(np.array(_ext.take_rows(t, ids, stream=mx.gpu).view(mx.uint8)),
+                                  np.array(_ext.take_rows(t, ids, stream=mx.cpu).view(mx.uint8)))
+                   for t in tables)
+    except RuntimeError as e:
+        same, why = False, f"failed ({e})"
+    else:
+        why = "copied rows differently from the CPU's"
     if not same:
-        warnings.warn("flash_cce: the CUDA take_rows kernel copied rows differently from the CPU's; "
-                      "embeddings use MLX's gather", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"flash_cce: the CUDA take_rows kernel {why}; embeddings use MLX's gather",
+                      RuntimeWarning, stacklevel=2)
     return same
 
 
 def take_rows(table, ids):
-    """`table[ids]` for a 2-D `table` and integer `ids` of any shape; its
-    gradient for `table` adds each cotangent row at its id."""
+    """`table[ids]` for a 2-D `table` [rows, width] and integer `ids` of any
+    shape: shape `ids.shape + (width,)`, `table`'s dtype. Where the kernels run
+    (`native`), an id outside [0, rows) gives a zero row and no gradient;
+    elsewhere it is MLX's gather, which leaves such ids undefined. The gradient
+    for `table` adds each cotangent row at its id."""
     if not native():
         return table[ids]
 
@@ -57,8 +70,11 @@ def take_rows(table, ids):
 
     @rows.vjp
     def rows_vjp(primals, cotangent, output):
-        flat = cotangent.reshape(-1, table.shape[1])
-        return mx.zeros(table.shape, cotangent.dtype).at[ids.reshape(-1)].add(flat)
+        # A scatter's ids out of range are undefined: send those rows' zeros to row 0.
+        inside = ((ids >= 0) & (ids < table.shape[0])).reshape(-1)
+        flat = mx.where(inside[:, None], cotangent.reshape(-1, table.shape[1]), 0)
+        at = mx.where(inside, ids.reshape(-1), 0)
+        return mx.zeros(table.shape, cotangent.dtype).at[at].add(flat)
 
     return rows(table)
 
@@ -66,7 +82,8 @@ def take_rows(table, ids):
 def embed(module, tokens):
     """`module(tokens)` for an embedding module of mlx-lm's models, its rows
     taken by `take_rows` where the module is MLX's `Embedding` or
-    `QuantizedEmbedding` (subclasses may compute otherwise: they call it)."""
+    `QuantizedEmbedding` (any mode: the module's own dequantize call, on the
+    rows); subclasses may compute otherwise, so they call themselves."""
     if type(module) is nn.Embedding:
         return take_rows(module.weight, tokens)
     if type(module) is nn.QuantizedEmbedding:

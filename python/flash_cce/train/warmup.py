@@ -23,11 +23,9 @@ runs its step on the first batch: kernels of a prompt layout that batch does
 not have (`prefix`) are built by the run when it meets one.
 """
 
-import ctypes
 import hashlib
 import json
 import os
-import signal
 import shutil
 import subprocess
 import sys
@@ -46,13 +44,6 @@ SHAPING = ("model", "fine_tune_type", "num_layers", "lora_parameters", "quantize
 # more at model B 8k), and a margin.
 ROOM = 1.25
 GB = 1e9  # as the trainer reports memory
-
-# The helper's own settings over the run's: one step, nothing else.
-ONE_STEP = dict(resume=None, init_adapters=None, iters=1, warmup=0, lr_schedule="constant",
-                val_batches=0, steps_per_eval=0, save_every=0, test=False,
-                precompute_ref_log_probs=False, progress=False, gpu_capture=None,
-                compiled_layers=True)
-
 
 def kernel_cache():
     """MLX's CUDA kernel cache, as MLX picks it."""
@@ -131,18 +122,6 @@ def sweep(parent):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def die_with(parent):
-    """Asks Linux to kill this process when `parent` (its parent's pid) ends;
-    ends now if it already has. Elsewhere nothing (CUDA runs on Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 class Warmup:
     """A run's helper (see the module). `start()` (entering it): looks for the
     marker; `after_step(record)` (the trainer's `on_step`): after the first
@@ -190,7 +169,7 @@ class Warmup:
             self.scratch = Path(tempfile.mkdtemp(prefix=f"warmup-{os.getpid()}-", dir=parent))
             spec = self.scratch / "settings.json"
             spec.write_text(json.dumps(self.cfg, default=str))
-            command = self.command or [sys.executable, "-m", "flash_cce.train.warmup", str(spec),
+            command = self.command or [sys.executable, "-m", "flash_cce.train.warmup_step", str(spec),
                                        str(os.getpid())]
             env = dict(os.environ, MLX_PTX_CACHE_DIR=str(self.scratch / "ptx"))
             with open(self.scratch / "warmup.log", "w") as out:
@@ -258,20 +237,3 @@ class Warmup:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def main(argv=None):
-    """The helper: one training step of the settings in the JSON file argv[0],
-    with the compiled layers, in a run directory beside that file, writing no
-    checkpoint; it ends with the run whose pid is argv[1]."""
-    from .runner import run_train
-
-    argv = sys.argv[1:] if argv is None else argv
-    die_with(int(argv[1]))
-    spec = Path(argv[0])
-    cfg = dict(json.loads(spec.read_text()), run_dir=str(spec.parent / "run"), **ONE_STEP)
-    run_train(cfg, hint=False, checkpoints=False)
-
-
-if __name__ == "__main__":
-    main()
