@@ -7,8 +7,8 @@ the lengths whose steps take the compiled layers by default
 (`plan.COMPILED_FROM_TOKENS`) a model's first step would take a minute or more.
 MLX keeps what it builds in a cache on disk (`MLX_PTX_CACHE_DIR`, by default
 under the temporary directory) that later processes read. So a run whose
-settings leave the choice to the default starts this module on its own
-settings, once its first step (uncompiled) has shown how much GPU memory a step
+settings leave the choice to the default starts a helper (`warmup_step`) on its
+own settings, once its first step (uncompiled) has shown how much GPU memory a step
 takes and if that much is free: one training step with the compiled layers on,
 in a scratch run directory, its kernels written to a private cache directory.
 Meanwhile the run's steps take the layers uncompiled
@@ -44,6 +44,7 @@ SHAPING = ("model", "fine_tune_type", "num_layers", "lora_parameters", "quantize
 # more at model B 8k), and a margin.
 ROOM = 1.25
 GB = 1e9  # as the trainer reports memory
+
 
 def kernel_cache():
     """MLX's CUDA kernel cache, as MLX picks it."""
