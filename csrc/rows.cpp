@@ -27,6 +27,13 @@ mx::array int32_ids(const mx::array& ids, int64_t rows, mx::Stream s) {
   return mx::astype(ids, mx::int32, s);
 }
 
+// ids.shape + (width,): the rows in the order of the ids.
+mx::Shape rows_shape(const mx::array& table, const mx::array& ids) {
+  auto shape = ids.shape();
+  shape.push_back(table.shape(1));
+  return shape;
+}
+
 } // namespace
 
 mx::array take_rows(const mx::array& table, const mx::array& ids, mx::StreamOrDevice s) {
@@ -38,17 +45,13 @@ mx::array take_rows(const mx::array& table, const mx::array& ids, mx::StreamOrDe
     throw std::invalid_argument("[flash_cce.take_rows] ids must be integers");
   }
   auto stream = mx::to_stream(s);
-  auto shape = ids.shape();
-  shape.push_back(table.shape(1));
-  return mx::array(std::move(shape), table.dtype(), std::make_shared<TakeRows>(stream),
+  return mx::array(rows_shape(table, ids), table.dtype(), std::make_shared<TakeRows>(stream),
                    {mx::contiguous(table, false, stream),
                     mx::contiguous(int32_ids(ids, table.shape(0), stream), false, stream)});
 }
 
 std::vector<mx::Shape> TakeRows::output_shapes(const std::vector<mx::array>& inputs) {
-  auto shape = inputs[1].shape();
-  shape.push_back(inputs[0].shape(1));
-  return {shape};
+  return {rows_shape(inputs[0], inputs[1])};
 }
 
 void TakeRows::eval_cpu(const std::vector<mx::array>& inputs,

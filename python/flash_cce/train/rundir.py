@@ -71,7 +71,8 @@ def check_writable(run_dir):
         raise RunDirError(f"run_dir: {str(run_dir)!r} {what} ({e.strerror})") from None
 
 
-def _pid_alive(pid):
+def pid_alive(pid):
+    """Whether process `pid` of this machine exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -91,7 +92,7 @@ def lock_owner(run_dir, name=LOCK):
         return None
     except (ValueError, KeyError, TypeError, OSError):
         return (None, None, False)  # unreadable: left by a process killed while writing it
-    alive = _pid_alive(pid) if host == socket.gethostname() else True
+    alive = pid_alive(pid) if host == socket.gethostname() else True
     return pid, host, alive
 
 

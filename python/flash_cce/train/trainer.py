@@ -234,9 +234,8 @@ def train(model, optimizer, train_pairs, val_pairs, args, objective=None, run_di
     evaluation and `on_step(record)` each step's record. `should_stop()` is
     asked after each step: when true, a checkpoint is written and `Interrupted`
     raised. `gpu_capture` is a Metal trace file that records this session's
-    first step. `controller` (a `controller.Controller`)
-    sets the objective's preference weight each step. Returns the last
-    evaluation record (or None).
+    first step. `controller` (a `controller.Controller`) sets the objective's
+    preference weight each step. Returns the last evaluation record (or None).
     """
     args.validate()
     objective = objective or ObjectiveConfig()

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .rundir import pid_alive
+
 # The settings the compiled layers' kernels depend on: the layers' graph and
 # dtypes (the model, its quantization and adapters) and how the stack lays out
 # and runs a step.
@@ -104,22 +106,12 @@ def publish(private, cache):
     return sum(f.suffix == ".ptx" for f in files)
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep(parent):
     """Removes the scratch directories of runs that are gone (killed before they
     could remove them; their helpers died with them)."""
     for d in parent.glob("warmup-*"):
         pid = d.name.split("-")[1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -130,13 +122,14 @@ class Warmup:
     layers may run (asked at each new step shape: it notices the helper's end,
     publishes its kernels and says so in one line); `close()`: stops a helper
     still running and removes its scratch directory. `command`: the helper's
-    command line (tests), by default this module on the settings."""
+    command line (tests), by default `warmup_step` on the settings."""
 
     def __init__(self, cfg, log, command=None, largest_tokens=None):
         # largest_tokens: tokens of the run's largest micro-batch (None: as its first).
         self.cfg, self.log, self.command, self.largest = cfg, log, command, largest_tokens
         self.cache = kernel_cache()
-        self.marker = self.cache / "flash-cce" / f"{key(cfg)}.done"
+        self.home = self.cache / "flash-cce"  # markers and scratch directories
+        self.marker = self.home / f"{key(cfg)}.done"
         self.proc = self.scratch = None
         self.state, self.tic = "idle", 0.0
 
@@ -164,10 +157,9 @@ class Warmup:
         """Starts the helper; where it cannot start (a cache that cannot be
         written, no process), the run compiles the layers itself."""
         try:
-            parent = self.cache / "flash-cce"
-            parent.mkdir(parents=True, exist_ok=True)
-            sweep(parent)
-            self.scratch = Path(tempfile.mkdtemp(prefix=f"warmup-{os.getpid()}-", dir=parent))
+            self.home.mkdir(parents=True, exist_ok=True)
+            sweep(self.home)
+            self.scratch = Path(tempfile.mkdtemp(prefix=f"warmup-{os.getpid()}-", dir=self.home))
             spec = self.scratch / "settings.json"
             spec.write_text(json.dumps(self.cfg, default=str))
             command = self.command or [sys.executable, "-m", "flash_cce.train.warmup_step", str(spec),
@@ -200,12 +192,12 @@ class Warmup:
         # Whatever happened, the compiled layers run from now on: built by the
         # helper, or else by the run itself as without one.
         took = time.perf_counter() - self.tic
-        self.state = "ready"
         if code != 0:
-            self.state = "failed"
+            self.state = "failed"  # ready, keeping the helper's log
             self.log(f"Compiled layers: the second process failed (exit code {code}; its output: "
                      f"{self._keep_log()}); the run builds their kernels itself")
             return
+        self.state = "ready"
         try:
             if publish(self.scratch / "ptx", self.cache):
                 self.marker.touch()
