@@ -264,6 +264,7 @@ class ChunkPasses {
     ds_.m_tiles = m_tiles_;
     ds_.ignore_index = p.cfg.ignore_index;
     ds_.cap = p.cfg.softcap;
+    ds_.gap = ct == mx::float16 ? kMaxRefGapF16 : kMaxRefGap;
 
     dh_.ds = dense(ds_.ds, ct, M_, 0, chunk_, ct);
     dh_.w = weight(p, ct);
@@ -395,6 +396,13 @@ class ChunkPasses {
 // the sums rescaled then. A chunk whose logits outrun their reference by more
 // than kMaxRefGap raises a flag, and a second pass, which does nothing unless
 // the flag is set, redoes the chunks against the exact row maxima.
+//
+// fp16 P holds only e^-17 to e^11 around its reference, too little for the
+// cap as reference or for a flag one per row block: fp16 heads always take the
+// running reference, and each chunk has a flag of its own. A chunk that sets
+// its flag raises its rows' reference to their maxima in that chunk and runs
+// its P kernel again (both launches exit at once unless the flag is set)
+// before its P @ W, so only that chunk is computed twice.
 void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::array>& inputs,
                    std::vector<mx::array>& outputs) {
   auto& enc = mx::cu::get_command_encoder(s);
@@ -402,7 +410,10 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
   const int64_t H = p.H, block = row_block(plan, p.M), chunk = backward_chunk(plan, block, p.V);
   const bool wg = use_wgmma(s, p);
   const int64_t tiles = cdiv(chunk, stats_tile_width(wg, wg && use_rs(p)));
-  const bool fixed = p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
+  const bool per_chunk = compute_dtype(p) == mx::float16;
+  const bool fixed = !per_chunk && p.cfg.softcap > 0.0f && p.cfg.softcap <= kMaxFixedCap;
+  const int chunks = static_cast<int>(cdiv(p.V, chunk));
+  auto chunk_flags = per_chunk ? scratch(enc, {chunks}, mx::int32) : mx::array(0);
   auto buf = scratch(enc, {static_cast<int>(block), static_cast<int>(chunk)}, compute_dtype(p));
   // Per row block: part_sum[tiles, rows], run_sum[rows], target_logit[rows];
   // running reference only: part_max[tiles, rows], three rotating ref[rows]
@@ -445,6 +456,11 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
     if (gather) {
       gather_targets(enc, passes.launch(), pr, inputs, sums, target_logit);
     }
+    if (per_chunk) {
+      ZeroParams z{mx::gpu_ptr<int32_t>(chunk_flags), chunks};
+      enc.set_output_array(chunk_flags);
+      passes.launch()("fcce_zero", 1, 0, z);
+    }
     auto& ds = passes.ds();
     auto& dh = passes.dh();
     ds.part_sum = part_sum;
@@ -462,12 +478,31 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
       dh.ref_cur = ref[k % 3];
       dh.ref_next = ref[(k + 1) % 3];
       dh.sum_tiles = static_cast<int>(passes.tiles(width));
-      passes.first(v0, width, {sums});
+      if (per_chunk) {
+        int32_t* own = mx::gpu_ptr<int32_t>(chunk_flags) + k;
+        ds.flag = own;
+        passes.first(v0, width, {sums, chunk_flags});
+        RowMaxParams rp{};
+        rp.part_max = part_max;
+        rp.ref = ref[k % 3];
+        rp.guard = own;
+        rp.raise = 1;
+        rp.M = M;
+        rp.splits = dh.sum_tiles;
+        enc.set_input_array(chunk_flags);
+        enc.set_output_array(sums);
+        passes.launch()("fcce_row_max", cdiv(M, kThreads), 0, rp);
+        ds.guard = own;
+        passes.first(v0, width, {sums, chunk_flags});
+        ds.guard = nullptr;
+      } else {
+        passes.first(v0, width, {sums});
+      }
       passes.second(v0, width, {sums});
     }
     const float* last_ref = ref[(k + 2) % 3];
     const float* exact = ref[k % 3];
-    if (!fixed) {
+    if (!fixed && !per_chunk) {
       ds.ref = exact;
       ds.part_max = nullptr;
       ds.guard = flag;
@@ -488,7 +523,7 @@ void forward_fused(mx::Stream s, const HeadProblem& p, const std::vector<mx::arr
     fp.targets = pr.targets;
     fp.ref = last_ref;
     fp.ref_exact = exact;
-    fp.flag = flag;
+    fp.flag = per_chunk ? nullptr : flag;
     fp.logp = mx::gpu_ptr<float>(outputs[0]) + r0;
     fp.lse = mx::gpu_ptr<float>(outputs[1]) + r0;
     fp.gsum = mx::gpu_ptr<float>(outputs[2]) + r0 * H;

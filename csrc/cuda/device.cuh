@@ -652,7 +652,7 @@ __device__ __forceinline__ void put_row_stats(const DsParams& p, int vt, int64_t
   p.part_sum[int64_t(vt) * p.M + gm] = sum;
   if (p.part_max) {
     p.part_max[int64_t(vt) * p.M + gm] = tmax;
-    if (tmax - row_ref(p, gm) > kMaxRefGap) {
+    if (tmax - row_ref(p, gm) > p.gap) {
       *p.flag = 1;
     }
   }

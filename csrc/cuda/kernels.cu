@@ -48,7 +48,7 @@ extern "C" __global__ void fcce_combine(CombineParams p) {
 // that it holds sum_v softmax_v dcap_v W_v.
 extern "C" __global__ void fcce_finish(FinishParams p) {
   const int64_t m = blockIdx.x;
-  const float ref = !p.ref ? p.cap : *p.flag ? p.ref_exact[m] : p.ref[m];
+  const float ref = !p.ref ? p.cap : (p.flag && *p.flag) ? p.ref_exact[m] : p.ref[m];
   const float lse = ref + logf(p.run_sum[m]);
   if (threadIdx.x == 0) {
     p.lse[m] = lse;
@@ -102,14 +102,17 @@ extern "C" __global__ void fcce_fused_dh(FusedDhParams p) {
 }
 
 extern "C" __global__ void fcce_row_max(RowMaxParams p) {
+  if (p.guard && *p.guard == 0) {
+    return;
+  }
   const int64_t m = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (m == 0) {
+  if (m == 0 && p.flag) {
     *p.flag = 0;
   }
   if (m >= p.M) {
     return;
   }
-  float mx = -INFINITY;
+  float mx = p.raise ? p.ref[m] : -INFINITY;
   for (int s = 0; s < p.splits; ++s) {
     mx = fmaxf(mx, p.part_max[int64_t(s) * p.M + m]);
   }

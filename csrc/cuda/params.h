@@ -74,8 +74,8 @@ struct CombineParams {
 // is null), the per-tile row sums of exp(s - r) to part_sum[tile, M], the
 // target logits (unless target_logit is null: a gather pass has them, as it
 // always has for the 4/8-bit kernel), and with part_max set the per-tile row
-// maxima of s (flag = 1 where one exceeds r by more than kMaxRefGap); lse, g
-// and g_lse are unused.
+// maxima of s (flag = 1 where one exceeds r by more than gap); lse, g and
+// g_lse are unused.
 // The ds_ent kernels add the entropy's share of dS, -g_ent p (s - (lse - entropy)) dcap.
 // A kernel whose guard is set and reads 0 does nothing.
 struct DsParams {
@@ -96,7 +96,7 @@ struct DsParams {
   int64_t M, V, H, v0, width, ld_ds;
   int32_t m_tiles, ignore_index;
   float cap;
-  int32_t pad_;
+  float gap; // the fused forward's largest s - r that P holds
 };
 
 // Softcaps up to this use the cap as the fixed row reference: the weights
@@ -106,6 +106,9 @@ constexpr float kMaxFixedCap = 40.0f;
 // exp(s - r) stays below e^64 in P (bf16 holds up to ~e^88, and the fp32 sums
 // over a chunk keep the headroom).
 constexpr float kMaxRefGap = 64.0f;
+
+// The same for fp16 P, whose largest value is 65504 (e^11.09): e^11 = 59874.
+constexpr float kMaxRefGapF16 = 11.0f;
 
 // The running reference moves up only when a chunk's row maximum passes it by
 // more than this (the weights then stay below e^16): a row whose reference
@@ -147,8 +150,8 @@ struct TargetParams {
 
 // End of the fused forward: lse = r + log(run_sum), logp, and the gradient
 // state gsum[M, H] rescaled from exp(s - r) to softmax weights; r = cap when
-// ref is null, else ref[m], or ref_exact[m] when the flag is set (the pass
-// was redone against the exact row maxima).
+// ref is null, else ref[m], or ref_exact[m] when there is a flag and it is
+// set (the pass was redone against the exact row maxima).
 struct FinishParams {
   const float* run_sum;
   const float* target_logit;
@@ -164,13 +167,16 @@ struct FinishParams {
   int32_t ignore_index;
 };
 
-// ref[m] = max over splits of part_max[split, m]; block 0 clears the flag.
+// ref[m] = max over splits of part_max[split, m] (with raise: and of ref[m]
+// itself); block 0 clears the flag when there is one. A launch whose guard is
+// set and reads 0 does nothing.
 struct RowMaxParams {
   const float* part_max;
   float* ref;
   int32_t* flag;
+  const int32_t* guard;
   int64_t M;
-  int32_t splits, pad_;
+  int32_t splits, raise;
 };
 
 // dW[v0 : v0 + width] = dS^T @ h, written in out_kind.

@@ -229,9 +229,11 @@ def h_grad(hid, w, y, g, g_lse, softcap, stream, fused, scales=None, biases=None
 @pytest.mark.parametrize("softcap", [None, 30.0, 50.0])
 def test_fused_forward_gradient(shape, dtype, softcap, chunks):
     """The fused GPU forward (P = exp(s - r) dcap accumulated against W chunk
-    by chunk; r = the cap for caps <= 40, else a running row maximum) against
-    the CPU kernels and against the GPU's three-GEMM path
-    (fused_backward=False). fp16 heads take the three-GEMM path either way."""
+    by chunk; r = the cap for bf16 heads with caps <= 40, else a running row
+    maximum) against the CPU kernels and against the GPU's three-GEMM path
+    (fused_backward=False). fp16 P (fp16 heads) adds its rounding, 2^-11
+    relative, like fp16 dS on the three-GEMM path, and loses weights below
+    e^-16.6 of the row's largest, under 6e-8 each: inside BWD_RTOL."""
     m, h, v = shape
     hid, w, y = make(m, h, v, dtype, seed=m + v, ignore=3)
     g = mx.random.normal((m,), key=mx.random.key(1))
@@ -247,25 +249,28 @@ def test_fused_forward_gradient(shape, dtype, softcap, chunks):
         np.testing.assert_allclose(np.array(a), np.array(r_lse), atol=FWD_ATOL, rtol=0)
     assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
     assert rel_err(p_dh, r_dh) < BWD_RTOL[dtype]
+    if dtype != mx.float32:  # two paths, two roundings: the fused one ran
+        assert not np.array_equal(np.array(dh.astype(mx.float32)), np.array(p_dh.astype(mx.float32)))
 
 
 @pytest.mark.parametrize("bits", [4, 8, 3])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("m", [90, 91])  # odd: the last row's reference loads alone
-def test_fused_forward_gradient_quantized(bits, softcap, m, chunks):
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_fused_forward_gradient_quantized(bits, softcap, m, dtype, chunks):
     h, v, gs = 256, 1100, 64
-    hid, w, y = make(m, h, v, mx.bfloat16, seed=bits, ignore=2)
+    hid, w, y = make(m, h, v, dtype, seed=bits, ignore=2)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     g = mx.random.normal((m,), key=mx.random.key(4))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(5))
     logp, lse, dh = h_grad(hid, wq, y, g, g_lse, softcap, mx.gpu, True, scales, biases, gs,
                            tuning=chunks)
     w_dense = mx.dequantize(wq, scales, biases, group_size=gs, bits=bits)
-    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w_dense, mx.bfloat16),
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, dtype), rounded(w_dense, dtype),
                                  y, g, g_lse, softcap, mx.cpu, True)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
-    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -354,45 +359,49 @@ def test_split_tiles_rescale(bits, softcap):
     check_split_tiles(hid, w, y, bits, True, softcap, 1024)
 
 
-def test_fused_forward_extreme_logits():
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_fused_forward_extreme_logits(dtype):
     """Rows whose logits all sit near -cap (the smallest exp(s - cap) the
-    fused path keeps, ~e^-60) and rows with one logit near +cap: lse and the
-    gradient stay finite and match the CPU."""
+    bf16 fused path keeps, ~e^-60; fp16 P takes a running reference) and rows
+    with one logit near +cap: lse and the gradient stay finite and match the
+    CPU."""
     m, h, v = 64, 64, 700
-    _, w, y = make(m, h, v, mx.bfloat16, seed=21)
+    _, w, y = make(m, h, v, dtype, seed=21)
     w = -mx.abs(w)
     w[0, :32] = mx.abs(w[0, :32])
     hid = mx.zeros((m, h))
     hid[:32, :32] = 10.0  # s_0 ~ +80, the rest ~ -80 before the softcap
     hid[32:, 32:] = 10.0  # every logit ~ -80
-    hid = hid.astype(mx.bfloat16)
+    hid = hid.astype(dtype)
     g = mx.ones((m,))
     logp, lse, dh = h_grad(hid, w, y, g, mx.zeros((m,)), 30.0, mx.gpu, True)
-    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y, g,
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, dtype), rounded(w, dtype), y, g,
                                  mx.zeros((m,)), 30.0, mx.cpu, True)
     assert float(r_lse[40]) < -20.0 and float(r_lse[0]) > 20.0  # the regime under test
     assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=FWD_ATOL, rtol=0)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=FWD_ATOL, rtol=0)
-    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
 
 
 @pytest.mark.parametrize("late", [40.0, 200.0])
-def test_fused_forward_running_reference(late, chunks):
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_fused_forward_running_reference(late, dtype, chunks):
     """No softcap: the first chunk's logits are small and a later column's are
-    `late` larger. 40 stays within the running reference's headroom; 200
+    `late` larger. bf16: 40 stays within the running reference's headroom; 200
     outruns it, which must send the forward through its exact second pass.
-    Both must match the CPU kernels."""
+    fp16 (headroom e^11): both outrun it, and the chunk holding column 900 must
+    raise its rows' reference and run again. All must match the CPU kernels."""
     m, h, v = 96, 64, 1300
-    hid, w, y = make(m, h, v, mx.bfloat16, seed=31)
+    hid, w, y = make(m, h, v, dtype, seed=31)
     hid = mx.abs(hid)
     w = 0.01 * mx.abs(w)  # every logit ~ +0.2
     w[900] = late / (0.8 * h) * mx.ones((h,))  # logit ~ late on column 900
-    w = w.astype(mx.bfloat16)
+    w = w.astype(dtype)
     g = mx.random.normal((m,), key=mx.random.key(7))
     g_lse = 0.1 * mx.random.normal((m,), key=mx.random.key(8))
     logp, lse, dh = h_grad(hid, w, y, g, g_lse, None, mx.gpu, True, tuning=chunks)
-    r_logp, r_lse, r_dh = h_grad(rounded(hid, mx.bfloat16), rounded(w, mx.bfloat16), y, g,
+    r_logp, r_lse, r_dh = h_grad(rounded(hid, dtype), rounded(w, dtype), y, g,
                                  g_lse, None, mx.cpu, True)
     assert float(r_lse.max()) > late / 2  # the regime under test
     # Logits of size `late`: fp32 sums of 64 exact products in other orders
@@ -401,7 +410,7 @@ def test_fused_forward_running_reference(late, chunks):
     np.testing.assert_allclose(np.array(lse), np.array(r_lse), atol=atol, rtol=0)
     np.testing.assert_allclose(np.array(logp), np.array(r_logp), atol=atol, rtol=0)
     assert np.all(np.isfinite(np.array(dh.astype(mx.float32))))
-    assert rel_err(dh, r_dh) < BWD_RTOL[mx.bfloat16]
+    assert rel_err(dh, r_dh) < BWD_RTOL[dtype]
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
