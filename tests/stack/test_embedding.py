@@ -164,6 +164,31 @@ def test_embedding_equals_the_module_and_other_modules_call_themselves():
     assert _same(embed(scaled, tokens), scaled(tokens))
 
 
+def test_routed_embeddings_send_module_calls_to_take_rows():
+    """Inside the context, calls of exactly `Embedding` and `QuantizedEmbedding`
+    (as mlx-lm's model code makes them, e.g. Gemma 4's per-layer embeddings)
+    take their rows by `take_rows` with the module's result; subclasses and
+    everything after the context compute as MLX defines them."""
+    tokens = mx.array([[4, 49, 0], [7, 7, 1]])
+    quantized = _quantized(4, 64, "affine", mx.bfloat16)
+    dense = nn.Embedding(50, 16)
+
+    class Scaled(nn.Embedding):
+        def __call__(self, x):
+            return super().__call__(x) * 2
+
+    scaled = Scaled(50, 16)
+    before = [m(tokens) for m in (quantized, dense, scaled)]
+    with embedding.routed_embeddings():
+        inside = [m(tokens) for m in (quantized, dense, scaled)]
+    after = [m(tokens) for m in (quantized, dense, scaled)]
+    if native():  # the graphs before they are evaluated
+        assert [_count(_primitives(a), "TakeRows") for a in inside] == [3, 1, 0]
+        assert [_count(_primitives(a), "TakeRows") for a in after] == [0, 0, 0]
+    for b, i, a in zip(before, inside, after):
+        assert _same(i, b) and _same(a, b)
+
+
 def test_the_gpu_kernel_passes_its_check():
     if mx.default_device() != mx.gpu or not _ext.has_gpu_take_rows():
         pytest.skip("needs a GPU with the extension's CUDA kernels (the suite's GPU run)")

@@ -68,15 +68,20 @@ def test_bfloat16_dequantized_linear_error():
     assert _rel(g, g_true) <= 2**-7
 
 
-def test_few_rows_keep_quantized_matmul(monkeypatch):
+@pytest.mark.parametrize("cuda", [False, True])
+def test_few_rows_keep_quantized_matmul(monkeypatch, cuda):
+    """Below the threshold MLX's quantized matmul runs; on CUDA the threshold
+    is the rows its compiled matrix-vector kernel takes."""
+    monkeypatch.setattr(layers, "on_cuda", lambda: cuda)
+    rows = layers.CUDA_DENSE_FROM_ROWS if cuda else DENSE_FROM_ROWS
     layer = _quantized(256, 96, 4, 64)
     calls = []
     real = layers.dequantized_linear
     monkeypatch.setattr(layers, "dequantized_linear", lambda *a: calls.append(1) or real(*a))
     with training_layers():
-        layer(mx.zeros((DENSE_FROM_ROWS - 1, 256)))
+        layer(mx.zeros((rows - 1, 256)))
         assert not calls
-        layer(mx.zeros((DENSE_FROM_ROWS, 256)))
+        layer(mx.zeros((rows, 256)))
         assert calls
 
 

@@ -7,7 +7,9 @@ rows with a kernel the extension ships compiled (and on the CPU with its own
 loop); on a Metal GPU it is MLX's gather. Before a process first uses the GPU
 kernel it checks it against the CPU's on every copy width it has, and takes
 MLX's gather (with a warning) if they differ. `embed` calls it for mlx-lm's
-embedding modules exactly as they call the gather.
+embedding modules exactly as they call the gather, and `routed_embeddings`
+sends every such module's call to `embed` (Gemma 4's per-layer embeddings are
+called inside mlx-lm's model code).
 """
 
 import functools
@@ -94,3 +96,26 @@ def embed(module, tokens):
             biases=None if biases is None else take_rows(biases, tokens),
             group_size=module.group_size, bits=module.bits, mode=module.mode)
     return module(tokens)
+
+
+def _routed_call(original, kind):
+    def __call__(module, tokens):
+        return embed(module, tokens) if type(module) is kind else original(module, tokens)
+
+    return __call__
+
+
+class routed_embeddings:
+    """Context manager: modules that are exactly MLX's `Embedding` or
+    `QuantizedEmbedding` look their rows up through `embed` while it is active,
+    wherever the model calls them; as MLX defines them after."""
+
+    def __enter__(self):
+        self.saved = (nn.Embedding.__call__, nn.QuantizedEmbedding.__call__)
+        nn.Embedding.__call__ = _routed_call(self.saved[0], nn.Embedding)
+        nn.QuantizedEmbedding.__call__ = _routed_call(self.saved[1], nn.QuantizedEmbedding)
+        return self
+
+    def __exit__(self, *exc):
+        nn.Embedding.__call__, nn.QuantizedEmbedding.__call__ = self.saved
+        return False

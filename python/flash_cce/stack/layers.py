@@ -2,12 +2,13 @@
 
 While `training_layers()` is active (see `stats.value_and_grad`):
 
-- A quantized layer (`nn.QuantizedLinear`) given at least `DENSE_FROM_ROWS` rows
-  dequantizes its weight to the activation dtype and runs a dense matmul. Over
-  thousands of rows the dequantization is a small fraction of the matmul, and
-  the dense GEMM runs far closer to the device's peak than MLX's quantized
-  matmul (`bench/bench_layers.py`, docs/stack.md). The gradient dequantizes again instead of keeping the dense weight, so the
-  step keeps only the packed weights, as before.
+- A quantized layer (`nn.QuantizedLinear`) given at least `dense_from_rows()`
+  rows dequantizes its weight to the activation dtype and runs a dense matmul.
+  Over thousands of rows the dequantization is a small fraction of the matmul,
+  and the dense GEMM runs far closer to the device's peak than MLX's quantized
+  matmul (`bench/bench_layers.py`, docs/stack.md). The gradient dequantizes
+  again instead of keeping the dense weight, so the step keeps only the packed
+  weights, as before.
 - LoRA adapters (`LoRALinear`) multiply in the activation dtype, as mixed
   precision training does: the adapter weights and their gradients stay in
   their own dtype (float32 from mlx-lm), but bfloat16 activations are no longer
@@ -23,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.tuner.lora import LoRALinear
 
 from . import fused
+from .plan import on_cuda
 
 _mlx_gelu_approx = nn.gelu_approx
 
@@ -30,6 +32,17 @@ _mlx_gelu_approx = nn.gelu_approx
 # quantized matmul: below it the dense path stops paying for its dequantization
 # (`bench/bench_layers.py`).
 DENSE_FROM_ROWS = 1024
+
+# On CUDA, MLX builds its quantized matrix-matrix kernels at run time, about
+# half a minute each the first time a machine runs them, and a step needs two
+# (the product and its input gradient). Its matrix-vector kernel, which takes
+# fewer than 8 rows, comes compiled.
+CUDA_DENSE_FROM_ROWS = 8
+
+
+def dense_from_rows():
+    """Rows from which a quantized layer takes the dense path on the default device."""
+    return CUDA_DENSE_FROM_ROWS if on_cuda() else DENSE_FROM_ROWS
 
 
 def _dense_weight(layer, dtype, after):
@@ -62,7 +75,7 @@ def dequantized_linear(layer, x):
 
 def _quantized_call(original):
     def __call__(self, x):
-        if x.size // max(x.shape[-1], 1) >= DENSE_FROM_ROWS:
+        if x.size // max(x.shape[-1], 1) >= dense_from_rows():
             return dequantized_linear(self, x)
         return original(self, x)
 

@@ -36,6 +36,7 @@ from ..ops import fused_stats
 from . import compiled
 from .attention import routed
 from .batch import Pair
+from .embedding import routed_embeddings
 from .layers import training_layers
 from .lm import LM
 from .plan import StackConfig, attention_block, group_plan, plan, sequences
@@ -81,7 +82,8 @@ class _Run(contextlib.ExitStack):
         super().__init__()
         config.validate()
         self.lm, self.config, self.scoring = LM(model), config, scoring
-        self.contexts = [routed(model, attention_block(config))] + ([training_layers()] if training else [])
+        self.contexts = [routed(model, attention_block(config)), routed_embeddings()]
+        self.contexts += [training_layers()] if training else []
         self.plans = {}
 
     def __enter__(self):
