@@ -154,3 +154,20 @@ def test_gelu_approx_is_mlx_s():
     assert nn.gelu_approx is layers._mlx_gelu_approx
     assert v1.item() == v0.item()
     assert _rel(g1, g0) <= 1e-6
+
+
+def test_quantized_layers_alone(monkeypatch):
+    """The forwards without gradient enter `quantized_layers`: the dense path
+    for quantized layers, mlx-lm's LoRA and MLX's gelu_approx as they are."""
+    layer = _quantized(256, 96, 4, 64)
+    calls = []
+    real = layers.dequantized_linear
+    monkeypatch.setattr(layers, "dequantized_linear", lambda *a: calls.append(1) or real(*a))
+    lora_call, gelu = LoRALinear.__call__, nn.gelu_approx
+    with layers.quantized_layers():
+        layer(mx.zeros((DENSE_FROM_ROWS, 256)))
+        assert calls and LoRALinear.__call__ is lora_call and nn.gelu_approx is gelu
+        assert not training_layers.active()
+    calls.clear()
+    layer(mx.zeros((DENSE_FROM_ROWS, 256)))
+    assert not calls

@@ -1,6 +1,7 @@
 """How mlx-lm's layers compute during a training step over many tokens.
 
-While `training_layers()` is active (see `stats.value_and_grad`):
+While `training_layers()` is active (see `stats.value_and_grad`; the stack's
+forwards without gradient enter `quantized_layers()`, the first point alone):
 
 - A quantized layer (`nn.QuantizedLinear`) given at least `dense_from_rows()`
   rows dequantizes its weight to the activation dtype and runs a dense matmul.
@@ -106,21 +107,37 @@ def _gelu_approx_vjp(x, g, out):  # one input, one output: arrays, not lists
     return mx.vjp(_mlx_gelu_approx, [x], [g])[1][0]
 
 
+class quantized_layers:
+    """Context manager: quantized linear layers compute as described in this
+    module while it is active (the stack's forwards without gradient too, so
+    that they compute the layers as its training steps do), and as MLX
+    defines them after."""
+
+    def __enter__(self):
+        self.saved = nn.QuantizedLinear.__call__
+        nn.QuantizedLinear.__call__ = _quantized_call(self.saved)
+        return self
+
+    def __exit__(self, *exc):
+        nn.QuantizedLinear.__call__ = self.saved
+        return False
+
+
 class training_layers:
     """Context manager: quantized and LoRA linear layers and `nn.gelu_approx`
     compute as described in this module while it is active, and as mlx-lm and
     MLX define them after."""
 
     def __enter__(self):
-        self.saved = (nn.QuantizedLinear.__call__, LoRALinear.__call__, nn.gelu_approx)
-        nn.QuantizedLinear.__call__ = _quantized_call(self.saved[0])
+        self.quantized = quantized_layers().__enter__()
+        self.saved = (LoRALinear.__call__, nn.gelu_approx)
         LoRALinear.__call__ = _lora_call
         nn.gelu_approx = gelu_approx
         return self
 
     def __exit__(self, *exc):
-        nn.QuantizedLinear.__call__, LoRALinear.__call__, nn.gelu_approx = self.saved
-        return False
+        LoRALinear.__call__, nn.gelu_approx = self.saved
+        return self.quantized.__exit__(*exc)
 
     @staticmethod
     def active():

@@ -37,7 +37,7 @@ from . import compiled
 from .attention import routed
 from .batch import Pair
 from .embedding import routed_embeddings
-from .layers import training_layers
+from .layers import quantized_layers, training_layers
 from .lm import LM
 from .plan import StackConfig, attention_block, group_plan, plan, sequences
 from .prefix import sequence_hidden
@@ -76,14 +76,15 @@ def check_pairs(pairs, vocab, max_length=None):
 
 class _Run(contextlib.ExitStack):
     """One call's view of the model, with its plans (one per pair shape), inside
-    the routed attention (and, for gradients, the training layers)."""
+    the routed attention and embeddings and the training layers (without
+    gradients, their quantized layers alone)."""
 
     def __init__(self, model, config, scoring, training):
         super().__init__()
         config.validate()
         self.lm, self.config, self.scoring = LM(model), config, scoring
         self.contexts = [routed(model, attention_block(config)), routed_embeddings()]
-        self.contexts += [training_layers()] if training else []
+        self.contexts.append(training_layers() if training else quantized_layers())
         self.plans = {}
 
     def __enter__(self):
