@@ -171,3 +171,18 @@ def test_quantized_layers_alone(monkeypatch):
     calls.clear()
     layer(mx.zeros((DENSE_FROM_ROWS, 256)))
     assert not calls
+
+
+def test_the_stacks_evaluation_takes_the_dense_path(monkeypatch):
+    """`objectives.evaluate` (no gradient) computes quantized layers through the
+    dense path, as the training steps do."""
+    from models import random_pair, tiny_model
+    from flash_cce.train.objectives import ObjectiveConfig, evaluate
+
+    monkeypatch.setattr(layers, "DENSE_FROM_ROWS", 8)
+    calls = []
+    real = layers.dequantized_linear
+    monkeypatch.setattr(layers, "dequantized_linear", lambda *a: calls.append(1) or real(*a))
+    model = tiny_model("llama", lora=True, quantize=True)
+    evaluate(model, [random_pair(np.random.default_rng(0), 6, 5, 4)], ObjectiveConfig())
+    assert calls
